@@ -1,0 +1,118 @@
+"""The one error tree of cloudckpt.
+
+Every error a user can see derives from :class:`CloudCkptError`. Storage backends
+translate their own exceptions into the storage branch at the boundary, so callers
+never need to know which SDK raised. Messages name the URL (and the rank where
+there is one) and say what to do next; they never contain credentials.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+
+class CloudCkptError(Exception):
+    """Base class of every cloudckpt error."""
+
+
+class ConfigError(CloudCkptError, ValueError):
+    """A setting has a bad value. The message names the field, the value and what is allowed."""
+
+
+# ---------------------------------------------------------------- storage
+class StorageError(CloudCkptError):
+    """A storage operation failed. ``url`` is the object or prefix concerned."""
+
+    def __init__(self, message: str, *, url: str | None = None):
+        self.url = url
+        super().__init__(message)
+
+
+class InvalidURL(StorageError, ValueError):
+    """The URL cannot be parsed or names an unknown scheme."""
+
+
+class BackendUnavailable(StorageError, ImportError):
+    """The backend for a scheme needs an optional dependency that is not installed."""
+
+
+class NotFound(StorageError, FileNotFoundError):
+    """The object, prefix or bucket does not exist."""
+
+
+class BucketNotFound(NotFound):
+    """The bucket itself does not exist."""
+
+
+class AlreadyExists(StorageError, FileExistsError):
+    """A create-if-absent found the object already there."""
+
+
+class PreconditionFailed(StorageError):
+    """A conditional request's precondition did not hold."""
+
+
+class AccessDenied(StorageError, PermissionError):
+    """The credentials are missing, wrong, or lack a permission."""
+
+
+class Transient(StorageError):
+    """A failure that may succeed when retried (5xx, connection reset, timeout)."""
+
+
+class Throttled(Transient):
+    """The store asked us to slow down (503 SlowDown, 429)."""
+
+
+class TransferStalled(Transient, TimeoutError):
+    """A transfer made no progress for longer than the stall timeout."""
+
+
+class UnsafeDelete(StorageError):
+    """A delete was refused because the prefix is a bucket root or too shallow."""
+
+
+# ---------------------------------------------------------------- checkpoints
+class CheckpointError(CloudCkptError):
+    """Base class of checkpoint-level errors."""
+
+
+class CheckpointExists(CheckpointError, FileExistsError):
+    """The step is already committed and ``save_overwrite`` is off."""
+
+
+class NotACheckpoint(CheckpointError, FileNotFoundError):
+    """The folder is not a committed checkpoint (no marker, or not a ``step{N}`` folder)."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """An object of a committed checkpoint is missing, truncated or fails its checksum."""
+
+
+class IncompatibleCheckpoint(CheckpointError):
+    """The marker has a format version this library cannot read."""
+
+
+class MissingKeys(CheckpointError, KeyError):
+    """Keys asked for are absent from the checkpoint."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class SaveFailed(CheckpointError):
+    """A save failed on one or more ranks. ``failures`` maps rank to its error text."""
+
+    def __init__(self, message: str, failures: Mapping[int, str] | None = None):
+        self.failures = dict(failures or {})
+        super().__init__(message)
+
+
+class CollectiveError(CloudCkptError):
+    """A named collective step failed on one or more ranks (carried to every rank)."""
+
+    def __init__(self, step: str, failures: Mapping[int, BaseException | str]):
+        self.step = step
+        self.failures = {r: (e if isinstance(e, str) else f"{type(e).__name__}: {e}") for r, e in failures.items()}
+        lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(self.failures.items()))
+        super().__init__(f"{step} failed on {len(self.failures)} rank(s): {lines}")

@@ -1,0 +1,18 @@
+"""Object stores behind one interface: local folders, S3 (and S3-compatible), GCS."""
+
+from .base import ListEntry, ObjectInfo, ObjectStore, PendingUpload, StorageOptions
+from .registry import clear_cache, known_schemes, open_store, register_backend
+from . import url
+
+__all__ = [
+    "ListEntry",
+    "ObjectInfo",
+    "ObjectStore",
+    "PendingUpload",
+    "StorageOptions",
+    "clear_cache",
+    "known_schemes",
+    "open_store",
+    "register_backend",
+    "url",
+]

@@ -1,0 +1,243 @@
+"""The ObjectStore interface.
+
+A backend implements a handful of primitives (marked abstract); everything else is
+derived once, here. Every method takes full URLs (or plain paths for the local
+backend), so nothing above ``storage/`` needs to know which backend it talks to.
+
+Errors: every method raises only the storage branch of :mod:`cloudckpt.errors`
+(NotFound, BucketNotFound, AlreadyExists, PreconditionFailed, AccessDenied,
+Throttled/Transient, InvalidURL, UnsafeDelete), with the URL in the message.
+Thread safety: a store instance is shared by all threads of a process.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import BinaryIO, Callable, ClassVar, Iterable, Iterator, Optional
+
+from ..errors import UnsafeDelete
+from . import url as urls
+
+Progress = Optional[Callable[[int], None]]
+"""Called with the number of bytes moved since the last call."""
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class StorageOptions:
+    """Per-folder storage options. ``None`` means: use the SDK's standard
+    resolution (env such as ``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ``AWS_REGION``,
+    ``STORAGE_EMULATOR_HOST``, config files, instance metadata)."""
+
+    endpoint_url: str | None = None
+    profile: str | None = None
+    region: str | None = None
+    addressing_style: str | None = None  # "path" | "virtual" | "auto" (S3)
+    project: str | None = None  # GCS project for bucket-level calls
+    multipart_threshold: int = 64 * MiB
+    part_size: int = 16 * MiB
+    max_pool_connections: int = 64
+    max_attempts: int = 8  # SDK-level attempts per request (retries on 5xx/throttling/resets)
+    connect_timeout: float = 10.0
+    read_timeout: float = 60.0
+    min_delete_depth: int = 1  # delete_prefix refuses prefixes shallower than this
+
+    def __post_init__(self) -> None:
+        from ..errors import ConfigError
+
+        if self.addressing_style not in (None, "path", "virtual", "auto"):
+            raise ConfigError(
+                f"storage option addressing_style={self.addressing_style!r} is not allowed: use 'path', 'virtual' or 'auto'"
+            )
+        for name in ("multipart_threshold", "part_size", "max_pool_connections", "max_attempts"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"storage option {name}={v!r} is not allowed: use a positive integer")
+        if self.part_size < 5 * MiB:
+            raise ConfigError(f"storage option part_size={self.part_size} is too small: S3 needs at least 5 MiB (5242880)")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    url: str
+    size: int
+    mtime: float | None = None  # seconds since the epoch
+
+
+@dataclass(frozen=True)
+class ListEntry:
+    """One result of :meth:`ObjectStore.list`: an object, or a common prefix
+    (``is_prefix``; its url ends with ``/``)."""
+
+    url: str
+    is_prefix: bool = False
+    size: int = 0
+    mtime: float | None = None
+
+
+@dataclass(frozen=True)
+class PendingUpload:
+    """An incomplete multipart upload (S3)."""
+
+    url: str
+    upload_id: str
+    initiated: float | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+
+class ObjectStore(ABC):
+    """One backend. Subclasses set ``scheme`` and implement the abstract primitives."""
+
+    scheme: ClassVar[str]
+    #: Exceptions (already translated) worth retrying for this backend.
+    supports_multipart_listing: ClassVar[bool] = False
+
+    def __init__(self, options: StorageOptions | None = None):
+        self.options = options or StorageOptions()
+        self._retry_listeners: list[Callable[[str], None]] = []
+
+    def add_retry_listener(self, fn: Callable[[str], None]) -> None:
+        """``fn(kind)`` is called for every request the SDK retries; ``kind`` is
+        ``"throttled"`` (503 SlowDown, 429) or ``"transient"`` (5xx, resets, timeouts).
+        The transfer engine uses it to count retries and back off its concurrency."""
+        self._retry_listeners.append(fn)
+
+    def remove_retry_listener(self, fn: Callable[[str], None]) -> None:
+        try:
+            self._retry_listeners.remove(fn)
+        except ValueError:
+            pass  # never added, or already removed: nothing to do
+
+    def _notify_retry(self, kind: str) -> None:
+        for fn in list(self._retry_listeners):
+            fn(kind)
+
+    # ------------------------------------------------------------ primitives
+    @abstractmethod
+    def put_bytes(self, url: str, data: bytes, *, if_absent: bool = False) -> None:
+        """Write a small object. ``if_absent``: create only if it does not exist
+        (raises AlreadyExists otherwise; exactly one of racing writers wins)."""
+
+    @abstractmethod
+    def get_bytes(self, url: str, *, start: int | None = None, end: int | None = None) -> bytes:
+        """Read an object, or the byte range ``[start, end)`` of it. Raises NotFound."""
+
+    @abstractmethod
+    def upload_fileobj(
+        self, fileobj: BinaryIO, url: str, *, size: int, if_absent: bool = False, progress: Progress = None
+    ) -> None:
+        """Upload ``size`` bytes read sequentially from ``fileobj`` (multipart above the
+        threshold). The file object is read once, front to back, unless the backend
+        has to restart the upload, in which case it seeks back to 0 first."""
+
+    @abstractmethod
+    def download_fileobj(self, url: str, fileobj: BinaryIO, *, progress: Progress = None) -> int:
+        """Write the object's bytes to ``fileobj``, front to back. Returns the size."""
+
+    @abstractmethod
+    def stat(self, url: str) -> ObjectInfo:
+        """Size and modification time of one object. Raises NotFound."""
+
+    @abstractmethod
+    def list(self, prefix: str, *, delimiter: str | None = "/") -> Iterator[ListEntry]:
+        """Objects whose URL starts with ``prefix`` (all pages). With ``delimiter="/"``
+        objects below a further ``/`` are folded into one prefix entry each.
+        Raises BucketNotFound when the bucket does not exist."""
+
+    @abstractmethod
+    def delete(self, url: str) -> None:
+        """Delete one object; deleting a missing object is not an error."""
+
+    def delete_many(self, urls_: Iterable[str]) -> int:
+        """Delete objects (batched where the backend can). Returns how many were asked."""
+        n = 0
+        for u in urls_:
+            self.delete(u)
+            n += 1
+        return n
+
+    def list_multipart_uploads(self, prefix: str) -> list[PendingUpload]:
+        """Incomplete multipart uploads under ``prefix`` (empty where the backend has none)."""
+        return []
+
+    def abort_multipart_upload(self, upload: PendingUpload) -> None:
+        """Abort one incomplete multipart upload."""
+
+    def check_bucket(self, url: str) -> None:
+        """Raise BucketNotFound / AccessDenied if the URL's bucket cannot be used."""
+        next(iter(self.list(urls.as_prefix(url), delimiter="/")), None)
+
+    # ------------------------------------------------------------ derived
+    def exists(self, url: str) -> bool:
+        from ..errors import NotFound
+
+        try:
+            self.stat(url)
+            return True
+        except NotFound:
+            return False
+
+    def upload_file(self, local_path: str, url: str, *, if_absent: bool = False, progress: Progress = None) -> int:
+        size = os.path.getsize(local_path)
+        with open(local_path, "rb") as f:
+            self.upload_fileobj(f, url, size=size, if_absent=if_absent, progress=progress)
+        return size
+
+    def download_file(self, url: str, local_path: str, *, progress: Progress = None) -> int:
+        """Download to ``local_path`` via a temporary file and a rename, so a partial
+        download never has the final name."""
+        d = os.path.dirname(os.path.abspath(local_path))
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=".part-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                n = self.download_fileobj(url, f, progress=progress)
+            os.replace(tmp, local_path)
+            return n
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass  # already renamed or never created: nothing to clean
+            raise
+
+    def walk(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object under ``prefix``, recursively."""
+        for e in self.list(prefix, delimiter=None):
+            if not e.is_prefix:
+                yield ObjectInfo(e.url, e.size, e.mtime)
+
+    def delete_prefix(self, prefix: str, *, force: bool = False) -> int:
+        """Delete every object under the folder ``prefix`` (a trailing ``/`` is added).
+        Refuses (UnsafeDelete) a bucket root or a prefix shallower than
+        ``options.min_delete_depth`` unless ``force``. Returns the number deleted."""
+        prefix = urls.as_prefix(prefix)
+        d = urls.depth(prefix)
+        if not force and (d == 0 or d < self.options.min_delete_depth):
+            raise UnsafeDelete(
+                f"refusing to delete everything under {prefix!r}: it is {'a bucket root' if d == 0 else f'only {d} level(s) deep'} "
+                f"(min_delete_depth={self.options.min_delete_depth}); pass force=True if you really mean it",
+                url=prefix,
+            )
+        return self.delete_many(o.url for o in self.walk(prefix))
+
+    def abort_multipart_uploads(self, prefix: str, *, older_than: float | None = None, now: float | None = None) -> list[PendingUpload]:
+        """Abort incomplete multipart uploads under ``prefix`` initiated more than
+        ``older_than`` seconds ago (all when None). Returns the aborted ones."""
+        import time
+
+        now = time.time() if now is None else now
+        done = []
+        for up in self.list_multipart_uploads(prefix):
+            if older_than is not None and up.initiated is not None and now - up.initiated < older_than:
+                continue
+            self.abort_multipart_upload(up)
+            done.append(up)
+        return done
+
+    def close(self) -> None:
+        """Release connections. The store stays usable (clients are re-created lazily)."""

@@ -1,0 +1,74 @@
+"""Maps a URL scheme to a lazily imported backend class.
+
+The only place that looks at a URL's scheme. A missing optional dependency gives
+an error with the install command instead of an ImportError deep in a call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from typing import Dict, Tuple
+
+from ..errors import BackendUnavailable, InvalidURL
+from .base import ObjectStore, StorageOptions
+from .url import scheme_of
+
+# scheme -> ("module:Class", pip extra that provides its dependencies)
+_BACKENDS: Dict[str, Tuple[str, str]] = {
+    "file": ("cloudckpt.storage.local:LocalStore", ""),
+    "s3": ("cloudckpt.storage.s3:S3Store", "s3"),
+    "gs": ("cloudckpt.storage.gcs:GCSStore", "gcs"),
+}
+_ALIASES = {"gcs": "gs", "s3a": "s3"}
+
+_lock = threading.Lock()
+_instances: Dict[Tuple[str, StorageOptions], ObjectStore] = {}
+
+
+def register_backend(scheme: str, target: str, extra: str = "") -> None:
+    """Register ``module:Class`` for ``scheme`` (for third-party backends)."""
+    _BACKENDS[scheme] = (target, extra)
+
+
+def known_schemes() -> list[str]:
+    return sorted(set(_BACKENDS) | set(_ALIASES))
+
+
+def backend_class(scheme: str) -> type[ObjectStore]:
+    scheme = _ALIASES.get(scheme, scheme)
+    if scheme not in _BACKENDS:
+        raise InvalidURL(
+            f"unknown storage scheme {scheme + '://'!r}: cloudckpt supports local paths, file://, "
+            f"s3:// and gs:// (known: {', '.join(s + '://' for s in known_schemes())})"
+        )
+    target, extra = _BACKENDS[scheme]
+    mod_name, _, cls_name = target.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        hint = f"pip install 'cloudckpt[{extra}]'" if extra else "reinstall cloudckpt"
+        raise BackendUnavailable(f"the {scheme}:// backend needs a package that is not installed ({e.name}): {hint}") from e
+    return getattr(mod, cls_name)
+
+
+def open_store(url: str, options: StorageOptions | None = None) -> ObjectStore:
+    """The (shared, thread-safe) store that serves ``url``. Raises InvalidURL for
+    malformed URLs or unknown schemes, BackendUnavailable when an extra is missing."""
+    scheme = _ALIASES.get(scheme_of(url), scheme_of(url))
+    cls = backend_class(scheme)
+    options = options or StorageOptions()
+    key = (scheme, options)
+    with _lock:
+        store = _instances.get(key)
+        if store is None:
+            store = _instances[key] = cls(options)
+        return store
+
+
+def clear_cache() -> None:
+    """Drop cached stores (tests that change the environment between cases)."""
+    with _lock:
+        for s in _instances.values():
+            s.close()
+        _instances.clear()

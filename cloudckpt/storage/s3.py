@@ -1,0 +1,332 @@
+"""S3 and S3-compatible stores (SeaweedFS, MinIO, R2, ...) through boto3.
+
+Credentials and endpoint come from the standard boto3 chain and env
+(``AWS_PROFILE``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ...) unless the folder's
+:class:`StorageOptions` names them. Request-level retries (5xx, throttling,
+connection resets) are botocore's ``standard`` mode; multipart uploads and
+parallel ranged downloads are s3transfer's. Every retry botocore decides on is
+reported to the retry listeners, which is how the transfer engine sees throttling.
+
+Raises (translated at this boundary): NotFound, BucketNotFound, AlreadyExists,
+PreconditionFailed, AccessDenied, Throttled, Transient, InvalidURL.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime
+from typing import BinaryIO, Iterable, Iterator
+
+import boto3
+import botocore.exceptions as bex
+from botocore.config import Config
+from s3transfer.manager import TransferConfig, TransferManager
+from s3transfer.subscribers import BaseSubscriber
+
+from ..errors import (
+    AccessDenied,
+    AlreadyExists,
+    BucketNotFound,
+    InvalidURL,
+    NotFound,
+    PreconditionFailed,
+    StorageError,
+    Throttled,
+    Transient,
+)
+from .base import ListEntry, ObjectInfo, ObjectStore, PendingUpload, Progress
+from .url import parse_url
+
+_THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+                   "RequestThrottled", "ProvisionedThroughputExceededException", "503", "429"}
+_DENIED_CODES = {"AccessDenied", "403", "SignatureDoesNotMatch", "InvalidAccessKeyId", "ExpiredToken",
+                 "InvalidToken", "AllAccessDisabled", "AccountProblem", "TokenRefreshRequired", "Forbidden"}
+
+
+def _split(url: str) -> tuple[str, str]:
+    p = parse_url(url)
+    if p.scheme not in ("s3", "s3a"):
+        raise InvalidURL(f"not an s3:// URL: {url!r}", url=url)
+    return p.bucket, p.key
+
+
+def translate(e: BaseException, url: str, op: str) -> BaseException:
+    """Map a botocore/boto3 exception to the cloudckpt error tree."""
+    if isinstance(e, StorageError):
+        return e
+    if isinstance(e, bex.ClientError):
+        err = e.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        if code == "NoSuchBucket":
+            bucket = parse_url(url).bucket
+            return BucketNotFound(f"{op} {url}: bucket {bucket!r} does not exist; create it or fix the URL", url=url)
+        if code in ("NoSuchKey", "NotFound", "404", "NoSuchUpload") or status == 404:
+            return NotFound(f"{op} {url}: no such object", url=url)
+        if code in ("PreconditionFailed", "412") or status == 412:
+            return PreconditionFailed(f"{op} {url}: precondition failed", url=url)
+        if code in _DENIED_CODES or status == 403:
+            return AccessDenied(
+                f"{op} {url}: access denied ({code or status}); check the credentials (AWS_PROFILE, "
+                "AWS_ACCESS_KEY_ID, the instance role) and that they may use this bucket and prefix",
+                url=url,
+            )
+        if code in _THROTTLE_CODES or status in (429, 503):
+            return Throttled(f"{op} {url}: the store is throttling requests ({code or status}); retries were exhausted", url=url)
+        if code in ("ConditionalRequestConflict",) or status == 409 or status >= 500:
+            return Transient(f"{op} {url}: server error ({code or status})", url=url)
+        if code in ("InvalidBucketName", "InvalidArgument", "KeyTooLongError"):
+            return InvalidURL(f"{op} {url}: the store rejected the name ({code}): {err.get('Message', '')}", url=url)
+        return StorageError(f"{op} {url}: {code or status}: {err.get('Message', '')}", url=url)
+    if isinstance(e, (bex.NoCredentialsError, bex.PartialCredentialsError, bex.CredentialRetrievalError)):
+        return AccessDenied(
+            f"{op} {url}: no usable AWS credentials; set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+            "or run where an instance role is available",
+            url=url,
+        )
+    if isinstance(e, bex.ProfileNotFound):
+        return AccessDenied(f"{op} {url}: AWS profile not found ({e.kwargs.get('profile')}); check AWS_PROFILE / the profile option", url=url)
+    if isinstance(e, (bex.EndpointConnectionError, bex.ConnectionClosedError, bex.ReadTimeoutError,
+                      bex.ConnectTimeoutError, bex.ResponseStreamingError, bex.IncompleteReadError,
+                      ConnectionError, TimeoutError)):
+        return Transient(f"{op} {url}: connection problem ({type(e).__name__}); check the endpoint and network", url=url)
+    if isinstance(e, bex.ParamValidationError):
+        return InvalidURL(f"{op} {url}: invalid request parameter", url=url)
+    if isinstance(e, bex.BotoCoreError):
+        return StorageError(f"{op} {url}: {type(e).__name__}", url=url)
+    return e
+
+
+class S3Store(ObjectStore):
+    scheme = "s3"
+    supports_multipart_listing = True
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self._lock = threading.Lock()
+        self._client = None
+        self._manager: TransferManager | None = None
+
+    # ------------------------------------------------------------ clients
+
+    def _on_needs_retry(self, response=None, attempts=None, caught_exception=None, **kw):
+        # Observe only (return None): botocore's own handler decides on the retry.
+        if attempts is None or attempts >= self.options.max_attempts:
+            return None
+        kind = None
+        if caught_exception is not None:
+            kind = "transient"
+        elif response is not None:
+            http, parsed = response
+            status = getattr(http, "status_code", 0)
+            code = (parsed or {}).get("Error", {}).get("Code", "")
+            if status in (429, 503) or code in _THROTTLE_CODES:
+                kind = "throttled"
+            elif status >= 500:
+                kind = "transient"
+        if kind:
+            self._notify_retry(kind)
+        return None
+
+    @property
+    def client(self):
+        with self._lock:
+            if self._client is None:
+                o = self.options
+                session = boto3.session.Session(profile_name=o.profile) if o.profile else boto3.session.Session()
+                cfg = Config(
+                    retries={"mode": "standard", "total_max_attempts": o.max_attempts},
+                    max_pool_connections=o.max_pool_connections,
+                    connect_timeout=o.connect_timeout,
+                    read_timeout=o.read_timeout,
+                    s3={"addressing_style": o.addressing_style} if o.addressing_style else None,
+                    signature_version="s3v4",
+                )
+                try:
+                    self._client = session.client("s3", endpoint_url=o.endpoint_url, region_name=o.region, config=cfg)
+                except (bex.BotoCoreError, ValueError) as e:
+                    raise translate(e, o.endpoint_url or "s3://", "connect") from None
+                self._client.meta.events.register_first("needs-retry.s3", self._on_needs_retry)
+            return self._client
+
+    @property
+    def manager(self) -> TransferManager:
+        client = self.client
+        with self._lock:
+            if self._manager is None:
+                o = self.options
+                self._manager = TransferManager(
+                    client,
+                    TransferConfig(
+                        multipart_threshold=o.multipart_threshold,
+                        multipart_chunksize=o.part_size,
+                        max_request_concurrency=max(1, o.max_pool_connections - 2),
+                        max_io_queue_size=1000,
+                        max_in_memory_upload_chunks=max(4, o.max_pool_connections // 2),
+                        max_in_memory_download_chunks=max(4, o.max_pool_connections // 2),
+                    ),
+                )
+            return self._manager
+
+    def close(self) -> None:
+        with self._lock:
+            if self._manager is not None:
+                self._manager.shutdown()
+            self._manager = None
+            self._client = None
+
+    def __getstate__(self):
+        return {"options": self.options}
+
+    def __setstate__(self, state):
+        self.__init__(state["options"])
+
+    # ------------------------------------------------------------ primitives
+    def put_bytes(self, url: str, data: bytes, *, if_absent: bool = False) -> None:
+        bucket, key = _split(url)
+        extra = {"IfNoneMatch": "*"} if if_absent else {}
+        try:
+            self.client.put_object(Bucket=bucket, Key=key, Body=data, **extra)
+        except Exception as e:  # noqa: BLE001 - translated below
+            err = translate(e, url, "put")
+            if if_absent and isinstance(err, PreconditionFailed):
+                raise AlreadyExists(f"{url} already exists", url=url) from None
+            raise err from None
+
+    def get_bytes(self, url: str, *, start: int | None = None, end: int | None = None) -> bytes:
+        bucket, key = _split(url)
+        kw = {}
+        if start is not None or end is not None:
+            if end is not None and end <= (start or 0):
+                return b""
+            kw["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
+        try:
+            return self.client.get_object(Bucket=bucket, Key=key, **kw)["Body"].read()
+        except Exception as e:  # noqa: BLE001 - translated below
+            raise translate(e, url, "get") from None
+
+    def upload_fileobj(self, fileobj: BinaryIO, url: str, *, size: int, if_absent: bool = False, progress: Progress = None) -> None:
+        bucket, key = _split(url)
+        if if_absent:
+            # s3transfer cannot send If-None-Match; a conditional create is one PUT (<= 5 GiB)
+            data = fileobj.read()
+            self.put_bytes(url, data, if_absent=True)
+            if progress:
+                progress(len(data))
+            return
+        try:
+            fut = self.manager.upload(fileobj, bucket, key, subscribers=[_Count(progress)] if progress else None)
+            fut.result()
+        except Exception as e:  # noqa: BLE001 - translated below
+            raise translate(e, url, "upload") from None
+
+    def download_fileobj(self, url: str, fileobj: BinaryIO, *, progress: Progress = None) -> int:
+        bucket, key = _split(url)
+        counter = _Count(progress)
+        try:
+            self.manager.download(bucket, key, fileobj, subscribers=[counter]).result()
+        except Exception as e:  # noqa: BLE001 - translated below
+            raise translate(e, url, "download") from None
+        return counter.total
+
+    def stat(self, url: str) -> ObjectInfo:
+        bucket, key = _split(url)
+        try:
+            r = self.client.head_object(Bucket=bucket, Key=key)
+        except Exception as e:  # noqa: BLE001 - translated below
+            raise translate(e, url, "stat") from None
+        return ObjectInfo(url, int(r["ContentLength"]), _ts(r.get("LastModified")))
+
+    def list(self, prefix: str, *, delimiter: str | None = "/") -> Iterator[ListEntry]:
+        bucket, key = _split(prefix)
+        kw = {"Bucket": bucket, "Prefix": key}
+        if delimiter:
+            kw["Delimiter"] = delimiter
+        base = f"s3://{bucket}/"
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(**kw):
+                for cp in page.get("CommonPrefixes", ()):
+                    yield ListEntry(base + cp["Prefix"], is_prefix=True)
+                for o in page.get("Contents", ()):
+                    yield ListEntry(base + o["Key"], size=int(o["Size"]), mtime=_ts(o.get("LastModified")))
+        except Exception as e:  # noqa: BLE001 - translated below
+            raise translate(e, prefix, "list") from None
+
+    def delete(self, url: str) -> None:
+        bucket, key = _split(url)
+        try:
+            self.client.delete_object(Bucket=bucket, Key=key)
+        except Exception as e:  # noqa: BLE001 - translated below
+            err = translate(e, url, "delete")
+            if not isinstance(err, NotFound) or isinstance(err, BucketNotFound):
+                raise err from None
+
+    def delete_many(self, urls_: Iterable[str]) -> int:
+        """DeleteObjects in batches of at most 1,000 keys (one batch per bucket)."""
+        n = 0
+        batch: list[str] = []
+        for u in urls_:
+            batch.append(u)
+            if len(batch) == 1000:
+                n += self._delete_batch(batch)
+                batch = []
+        if batch:
+            n += self._delete_batch(batch)
+        return n
+
+    def _delete_batch(self, batch: list[str]) -> int:
+        by_bucket: dict[str, list[str]] = {}
+        for u in batch:
+            b, k = _split(u)
+            by_bucket.setdefault(b, []).append(k)
+        for bucket, keys in by_bucket.items():
+            try:
+                r = self.client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
+            except Exception as e:  # noqa: BLE001 - translated below
+                raise translate(e, f"s3://{bucket}/{keys[0]}", "delete") from None
+            errors = [x for x in r.get("Errors", ()) if x.get("Code") != "NoSuchKey"]
+            if errors:
+                first = errors[0]
+                raise translate(
+                    bex.ClientError({"Error": {"Code": first.get("Code"), "Message": first.get("Message", "")}}, "DeleteObjects"),
+                    f"s3://{bucket}/{first.get('Key')}",
+                    f"delete ({len(errors)} of {len(keys)} keys failed)",
+                )
+        return len(batch)
+
+    def list_multipart_uploads(self, prefix: str) -> list[PendingUpload]:
+        bucket, key = _split(prefix)
+        out = []
+        try:
+            for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=key):
+                for u in page.get("Uploads", ()):
+                    out.append(PendingUpload(f"s3://{bucket}/{u['Key']}", u["UploadId"], _ts(u.get("Initiated"))))
+        except Exception as e:  # noqa: BLE001 - translated below
+            raise translate(e, prefix, "list multipart uploads") from None
+        return out
+
+    def abort_multipart_upload(self, upload: PendingUpload) -> None:
+        bucket, key = _split(upload.url)
+        try:
+            self.client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload.upload_id)
+        except Exception as e:  # noqa: BLE001 - translated below
+            err = translate(e, upload.url, "abort multipart upload")
+            if not isinstance(err, NotFound):
+                raise err from None
+
+
+class _Count(BaseSubscriber):
+    """Counts bytes moved and forwards them to a progress callback."""
+
+    def __init__(self, fn: Progress):
+        self._fn = fn
+        self.total = 0
+
+    def on_progress(self, future, bytes_transferred, **kwargs):
+        self.total += bytes_transferred
+        if self._fn and bytes_transferred > 0:
+            self._fn(bytes_transferred)
+
+
+def _ts(v) -> float | None:
+    return v.timestamp() if isinstance(v, datetime) else None

@@ -1,0 +1,113 @@
+"""Parsing and joining of storage URLs.
+
+A location is a local path (``/data/run``, ``./run``, ``file:///data/run``) or an
+object-store URL ``scheme://bucket/key``. Joining keeps the form it was given: a
+plain path stays a plain path, a URL stays a URL.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from ..errors import InvalidURL
+
+_SCHEME_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)$")
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,221}[a-z0-9]$")
+
+
+@dataclass(frozen=True)
+class ParsedURL:
+    """``scheme`` is ``file`` for local paths; ``bucket`` is empty for them and ``key``
+    is then an absolute path."""
+
+    scheme: str
+    bucket: str
+    key: str
+
+
+def scheme_of(url: str) -> str:
+    """The URL's scheme, ``file`` for plain paths. Raises InvalidURL for malformed URLs."""
+    if not isinstance(url, (str, os.PathLike)):
+        raise InvalidURL(f"expected a path or URL string, got {type(url).__name__}: {url!r}")
+    url = os.fspath(url)
+    if not url:
+        raise InvalidURL("empty path or URL: give a local folder or s3://bucket/prefix or gs://bucket/prefix")
+    m = _SCHEME_RE.match(url)
+    if m:
+        return m.group(1).lower()
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:/", url) and not url.startswith("/"):
+        raise InvalidURL(f"malformed URL {url!r}: write scheme://bucket/prefix, e.g. s3://my-bucket/run-7", url=url)
+    return "file"
+
+
+def parse_url(url: str) -> ParsedURL:
+    """Split a URL into scheme, bucket and key. Raises InvalidURL."""
+    url = os.fspath(url)
+    scheme = scheme_of(url)
+    if scheme == "file":
+        path = url[len("file://"):] if url.startswith("file://") else url
+        return ParsedURL("file", "", os.path.abspath(os.path.expanduser(path)) + ("/" if path.endswith("/") and path != "/" else ""))
+    rest = _SCHEME_RE.match(url).group(2)  # type: ignore[union-attr]
+    bucket, _, key = rest.partition("/")
+    if not bucket:
+        raise InvalidURL(f"URL {url!r} has no bucket: write {scheme}://bucket/prefix", url=url)
+    if not _BUCKET_RE.match(bucket) or ".." in bucket:
+        raise InvalidURL(
+            f"URL {url!r} has an invalid bucket name {bucket!r}: bucket names are 3-63 lowercase "
+            "letters, digits, dots or hyphens, starting and ending with a letter or digit",
+            url=url,
+        )
+    if "//" in key:
+        raise InvalidURL(f"URL {url!r} has an empty path segment ('//'): remove it", url=url)
+    return ParsedURL(scheme, bucket, key)
+
+
+def is_plain_path(url: str) -> bool:
+    return scheme_of(url) == "file" and not os.fspath(url).startswith("file://")
+
+
+def join(url: str, *parts: str) -> str:
+    """Join path parts onto a URL or path, keeping its form."""
+    url = os.fspath(url)
+    if is_plain_path(url):
+        return os.path.join(url, *parts)
+    out = url
+    for p in parts:
+        if not p:
+            continue
+        out = out.rstrip("/") + "/" + p.lstrip("/") if not out.endswith("://") else out + p.lstrip("/")
+    return out
+
+
+def as_prefix(url: str) -> str:
+    """The URL with exactly one trailing slash: a folder prefix."""
+    url = os.fspath(url)
+    return url.rstrip("/") + "/" if url.rstrip("/") else url
+
+
+def basename(url: str) -> str:
+    return os.fspath(url).rstrip("/").rsplit("/", 1)[-1]
+
+
+def parent(url: str) -> str:
+    url = os.fspath(url).rstrip("/")
+    head, _, _ = url.rpartition("/")
+    return head if head and not head.endswith(":/") else url
+
+
+def relative(url: str, base: str) -> str:
+    """``url`` relative to the folder ``base`` (both in the same form)."""
+    url, base = os.fspath(url), as_prefix(os.fspath(base))
+    if is_plain_path(base):
+        return os.path.relpath(url, base)
+    if not url.startswith(base):
+        raise InvalidURL(f"{url!r} is not under {base!r}", url=url)
+    return url[len(base):]
+
+
+def depth(url: str) -> int:
+    """Number of non-empty key components below the bucket (or filesystem) root."""
+    p = parse_url(url)
+    return len([c for c in p.key.split("/") if c])
