@@ -93,6 +93,10 @@ class IncompatibleCheckpoint(CheckpointError):
     """The marker has a format version this library cannot read."""
 
 
+class SaveInProgress(CheckpointError, FileExistsError):
+    """Another save of the same step holds the step's lock."""
+
+
 class MissingKeys(CheckpointError, KeyError):
     """Keys asked for are absent from the checkpoint."""
 
@@ -107,6 +111,14 @@ class SaveFailed(CheckpointError):
         self.failures = dict(failures or {})
         super().__init__(message)
 
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.failures))
+
+    @classmethod
+    def from_failures(cls, step: str, failures: Mapping[int, str]) -> "SaveFailed":
+        lines = "\n".join(f"  rank {r}: {m}" for r, m in sorted(failures.items()))
+        return cls(f"{step} failed on {len(failures)} rank(s); nothing was committed:\n{lines}", failures)
+
 
 class CollectiveError(CloudCkptError):
     """A named collective step failed on one or more ranks (carried to every rank)."""
@@ -116,3 +128,6 @@ class CollectiveError(CloudCkptError):
         self.failures = {r: (e if isinstance(e, str) else f"{type(e).__name__}: {e}") for r, e in failures.items()}
         lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(self.failures.items()))
         super().__init__(f"{step} failed on {len(self.failures)} rank(s): {lines}")
+
+    def __reduce__(self):
+        return (type(self), (self.step, self.failures))

@@ -1,0 +1,144 @@
+"""Async saving: a synchronous staging copy to host memory, then the whole save
+protocol (write, upload, agree, commit) in one background thread.
+
+- The background thread coordinates only on the checkpointer's own gloo group,
+  never on the training process group, so training collectives go on meanwhile.
+  Saves run one after another on that thread, so every rank issues the group's
+  collectives in the same order.
+- At most ``max_in_flight`` saves are staged or running; a new save waits.
+- A failed async save is never committed (the protocol guarantees it); its error
+  surfaces once, on the first of: ``wait()``, the next save, ``close()``.
+- Memory: with ``max_in_flight=1`` one set of host buffers (pinned when CUDA is
+  present) is allocated at the first save and reused by every later save, so
+  host memory above baseline is the state size S plus the transfer buffers;
+  ``release()`` frees them (``close()`` does).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _structure(sd: Any) -> Any:
+    if isinstance(sd, dict):
+        return tuple((k, _structure(v)) for k, v in sd.items())
+    if isinstance(sd, (list, tuple)):
+        return tuple(_structure(v) for v in sd)
+    if isinstance(sd, torch.Tensor):
+        local = sd.to_local() if hasattr(sd, "to_local") else sd
+        return ("T", tuple(local.shape), local.dtype)
+    return type(sd).__name__
+
+
+class AsyncSaver:
+    def __init__(self, save_fn: Callable[..., Any], *, max_in_flight: int = 1):
+        self._save_fn = save_fn
+        self.max_in_flight = max_in_flight
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloudckpt-async")
+        self._slots = threading.BoundedSemaphore(max_in_flight)
+        self._pending: list[Future] = []
+        self._unreported: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._cache: dict | None = None
+        self._cache_key: Any = None
+        self._cache_busy = False
+
+    # ------------------------------------------------------------ staging
+    def _stage(self, state_dict: dict) -> tuple[dict, bool]:
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+        from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
+
+        sd = _stateful_to_state_dict(state_dict)
+        key = _structure(sd)
+        pin = torch.cuda.is_available()
+        with self._lock:
+            reuse = self.max_in_flight == 1 and not self._cache_busy
+            if reuse:
+                if self._cache is None or self._cache_key != key:
+                    self._cache = None  # drop the old buffers before allocating new ones
+                    self._cache = _create_cpu_state_dict(sd, pin_memory=pin)
+                    self._cache_key = key
+                self._cache_busy = True
+                target = self._cache
+        if not reuse:
+            target = _create_cpu_state_dict(sd, pin_memory=pin)
+        staged = _copy_state_dict(sd, target, non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize()
+        return staged, reuse
+
+    # ------------------------------------------------------------ API
+    def submit(self, dir: str, state_dict: dict, train_state: Any, ephemeral: bool) -> Future:
+        self.raise_unreported()
+        self._slots.acquire()
+        try:
+            staged, uses_cache = self._stage(state_dict)
+            ts = copy.deepcopy(train_state)
+        except BaseException:
+            self._slots.release()
+            raise
+
+        def run():
+            try:
+                return self._save_fn(dir, staged, ts, ephemeral=ephemeral)
+            finally:
+                if uses_cache:
+                    with self._lock:
+                        self._cache_busy = False
+                self._slots.release()
+
+        fut = self._pool.submit(run)
+        with self._lock:
+            self._pending.append(fut)
+        fut.add_done_callback(self._on_done)
+        return fut
+
+    def _on_done(self, fut: Future) -> None:
+        with self._lock:
+            if fut in self._pending:
+                self._pending.remove(fut)
+            exc = fut.exception() if not fut.cancelled() else None
+            if exc is not None:
+                self._unreported.append(exc)
+                log.error("async save failed (nothing was committed): %s", exc)
+
+    def raise_unreported(self) -> None:
+        with self._lock:
+            errs, self._unreported = self._unreported, []
+        if errs:
+            raise errs[0]
+
+    def in_flight(self) -> list[Future]:
+        with self._lock:
+            return list(self._pending)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for every in-flight save; raise the first unreported failure."""
+        for f in self.in_flight():
+            try:
+                f.result(timeout=timeout)
+            except Exception:  # noqa: BLE001 - collected by _on_done, raised below
+                pass
+        self.raise_unreported()
+
+    def release(self) -> None:
+        with self._lock:
+            if not self._cache_busy:
+                self._cache = None
+                self._cache_key = None
+
+    def close(self, wait: bool = True) -> None:
+        try:
+            if wait:
+                self.wait()
+        finally:
+            self._pool.shutdown(wait=wait, cancel_futures=not wait)
+            self.release()

@@ -1,0 +1,458 @@
+"""The Checkpointer: save and load with the marker-last commit protocol.
+
+Save, on every rank (collective steps in CAPITALS):
+
+1. PREPARE — rank 0 checks the step (committed? ``save_overwrite``? another save
+   holding the lock?) and takes the step's lock with a conditional create; every
+   rank creates its private (0700) work dir. Any failure reaches every rank.
+2. WRITE — DCP writes this rank's shards into its work dir (DCP's own collectives
+   plan the save and write ``.metadata`` on the coordinator); each file is handed
+   to the transfer engine the moment it is closed, so writing and uploading
+   overlap. The rank's train state is written and uploaded too.
+3. UPLOAD — the rank waits for its uploads (CRC32C computed on the way).
+4. AGREE — all ranks exchange their outcome: files and checksums, or the error.
+   If any rank failed, every rank raises one SaveFailed naming each rank's error,
+   no marker is written, and rank 0 removes what the attempt uploaded.
+5. COMMIT — only now rank 0 writes ``.metadata.json`` with a conditional create.
+   It runs last because a reader treats "marker exists" as "every object of the
+   step is uploaded"; writing it any earlier would let a reader (a resuming job)
+   load a step whose shards are still in flight.
+6. The work dir is removed on every path (try/finally).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+
+from .. import dist
+from .._version import __version__
+from ..dcp import StreamingReader, UploadingWriter
+from ..errors import (
+    AlreadyExists,
+    CheckpointExists,
+    CloudCkptError,
+    CorruptCheckpoint,
+    MissingKeys,
+    NotACheckpoint,
+    NotFound,
+    SaveFailed,
+    SaveInProgress,
+)
+from ..storage import StorageOptions, open_store
+from ..storage import url as urls
+from ..transfer import TransferConfig, TransferEngine, crc32c_bytes
+from . import discovery, layout
+from .async_save import AsyncSaver
+from .marker import Marker, ObjectEntry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _RankOutcome:
+    objects: list  # [ObjectEntry]
+    bytes: int
+    seconds: float
+
+
+class _KeyCheckingPlanner(DefaultLoadPlanner):
+    """Raises MissingKeys listing every requested key the checkpoint lacks
+    (optional keys are skipped silently)."""
+
+    def __init__(self, *, strict: bool, optional_prefixes: tuple[str, ...] = ()):
+        super().__init__(allow_partial_load=True)
+        self.strict = strict
+        self.optional_prefixes = optional_prefixes
+        self.missing: list[str] = []
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        have = metadata.state_dict_metadata if metadata is not None else {}
+        missing = [k for k in self.state_dict if k not in have]
+        self.missing = [k for k in missing if not k.startswith(self.optional_prefixes)]
+        if self.missing and self.strict:
+            shown = ", ".join(sorted(self.missing)[:20]) + (" ..." if len(self.missing) > 20 else "")
+            raise MissingKeys(
+                f"{len(self.missing)} key(s) asked for are not in the checkpoint: {shown}; "
+                "pass strict=False to load what exists"
+            )
+
+
+class Checkpointer:
+    """Save and load checkpoints to a local folder, ``s3://`` or ``gs://``.
+
+    Create it on every rank at the same point (it creates a dedicated gloo
+    group when torch.distributed is initialised). ``dir`` arguments are step
+    folders: ``{save_folder}/step{N}``.
+    """
+
+    def __init__(
+        self,
+        *,
+        work_dir: str | None = None,
+        save_overwrite: bool = False,
+        storage_options: StorageOptions | None = None,
+        transfer: TransferConfig | None = None,
+        verify_checksums: bool = True,
+        pre_download: bool = False,
+        thread_count: int = 2,
+        stale_lock_seconds: float = 600.0,
+        collective_timeout: float = 600.0,
+        progress: Any = None,
+        max_in_flight: int = 1,
+    ):
+        self.work_dir = work_dir or os.path.join(tempfile.gettempdir(), "cloudckpt-work")
+        self.save_overwrite = save_overwrite
+        self.storage_options = storage_options or StorageOptions()
+        self.verify_checksums = verify_checksums
+        self.pre_download = pre_download
+        self.thread_count = thread_count
+        self.stale_lock_seconds = stale_lock_seconds
+        self.coord = dist.Coordinator(timeout=collective_timeout)
+        self.engine = TransferEngine(transfer or TransferConfig(), storage_options=self.storage_options, progress=progress)
+        self.last_save_stats: dict = {}
+        self._async = AsyncSaver(self._save_now, max_in_flight=max_in_flight)
+
+    # ================================================================ save
+    def save_async(self, dir: str, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False) -> Future:
+        """Stage ``state_dict`` and ``train_state`` in host memory, then save in the
+        background; returns a Future of the Marker. Collective (call on every rank).
+        Waits while ``max_in_flight`` saves are in flight; raises here the error of
+        an earlier async save that failed and was not reported yet."""
+        return self._async.submit(dir, state_dict, train_state, ephemeral)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for in-flight async saves; raise the first failure not reported yet."""
+        self._async.wait(timeout)
+
+    def save(self, dir: str, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False) -> Marker:
+        """Save synchronously (after any in-flight async saves finish). See ``_save_now``."""
+        self._async.wait()
+        return self._save_now(dir, state_dict, train_state, ephemeral=ephemeral)
+
+    def _save_now(self, dir: str, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False) -> Marker:
+        """Save ``state_dict`` (DCP) and this rank's ``train_state`` to the step folder
+        ``dir`` and commit it. Collective: call on every rank.
+
+        Raises CheckpointExists (step committed, ``save_overwrite`` off), SaveInProgress
+        (another save holds the step's lock), SaveFailed (any rank failed; nothing
+        committed), NotACheckpoint (``dir`` is not named ``step{N}``), storage errors.
+        """
+        step = layout.parse_step_dir(dir)
+        save_id = uuid.uuid4().hex
+        t0 = time.monotonic()
+        work = None
+        locked = False  # rank 0 holds the step's lock
+        try:
+            def prepare():
+                nonlocal work, locked
+                if self.coord.is_coordinator:
+                    self._prepare_step(dir, save_id)
+                    locked = True
+                os.makedirs(self.work_dir, exist_ok=True)
+                work = tempfile.mkdtemp(dir=self.work_dir, prefix=f"step{step}-rank{self.coord.rank}-")  # mode 0700
+                return True
+
+            self.coord.all_ranks("prepare", prepare, error=SaveFailed.from_failures)
+            outcome = self._write_and_upload(dir, work, state_dict, train_state)
+            results = self.coord.all_ranks("agree", lambda: outcome.result(), error=SaveFailed.from_failures)
+            marker = Marker(
+                step=step,
+                ephemeral=ephemeral,
+                world_size=self.coord.world_size,
+                objects=tuple(sorted((o for r in results for o in r.objects), key=lambda o: o.path)),
+                torch_version=torch.__version__,
+                save_id=save_id,
+            )
+            self.coord.on_coordinator("commit", lambda: self._commit(dir, marker))
+            locked = False
+            stats = self.engine.stats()
+            self.last_save_stats = {
+                "step": step, "seconds": time.monotonic() - t0, "bytes": marker.total_bytes,
+                "objects": len(marker.objects), "retries": stats.retries, "sdk_retries": stats.sdk_retries,
+                "throttled": stats.throttled, "stalls": stats.stalls,
+            }
+            log.info("committed %s (%d objects, %.1f MB) in %.2fs", dir, len(marker.objects), marker.total_bytes / 1e6,
+                     self.last_save_stats["seconds"])
+            return marker
+        except BaseException:
+            if locked and self.coord.is_coordinator:
+                self._cleanup_attempt(dir, save_id)
+            raise
+        finally:
+            if work is not None:
+                shutil.rmtree(work, ignore_errors=True)
+
+    def _lock_body(self, save_id: str) -> bytes:
+        import json
+
+        return json.dumps({"save_id": save_id, "host": socket.gethostname(), "pid": os.getpid(),
+                           "created_unix": time.time(), "world_size": self.coord.world_size}).encode()
+
+    def _prepare_step(self, dir: str, save_id: str) -> None:
+        store = open_store(dir, self.storage_options)
+        marker, lock = layout.marker_url(dir), urls.join(dir, layout.LOCK)
+        if store.exists(marker):
+            if not self.save_overwrite:
+                raise CheckpointExists(f"{dir} is already a committed checkpoint; pass save_overwrite=True to replace it")
+            log.warning("save_overwrite: replacing committed checkpoint %s (marker deleted first)", dir)
+            store.delete(marker)
+            store.delete_prefix(dir)
+        try:
+            store.put_bytes(lock, self._lock_body(save_id), if_absent=True)
+            return
+        except AlreadyExists:
+            pass
+        age = self._lock_age(store, lock)
+        if not self.save_overwrite and age is not None and age < self.stale_lock_seconds:
+            raise SaveInProgress(
+                f"another save of {dir} is in progress (its lock is {age:.0f}s old); if that job is dead, wait until the "
+                f"lock is {self.stale_lock_seconds:.0f}s old, delete {lock}, or pass save_overwrite=True"
+            )
+        log.warning("taking over %s: clearing an abandoned save (lock %s old)", dir, "of unknown age" if age is None else f"{age:.0f}s")
+        store.delete_prefix(dir)
+        try:
+            store.put_bytes(lock, self._lock_body(save_id), if_absent=True)
+        except AlreadyExists:
+            raise SaveInProgress(f"another save of {dir} took its lock at the same moment; retry later") from None
+
+    @staticmethod
+    def _lock_age(store, lock: str) -> float | None:
+        import json
+
+        try:
+            return time.time() - float(json.loads(store.get_bytes(lock))["created_unix"])
+        except NotFound:
+            return 0.0  # released between our create and read: treat as fresh
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def _write_and_upload(self, dir: str, work: str, state_dict: dict, train_state: Any):
+        """Write this rank's files and upload them; returns a callable outcome
+        (raises this rank's error when called) so the AGREE step sees it."""
+        t0 = time.monotonic()
+        uploads: list = []  # (rel, local_path, future)
+
+        def on_file(path: str) -> None:
+            rel = os.path.relpath(path, work).replace(os.sep, "/")
+            uploads.append((rel, path, self.engine.submit_upload(path, urls.join(dir, rel))))
+
+        writer = UploadingWriter(os.path.join(work, layout.MODEL_DIR), on_file, thread_count=self.thread_count)
+        error: BaseException | None = None
+        try:
+            dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=self.coord.group)
+            if train_state is not None:
+                path = os.path.join(work, layout.train_state_name(self.coord.rank))
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                torch.save(train_state, path)
+                on_file(path)
+        except BaseException as e:  # noqa: BLE001 - carried to every rank by AGREE
+            error = e
+        entries = []
+        try:
+            results = TransferEngine.wait_all([f for _, _, f in uploads])
+            for (rel, path, _), res in zip(uploads, results):
+                name = rel.split("/", 1)[-1]
+                chunks = ()
+                if rel.startswith(layout.MODEL_DIR + "/") and name in writer.ranges:
+                    chunks = tuple((o, n, _crc_range(path, o, n)) for o, n in sorted(writer.ranges[name]))
+                entries.append(ObjectEntry(rel, res.size, res.crc32c, chunks))
+        except BaseException as e:  # noqa: BLE001 - carried to every rank by AGREE
+            for _, _, f in uploads:
+                f.cancel()
+            error = error or e
+        outcome = _RankOutcome(entries, sum(e.size for e in entries), time.monotonic() - t0)
+
+        class _Result:
+            def result(self_inner):
+                if error is not None:
+                    raise error
+                return outcome
+
+        return _Result()
+
+    def _commit(self, dir: str, marker: Marker) -> None:
+        store = open_store(dir, self.storage_options)
+        url = layout.marker_url(dir)
+        try:
+            store.put_bytes(url, marker.to_bytes(), if_absent=True)
+        except AlreadyExists:
+            # A lost response can make our own retried create look like a conflict.
+            try:
+                theirs = Marker.from_bytes(store.get_bytes(url), url=url)
+            except CloudCkptError:
+                theirs = None
+            if theirs is None or theirs.save_id != marker.save_id:
+                raise CheckpointExists(f"{dir} was committed by another save while this one ran; this save was not committed") from None
+        try:
+            store.delete(urls.join(dir, layout.LOCK))
+        except CloudCkptError as e:
+            log.warning("committed %s but could not remove its lock (%s); it is harmless", dir, e)
+
+    def _cleanup_attempt(self, dir: str, save_id: str) -> None:
+        """Best effort: remove what a failed attempt uploaded, if we still hold the lock."""
+        import json
+
+        store = open_store(dir, self.storage_options)
+        try:
+            if store.exists(layout.marker_url(dir)):
+                return  # committed after all (the error came later): keep it
+            body = json.loads(store.get_bytes(urls.join(dir, layout.LOCK)))
+            if body.get("save_id") != save_id:
+                return
+            store.delete_prefix(dir)
+        except (CloudCkptError, ValueError) as e:
+            log.warning("could not clean up the failed save at %s (%s); `cloudckpt gc` will remove it", dir, e)
+
+    # ================================================================ load
+    def load(
+        self,
+        dir: str,
+        state_dict: dict,
+        *,
+        load_optim_state: bool | None = None,
+        load_trainer_state: bool | None = None,
+        strict: bool = True,
+        pre_download: bool | None = None,
+    ) -> Any:
+        """Load the committed step ``dir`` into ``state_dict`` in place (resharding
+        as needed) and return this rank's train state (None when not loaded).
+        Collective: call on every rank.
+
+        ``load_optim_state``: False skips the top-level ``optim`` key; None loads it
+        if the checkpoint has it. ``load_trainer_state``: False skips it; None loads
+        it if present; True requires it. ``strict=False`` loads what exists instead
+        of raising MissingKeys.
+
+        Raises NotACheckpoint, IncompatibleCheckpoint, CorruptCheckpoint (bad size or
+        CRC32C, naming the object), MissingKeys, storage errors.
+        """
+        self._async.wait()
+        marker = self.coord.on_coordinator("read marker", lambda: discovery.read_marker(dir, storage_options=self.storage_options))
+        sd = dict(state_dict)
+        if load_optim_state is False:
+            sd.pop("optim", None)
+        optional = ("optim.",) if load_optim_state is None else ()
+        checksums: dict = {}
+        for o in marker.objects:
+            if o.path.startswith(layout.MODEL_DIR + "/"):
+                rel = o.path[len(layout.MODEL_DIR) + 1:]
+                d = checksums.setdefault(rel, {(c[0], c[1]): c[2] for c in o.chunks})
+                if o.crc32c:
+                    d[(0, o.size)] = o.crc32c
+        pre = self.pre_download if pre_download is None else pre_download
+        local = None
+        try:
+            if pre:
+                os.makedirs(self.work_dir, exist_ok=True)
+                local = tempfile.mkdtemp(dir=self.work_dir, prefix=f"load-rank{self.coord.rank}-")
+            model_url = urls.join(dir, layout.MODEL_DIR)
+            store = open_store(model_url, self.storage_options)
+            reader = StreamingReader(
+                model_url,
+                lambda u, s, e: self.engine.submit_read(u, s, e),
+                get_bytes=store.get_bytes,
+                checksums=checksums,
+                verify=self.verify_checksums,
+                local_dir=local,
+                download=self.engine.download_all,
+            )
+            planner = _KeyCheckingPlanner(strict=strict, optional_prefixes=optional)
+            try:
+                dcp.load(sd, storage_reader=reader, planner=planner, process_group=self.coord.group)
+            except Exception as e:  # noqa: BLE001 - unwrap DCP's CheckpointException to our typed error
+                raise _unwrap_dcp(e) from e
+            state_dict.update(sd)  # top-level non-tensor values are replaced, not filled in place
+        finally:
+            if local:
+                shutil.rmtree(local, ignore_errors=True)
+        if load_trainer_state is False:
+            return None
+        return self._load_train_state(dir, marker, required=bool(load_trainer_state))
+
+    def _load_train_state(self, dir: str, marker: Marker, *, required: bool) -> Any:
+        import io
+
+        rank, ws = self.coord.rank, self.coord.world_size
+        rel = layout.train_state_name(rank)
+        if ws != marker.world_size:
+            rel = layout.train_state_name(0)
+            log.warning("world size changed (%d saved, %d now): rank %d loads the train state of rank 0 (%s)",
+                        marker.world_size, ws, rank, urls.join(dir, rel))
+        entry = marker.object(rel)
+        url = urls.join(dir, rel)
+        if entry is None:
+            if required:
+                raise CorruptCheckpoint(f"{url}: the train state file is not in this checkpoint; save a train state or pass load_trainer_state=None")
+            return None
+        try:
+            data = open_store(url, self.storage_options).get_bytes(url)
+        except NotFound:
+            raise CorruptCheckpoint(f"{url}: the train state file listed in the marker is missing; the checkpoint is damaged, load an older step") from None
+        if len(data) != entry.size or (self.verify_checksums and entry.crc32c and crc32c_bytes(data) != entry.crc32c):
+            raise CorruptCheckpoint(f"{url}: size or CRC32C does not match the marker; the object is corrupt")
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - refuse anything weights_only rejects
+            raise CorruptCheckpoint(f"{url}: refused to load the train state ({type(e).__name__}): it is not plain data "
+                                    "(weights_only=True), so it could run code") from None
+
+    # ================================================================ discovery
+    @staticmethod
+    def find_checkpoints(folder: str, ephemeral: bool | None = None, *, storage_options: StorageOptions | None = None) -> Iterator[tuple[int, str]]:
+        return discovery.find_checkpoints(folder, ephemeral, storage_options=storage_options)
+
+    @staticmethod
+    def latest_checkpoint(folder: str, *, storage_options: StorageOptions | None = None) -> str:
+        return discovery.latest_checkpoint(folder, storage_options=storage_options)
+
+    @staticmethod
+    def dir_is_checkpoint(dir: str, *, storage_options: StorageOptions | None = None) -> bool:
+        return discovery.dir_is_checkpoint(dir, storage_options=storage_options)
+
+    @staticmethod
+    def contains_checkpoint(folder: str, *, storage_options: StorageOptions | None = None) -> bool:
+        return discovery.contains_checkpoint(folder, storage_options=storage_options)
+
+    def close(self) -> None:
+        """Wait for in-flight async saves (raising an unreported failure), then release resources."""
+        try:
+            self._async.close()
+        finally:
+            self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _crc_range(path: str, offset: int, length: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return crc32c_bytes(f.read(length))
+
+
+def _unwrap_dcp(e: BaseException) -> BaseException:
+    """DCP wraps per-rank errors in CheckpointException; surface our typed error."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):
+        for exc in failures.values():
+            inner = getattr(exc, "exception", exc)
+            if isinstance(inner, CloudCkptError):
+                return inner
+    return e

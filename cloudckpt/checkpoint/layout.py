@@ -1,0 +1,53 @@
+"""Names on storage. One place for the layout (compatible with OLMo-core's)::
+
+    {save_folder}/step{N}/
+        train/rank{R}.pt          per-rank train state (torch.save of plain data)
+        model_and_optim/          a standard DCP checkpoint: .metadata + __{R}_{K}.distcp
+        .lock                     held while a save of this step runs (deleted after commit)
+        .metadata.json            the commit marker, written LAST, by one rank, once
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import NotACheckpoint
+from ..storage import url as urls
+
+MARKER = ".metadata.json"
+LOCK = ".lock"
+TRAIN_DIR = "train"
+MODEL_DIR = "model_and_optim"
+LATEST_POINTER = "latest"
+
+_STEP_RE = re.compile(r"^step(\d+)$")
+
+
+def train_state_name(rank: int) -> str:
+    return f"{TRAIN_DIR}/rank{rank}.pt"
+
+
+def step_dir(folder: str, step: int) -> str:
+    return urls.join(folder, f"step{int(step)}")
+
+
+def step_of_name(name: str) -> int | None:
+    """``step12`` -> 12; anything else -> None (names must be exactly ``step{N}``)."""
+    m = _STEP_RE.match(name.rstrip("/"))
+    return int(m.group(1)) if m else None
+
+
+def parse_step_dir(dir: str) -> int:
+    """The step number of a checkpoint folder. Raises NotACheckpoint if the last
+    path component is not exactly ``step{N}``."""
+    step = step_of_name(urls.basename(dir))
+    if step is None:
+        raise NotACheckpoint(
+            f"{dir!r} is not a step folder: checkpoint folders are named step{{N}} inside the save folder, "
+            "e.g. s3://bucket/run-7/step1000"
+        )
+    return step
+
+
+def marker_url(dir: str) -> str:
+    return urls.join(dir, MARKER)

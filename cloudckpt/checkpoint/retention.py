@@ -1,0 +1,106 @@
+"""Retention (prune) and garbage collection.
+
+Pruning deletes committed steps by policy; gc deletes what crashed saves left:
+step folders without a marker (older than a grace period) and orphaned
+multipart uploads. Both delete a step's marker FIRST, then its objects: a crash
+part-way leaves at worst an uncommitted folder (invisible, gc removes it), never
+a committed step with objects missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from ..errors import CloudCkptError
+from ..storage import StorageOptions, open_store
+from ..storage import url as urls
+from . import discovery, layout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Policy:
+    keep_last_ephemeral: int = 1
+    max_checkpoints: int | None = None  # persistent ones kept; None keeps all
+    keep_every: int | None = None  # persistent steps divisible by this are never pruned
+
+
+def steps_to_prune(committed: list[tuple[int, bool]], policy: Policy, *, protect: frozenset[int] = frozenset()) -> list[int]:
+    """Which committed steps the policy deletes. ``committed`` is ``(step, ephemeral)``.
+    Never the newest committed step, never a step in ``protect`` (being written)."""
+    if not committed:
+        return []
+    newest = max(s for s, _ in committed)
+    eph = sorted((s for s, e in committed if e), reverse=True)
+    per = sorted((s for s, e in committed if not e), reverse=True)
+    doomed = set(eph[max(1, policy.keep_last_ephemeral):])
+    if policy.max_checkpoints is not None:
+        countable = [s for s in per if not (policy.keep_every and s % policy.keep_every == 0)]
+        doomed |= set(countable[max(1, policy.max_checkpoints):])
+    doomed -= {newest}
+    doomed -= set(protect)
+    return sorted(doomed)
+
+
+def delete_step(dir: str, *, storage_options: StorageOptions | None = None) -> int:
+    """Delete one step: marker first, then every object under it."""
+    store = open_store(dir, storage_options)
+    store.delete(layout.marker_url(dir))
+    return store.delete_prefix(dir)
+
+
+def prune(folder: str, policy: Policy, *, protect: frozenset[int] = frozenset(), dry_run: bool = False,
+          storage_options: StorageOptions | None = None) -> list[str]:
+    """Apply the policy to ``folder``. Returns the step folders deleted (or that would be)."""
+    found = list(discovery.find_checkpoints(folder, storage_options=storage_options, with_markers=True))
+    doomed = steps_to_prune([(s, m.ephemeral) for s, _, m in found], policy, protect=protect)
+    dirs = [layout.step_dir(folder, s) for s in doomed]
+    if not dry_run:
+        for d in dirs:
+            delete_step(d, storage_options=storage_options)
+            log.info("pruned %s", d)
+    return dirs
+
+
+@dataclass(frozen=True)
+class GcReport:
+    step_dirs: list[str]
+    uploads: list[str]
+
+
+def gc(folder: str, *, older_than: float = 3600.0, only_steps_above: int | None = None, protect: frozenset[int] = frozenset(),
+       dry_run: bool = False, storage_options: StorageOptions | None = None, now: float | None = None) -> GcReport:
+    """Delete uncommitted step folders whose newest object is older than ``older_than``
+    seconds (or, with ``only_steps_above``, every uncommitted folder above that step,
+    whatever its age: leftovers of a crashed attempt of the run being resumed), and
+    multipart uploads under ``folder`` initiated more than ``older_than`` seconds ago."""
+    now = time.time() if now is None else now
+    store = open_store(folder, storage_options)
+    doomed = []
+    for step, dir in discovery.list_step_dirs(folder, storage_options=storage_options):
+        if step in protect or store.exists(layout.marker_url(dir)):
+            continue
+        if only_steps_above is not None:
+            if step <= only_steps_above:
+                continue
+        else:
+            newest = max((o.mtime or now for o in store.walk(urls.as_prefix(dir))), default=None)
+            if newest is not None and now - newest < older_than:
+                continue
+        doomed.append(dir)
+    uploads = [u for u in store.list_multipart_uploads(urls.as_prefix(folder))
+               if u.initiated is None or now - u.initiated >= older_than]
+    if not dry_run:
+        for d in doomed:
+            try:
+                store.delete_prefix(d)
+                log.info("gc: removed uncommitted %s", d)
+            except CloudCkptError as e:
+                log.warning("gc: could not remove %s: %s", d, e)
+        for u in uploads:
+            store.abort_multipart_upload(u)
+            log.info("gc: aborted multipart upload %s", u.url)
+    return GcReport(doomed, [u.url for u in uploads])

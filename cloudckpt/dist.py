@@ -1,0 +1,152 @@
+"""The only module of cloudckpt that touches ``torch.distributed``.
+
+Collective steps are few and named. Each one carries every rank's exception to
+every rank, so no rank is ever left waiting in a barrier while another has
+failed (the pattern of DCP's ``_DistWrapper``). With one process (torch.distributed
+not initialised) every function is a local no-op.
+
+Call order matters like for any collective: every rank must call the same steps
+in the same order. The checkpointer owns a dedicated gloo group (``Coordinator``),
+so its coordination never runs on the training process group, and background
+(async) saves can coordinate while training issues its own collectives.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, TypeVar
+
+import torch.distributed as dist
+
+from .errors import CollectiveError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def get_local_rank() -> int:
+    import os
+
+    return int(os.environ.get("LOCAL_RANK", get_rank()))
+
+
+@dataclass
+class _Outcome:
+    ok: bool
+    value: Any = None
+    error: Optional[BaseException] = None
+    error_text: str = ""
+
+
+def _run(fn: Callable[[], T]) -> _Outcome:
+    try:
+        return _Outcome(True, fn())
+    except Exception as e:  # noqa: BLE001 - carried to every rank and re-raised there
+        return _Outcome(False, error=e, error_text=f"{type(e).__name__}: {e}")
+
+
+def _portable(o: _Outcome) -> _Outcome:
+    """Drop the exception object if it cannot cross processes (keep its text)."""
+    if o.error is not None:
+        try:
+            pickle.loads(pickle.dumps(o.error))
+        except Exception:  # noqa: BLE001 - unpicklable error: its text is carried instead
+            o.error = None
+    return o
+
+
+class Coordinator:
+    """Named collective steps on a dedicated gloo group.
+
+    Create it on every rank at the same point (it creates a process group when
+    torch.distributed is initialised). ``timeout`` bounds how long a step waits
+    for a dead or stuck rank.
+    """
+
+    def __init__(self, *, timeout: float = 600.0, group=None):
+        self.timeout = timeout
+        if group is not None:
+            self.group = group
+        elif is_distributed():
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        else:
+            self.group = None
+        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def _all_gather(self, obj: Any) -> list:
+        if self.group is None:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _broadcast(self, obj: Any) -> Any:
+        if self.group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def on_coordinator(self, step: str, fn: Callable[[], T]) -> T:
+        """Rank 0 runs ``fn``; every rank gets its value, or raises its error
+        (the same exception type where it can be carried, else CollectiveError)."""
+        o = _portable(_run(fn)) if self.is_coordinator else None
+        o = self._broadcast(o)
+        if o.ok:
+            return o.value
+        if o.error is not None:
+            raise o.error
+        raise CollectiveError(step, {0: o.error_text})
+
+    def all_ranks(self, step: str, fn: Callable[[], T], *, error: Callable[[str, dict], BaseException] | None = None) -> list[T]:
+        """Every rank runs ``fn``; returns the values of all ranks in rank order.
+        If any rank failed, every rank raises one error naming each failing rank
+        (``error(step, {rank: text})`` builds it; default CollectiveError). A local
+        exception is chained as the cause on its own rank."""
+        mine = _run(fn)
+        outs = self._all_gather(_Outcome(mine.ok, mine.value, None, mine.error_text))
+        failures = {r: o.error_text for r, o in enumerate(outs) if not o.ok}
+        if failures:
+            exc = (error or CollectiveError)(step, failures)
+            raise exc from mine.error
+        return [o.value for o in outs]
+
+    def barrier(self, step: str) -> None:
+        self.all_ranks(step, lambda: None)
+
+    def broadcast(self, value: Any) -> Any:
+        return self._broadcast(value)
+
+    def gather_values(self, value: Any) -> list:
+        return self._all_gather(value)
+
+
+def init_process_group(rank: int, world_size: int, *, init_method: str, timeout: float = 120.0) -> None:
+    """Initialise a gloo world (used by the test/bench launcher and the examples)."""
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=init_method,
+                            timeout=datetime.timedelta(seconds=timeout))
+
+
+def destroy_process_group() -> None:
+    if is_distributed():
+        dist.destroy_process_group()

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Idempotent set-up: a .venv with cloudckpt (editable) and its test tools.
+# torch is pinned in the same pip command as everything that needs it, so pip
+# takes the CPU build on this machine instead of pulling CUDA packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.cloudckpt-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[test]" "torch==2.13.0"
+  touch "$stamp"
+fi

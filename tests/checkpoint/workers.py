@@ -1,0 +1,101 @@
+"""Module-level functions run on spawned ranks (they must be importable)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from cloudckpt import Checkpointer
+from cloudckpt.errors import CloudCkptError
+
+
+def full_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.w": torch.randn(64, 24, generator=g),
+        "model.b": torch.randn(24, generator=g),
+        "optim.w_exp_avg": torch.randn(64, 24, generator=g),
+        "optim.w_exp_avg_sq": torch.rand(64, 24, generator=g),
+    }
+
+
+def sharded_state(world_size: int, seed: int = 0, zero: bool = False) -> dict:
+    """A DCP state dict with Shard(0) DTensors, a replicated tensor and optimizer state."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    t = full_tensors(seed)
+    if zero:
+        t = {k: torch.zeros_like(v) for k, v in t.items()}
+
+    def d(name, placement):
+        return distribute_tensor(t[name].clone(), mesh, [placement])
+
+    return {
+        "model": {"w": d("model.w", Shard(0)), "b": d("model.b", Replicate())},
+        "optim": {"state": {"w": {"exp_avg": d("optim.w_exp_avg", Shard(0)), "exp_avg_sq": d("optim.w_exp_avg_sq", Shard(0))}},
+                  "step": 0 if zero else 7},
+    }
+
+
+def gathered(sd: dict) -> dict[str, torch.Tensor]:
+    return {
+        "model.w": sd["model"]["w"].full_tensor(),
+        "model.b": sd["model"]["b"].full_tensor(),
+        "optim.w_exp_avg": sd["optim"]["state"]["w"]["exp_avg"].full_tensor(),
+        "optim.w_exp_avg_sq": sd["optim"]["state"]["w"]["exp_avg_sq"].full_tensor(),
+    }
+
+
+def save_sharded(rank, world_size, dir, work_dir, seed=0, ephemeral=False):
+    ck = Checkpointer(work_dir=work_dir)
+    marker = ck.save(dir, sharded_state(world_size, seed), {"rank": rank, "step": 7, "lr": 0.1}, ephemeral=ephemeral)
+    ck.close()
+    return {"objects": [o.path for o in marker.objects], "world_size": marker.world_size, "work_left": os.listdir(work_dir)}
+
+
+def load_sharded(rank, world_size, dir, work_dir, pre_download=False):
+    ck = Checkpointer(work_dir=work_dir, pre_download=pre_download)
+    sd = sharded_state(world_size, zero=True)
+    ts = ck.load(dir, sd)
+    ck.close()
+    return {"tensors": gathered(sd), "step": sd["optim"]["step"], "train_state": ts, "work_left": os.listdir(work_dir)}
+
+
+def save_with_failing_rank(rank, world_size, dir, work_dir, bad_rank):
+    """``bad_rank``'s uploads of shard files fail mid-stream; report what each rank raised."""
+    from cloudckpt.errors import AccessDenied
+    from cloudckpt.storage import open_store
+
+    if rank == bad_rank:
+        store = open_store(dir)
+        real = store.upload_fileobj
+
+        def broken(fileobj, url, **kw):
+            if url.endswith(".distcp"):
+                fileobj.read(1024)  # some bytes went out
+                raise AccessDenied("injected failure mid-upload", url=url)
+            return real(fileobj, url, **kw)
+
+        store.upload_fileobj = broken
+    ck = Checkpointer(work_dir=work_dir)
+    try:
+        ck.save(dir, sharded_state(world_size), {"rank": rank})
+    except CloudCkptError as e:
+        return {"error": type(e).__name__, "message": str(e), "work_left": os.listdir(work_dir)}
+    finally:
+        ck.close()
+    return {"error": None}
+
+
+def save_plain(rank, world_size, dir, work_dir, value):
+    """A plain (non-sharded) save; returns the error type name or None."""
+    ck = Checkpointer(work_dir=work_dir)
+    try:
+        ck.save(dir, {"model": {"x": torch.full((1024, 256), float(value))}}, {"who": value})
+        return None
+    except CloudCkptError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        ck.close()
