@@ -1,0 +1,207 @@
+"""CheckpointManager: what a trainer calls. Built by ``CheckpointConfig.build()``.
+
+    mgr = CheckpointConfig(save_folder="s3://b/run", save_interval=1000, ephemeral_save_interval=100).build()
+    train_state = mgr.resume(state_dict)        # newest committed step, or None
+    for step in ...:
+        mgr.maybe_save(step, state_dict, train_state)
+    mgr.close()
+
+- ``resume`` discovers on rank 0 and broadcasts; before loading it removes
+  uncommitted step folders *above* the resumed step: they are leftovers of this
+  run's crashed attempt, and the run is about to write those steps again.
+- ``maybe_save`` applies the intervals (a step due for both is persistent).
+- After a save commits, rank 0 prunes by policy and garbage-collects (old
+  uncommitted folders, orphaned multipart uploads) on a background thread: marker
+  first, never the newest committed step, never a step being written.
+- On SIGTERM (main thread only): ``sigterm="finish"`` waits up to
+  ``sigterm_timeout`` for in-flight saves to commit, ``"abandon"`` does not wait;
+  either way the process then exits with the signal. An abandoned save has no
+  marker, so readers never see it; gc removes its objects later.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ..errors import CloudCkptError, NotACheckpoint
+from . import discovery, layout, retention
+from .checkpointer import Checkpointer
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointManager:
+    def __init__(self, config):
+        self.config = config
+        work_dir = config.work_dir or os.path.join(tempfile.gettempdir(), f"cloudckpt-work-{os.getuid()}")
+        self.checkpointer = Checkpointer(
+            work_dir=work_dir,
+            save_overwrite=config.save_overwrite,
+            storage_options=config.storage_options(),
+            transfer=config.transfer_config(),
+            verify_checksums=config.verify_checksums,
+            pre_download=config.pre_download,
+            max_in_flight=config.max_in_flight,
+        )
+        self.coord = self.checkpointer.coord
+        self.policy = retention.Policy(config.keep_last_ephemeral, config.max_checkpoints, config.keep_every)
+        self._maint = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloudckpt-maint")
+        self._maint_futures: list[Future] = []
+        self._writing: set[int] = set()
+        self._lock = threading.Lock()
+        self.resumed_step: int | None = None
+        self.last_saved_step: int | None = None
+        self._closed = False
+        self._install_sigterm()
+
+    # ------------------------------------------------------------ resume
+    def resume(self, state_dict: dict, **load_kwargs: Any) -> Any:
+        """Load the newest committed step into ``state_dict``; return the train state
+        (or None when the folder has no committed step). Collective."""
+        folder = self.config.save_folder
+        so = self.checkpointer.storage_options
+
+        def discover():
+            try:
+                latest = discovery.latest_checkpoint(folder, storage_options=so)
+            except NotACheckpoint:
+                latest = None
+            step = layout.parse_step_dir(latest) if latest else -1
+            rep = retention.gc(folder, only_steps_above=step, storage_options=so)
+            if rep.step_dirs:
+                log.warning("removed uncommitted leftovers of a crashed attempt above step %d: %s", step, rep.step_dirs)
+            return latest
+
+        latest = self.coord.on_coordinator("discover", discover)
+        if latest is None:
+            log.info("no committed checkpoint in %s: starting from scratch", folder)
+            return None
+        ts = self.checkpointer.load(latest, state_dict, **load_kwargs)
+        self.resumed_step = layout.parse_step_dir(latest)
+        log.info("resumed from %s", latest)
+        if self.config.exact_resume and isinstance(ts, dict) and "rng" in ts:
+            from ..exact_resume import restore_rng_state
+
+            restore_rng_state(ts["rng"])
+        return ts
+
+    # ------------------------------------------------------------ save
+    def due(self, step: int) -> str | None:
+        """``"persistent"``, ``"ephemeral"`` or None for this step."""
+        c = self.config
+        if c.save_interval and step % c.save_interval == 0:
+            return "persistent"
+        if c.ephemeral_save_interval and step % c.ephemeral_save_interval == 0:
+            return "ephemeral"
+        return None
+
+    def maybe_save(self, step: int, state_dict: dict, train_state: Any = None, *, force: bool = False) -> Any:
+        """Save if ``step`` is due (or ``force``). Returns the Marker (sync), a Future
+        (async) or None when not due. Collective."""
+        kind = self.due(step) or ("persistent" if force else None)
+        if kind is None:
+            return None
+        return self.save(step, state_dict, train_state, ephemeral=kind == "ephemeral")
+
+    def save(self, step: int, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False) -> Any:
+        dir = layout.step_dir(self.config.save_folder, step)
+        if self.config.exact_resume:
+            from ..exact_resume import capture_rng_state
+
+            train_state = dict(train_state or {})
+            train_state["rng"] = capture_rng_state()
+        with self._lock:
+            self._writing.add(step)
+        if self.config.async_save:
+            fut = self.checkpointer.save_async(dir, state_dict, train_state, ephemeral=ephemeral)
+            fut.add_done_callback(lambda f: self._after_save(step, f.exception() is None))
+            return fut
+        try:
+            marker = self.checkpointer.save(dir, state_dict, train_state, ephemeral=ephemeral)
+        except BaseException:
+            self._after_save(step, False)
+            raise
+        self._after_save(step, True)
+        return marker
+
+    def _after_save(self, step: int, ok: bool) -> None:
+        with self._lock:
+            self._writing.discard(step)
+            if ok:
+                self.last_saved_step = step
+        if ok and self.coord.is_coordinator and not self._closed:
+            self._maint_futures = [f for f in self._maint_futures if not f.done()]
+            self._maint_futures.append(self._maint.submit(self._maintain))
+
+    def _maintain(self) -> None:
+        so = self.checkpointer.storage_options
+        with self._lock:
+            protect = frozenset(self._writing)
+        try:
+            retention.prune(self.config.save_folder, self.policy, protect=protect, storage_options=so)
+            retention.gc(self.config.save_folder, older_than=self.config.gc_grace_seconds, protect=protect, storage_options=so)
+        except CloudCkptError as e:
+            log.warning("background prune/gc of %s failed (will retry after the next save): %s", self.config.save_folder, e)
+
+    # ------------------------------------------------------------ lifecycle
+    def wait(self) -> None:
+        """Wait for in-flight saves and background maintenance."""
+        self.checkpointer.wait()
+        for f in list(self._maint_futures):
+            f.result()
+
+    def close(self) -> None:
+        """Wait for in-flight work, then release resources. Raises an unreported async failure."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._maint.shutdown(wait=True)
+            self.checkpointer.close()
+            self._restore_sigterm()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------ SIGTERM
+    def _install_sigterm(self) -> None:
+        self._prev_handler = None
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._prev_handler = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _restore_sigterm(self) -> None:
+        if self._prev_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._prev_handler)
+            self._prev_handler = None
+
+    def _on_sigterm(self, signum, frame) -> None:
+        pending = self.checkpointer._async.in_flight()
+        if self.config.sigterm == "finish" and pending:
+            log.warning("SIGTERM: finishing %d in-flight save(s) (up to %.0fs)", len(pending), self.config.sigterm_timeout)
+            for f in pending:
+                try:
+                    f.result(timeout=self.config.sigterm_timeout)
+                except Exception as e:  # noqa: BLE001 - exiting anyway; the save is not committed
+                    log.warning("SIGTERM: in-flight save did not commit (%s); it stays invisible", e)
+        elif pending:
+            log.warning("SIGTERM: abandoning %d in-flight save(s); they are not committed and stay invisible", len(pending))
+        prev = self._prev_handler
+        self._restore_sigterm()
+        if callable(prev):
+            prev(signum, frame)
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
