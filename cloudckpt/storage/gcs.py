@@ -1,0 +1,535 @@
+"""Google Cloud Storage through google-cloud-storage (JSON API).
+
+Credentials are Application Default Credentials (``gcloud auth
+application-default login``, ``GOOGLE_APPLICATION_CREDENTIALS``, the metadata
+server), and the project is ``StorageOptions.project`` or the ADC/env default. When
+``STORAGE_EMULATOR_HOST`` is set (fake-gcs-server, the official emulator) the
+client uses anonymous credentials and that endpoint instead; the variable is read
+when the client is first needed, not at import.
+
+Request retries are google-api-core's (the predicate of the library's
+``DEFAULT_RETRY``: 408, 429, 5xx, connection resets and timeouts; exponential
+backoff with jitter, at most ``_RETRY_TIMEOUT`` seconds per request). Every retry
+is reported to the retry listeners (``"throttled"`` for 429/503, ``"transient"``
+otherwise), which is how the transfer engine sees throttling. ``max_attempts=1``
+turns retries off.
+
+Uploads up to ``multipart_threshold`` bytes go in one media request; larger ones
+are resumable uploads sent in chunks of ``part_size`` (rounded down to a multiple
+of 256 KiB, as GCS requires). The library verifies CRC32C end to end on uploads
+and on whole-object downloads. Memory: one chunk per concurrent upload
+(``max(part_size, multipart_threshold)`` at most).
+
+Raises (translated at this boundary): NotFound, BucketNotFound, AlreadyExists,
+PreconditionFailed, AccessDenied, Throttled, Transient, InvalidURL.
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import os
+import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from datetime import datetime
+from typing import BinaryIO, Callable, Iterable, Iterator
+
+import google.auth
+import google.auth.exceptions as gauth_exc
+import google_crc32c
+import requests
+import requests.adapters
+import urllib3.exceptions
+from google.api_core import exceptions as gexc
+from google.api_core.retry import Retry
+from google.auth.credentials import AnonymousCredentials
+from google.auth.transport.requests import AuthorizedSession
+from google.cloud import storage
+from google.cloud.storage import retry as gcs_retry
+from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
+
+from ..errors import (
+    AccessDenied,
+    AlreadyExists,
+    BucketNotFound,
+    InvalidURL,
+    NotFound,
+    PreconditionFailed,
+    StorageError,
+    Throttled,
+    Transient,
+)
+from .base import ListEntry, ObjectInfo, ObjectStore, PendingUpload, Progress
+from .url import parse_url
+
+_CHUNK_MULTIPLE = 256 * 1024  # GCS resumable chunks must be multiples of 256 KiB
+_SINGLE_REQUEST_MAX = 8 * 1024 * 1024  # google-cloud-storage sends up to this in one multipart request
+_RETRY_TIMEOUT = 120.0  # seconds of retrying per request before giving up
+_EMULATOR_PROJECT = "cloudckpt-emulator"
+_THROTTLE_STATUS = (429, 503)
+_ADC_HINT = (
+    "run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS to a "
+    "service-account key file, or run where a service account is attached"
+)
+# The library's own retry predicate (408, 429, 5xx, resets, timeouts); kept if it moves.
+_should_retry: Callable[[BaseException], bool] = getattr(gcs_retry, "_should_retry", None) or gcs_retry.DEFAULT_RETRY._predicate
+
+
+def _split(url: str) -> tuple[str, str]:
+    p = parse_url(url)
+    if p.scheme not in ("gs", "gcs"):
+        raise InvalidURL(f"not a gs:// URL: {url!r}", url=url)
+    return p.bucket, p.key
+
+
+def _object(url: str) -> tuple[str, str]:
+    bucket, key = _split(url)
+    if not key or key.endswith("/"):
+        raise InvalidURL(f"{url!r} names a bucket or folder, not an object: write gs://bucket/path/to/object", url=url)
+    return bucket, key
+
+
+def _status(e: BaseException) -> int:
+    if isinstance(e, gexc.GoogleAPICallError) and isinstance(e.code, int):
+        return e.code
+    if isinstance(e, InvalidResponse) and getattr(e, "response", None) is not None:
+        return int(getattr(e.response, "status_code", 0) or 0)
+    return 0
+
+
+def _server_message(e: BaseException) -> str:
+    msg = getattr(e, "message", None) or str(e)
+    return str(msg).strip()[:300]
+
+
+def _bucket_missing_hint(e: BaseException) -> bool | None:
+    """True/False when GCS's 404 message says which of bucket/object is missing; None
+    when it does not (emulators answer a bare "Not Found")."""
+    m = _server_message(e).lower()
+    if "bucket does not exist" in m or "bucket not found" in m or "no such bucket" in m:
+        return True
+    if "no such object" in m:
+        return False
+    return None
+
+
+_CONNECTION_ERRORS = (
+    ConnectionError,
+    TimeoutError,
+    requests.exceptions.ConnectionError,
+    requests.exceptions.Timeout,
+    requests.exceptions.ChunkedEncodingError,
+    urllib3.exceptions.HTTPError,
+    http.client.HTTPException,
+    gauth_exc.TransportError,
+)
+
+
+def translate(e: BaseException, url: str, op: str, *, bucket_exists: Callable[[], bool] | None = None) -> BaseException:
+    """Map a google-cloud-storage / google-auth / requests exception to the cloudckpt
+    error tree. ``bucket_exists`` is asked when a 404 does not say whether the bucket
+    or the object is missing."""
+    if isinstance(e, StorageError):
+        return e
+    if isinstance(e, gexc.RetryError):
+        cause = e.cause
+        if cause is not None and cause is not e:
+            out = translate(cause, url, op, bucket_exists=bucket_exists)
+            if isinstance(out, Transient):
+                return type(out)(f"{out}; retries were exhausted", url=url)
+            return out
+        return Transient(f"{op} {url}: retries were exhausted", url=url)
+    if isinstance(e, gauth_exc.DefaultCredentialsError):
+        return AccessDenied(f"{op} {url}: no Google Application Default Credentials found; {_ADC_HINT}", url=url)
+    if isinstance(e, gauth_exc.RefreshError):
+        return AccessDenied(
+            f"{op} {url}: the Google credentials could not be refreshed (expired or revoked); {_ADC_HINT}", url=url
+        )
+    if isinstance(e, DataCorruption):
+        return Transient(f"{op} {url}: checksum mismatch between the bytes sent and received (CRC32C); retry", url=url)
+    status = _status(e)
+    if status:
+        if status in (401, 403):
+            return AccessDenied(
+                f"{op} {url}: access denied ({status}); check the credentials ({_ADC_HINT}) and that "
+                "they may use this bucket and prefix",
+                url=url,
+            )
+        if status == 404:
+            missing = _bucket_missing_hint(e)
+            if missing is None and bucket_exists is not None:
+                missing = not bucket_exists()
+            if missing:
+                bucket = parse_url(url).bucket
+                return BucketNotFound(f"{op} {url}: bucket {bucket!r} does not exist; create it or fix the URL", url=url)
+            return NotFound(f"{op} {url}: no such object", url=url)
+        if status == 412:
+            return PreconditionFailed(f"{op} {url}: precondition failed", url=url)
+        if status in _THROTTLE_STATUS:
+            return Throttled(f"{op} {url}: the store is throttling requests ({status}); retries were exhausted", url=url)
+        if status in (408, 409) or status >= 500:
+            return Transient(f"{op} {url}: server error ({status})", url=url)
+        if status == 400 and "name" in _server_message(e).lower():
+            return InvalidURL(f"{op} {url}: the store rejected the name: {_server_message(e)}", url=url)
+        return StorageError(f"{op} {url}: {status}: {_server_message(e)}", url=url)
+    if isinstance(e, _CONNECTION_ERRORS):
+        return Transient(f"{op} {url}: connection problem ({type(e).__name__}); check the endpoint and network", url=url)
+    return e
+
+
+def _retry_kind(e: BaseException) -> str:
+    return "throttled" if _status(e) in _THROTTLE_STATUS else "transient"
+
+
+class GCSStore(ObjectStore):
+    """``gs://bucket/key`` objects.
+
+    GCS has no S3-style multipart uploads to list through the JSON API (resumable
+    upload sessions expire on their own after a week and cannot be enumerated), so
+    :meth:`list_multipart_uploads` returns ``[]``, the base default.
+    """
+
+    scheme = "gs"
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self._lock = threading.Lock()
+        self._client: storage.Client | None = None
+        self._known_buckets: set[str] = set()
+        o = self.options
+        self._timeout = (o.connect_timeout, o.read_timeout)
+
+    # ------------------------------------------------------------ client
+    @property
+    def client(self) -> storage.Client:
+        """The google-cloud-storage client, created on first use (reads the env then)."""
+        with self._lock:
+            if self._client is None:
+                self._client = self._make_client()
+            return self._client
+
+    def _make_client(self) -> storage.Client:
+        o = self.options
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+        if emulator:
+            endpoint = emulator if "://" in emulator else "http://" + emulator
+            credentials = AnonymousCredentials()
+            project = o.project or os.environ.get("GOOGLE_CLOUD_PROJECT") or _EMULATOR_PROJECT
+        else:
+            endpoint = o.endpoint_url
+            try:
+                credentials, adc_project = google.auth.default(scopes=storage.Client.SCOPE)
+            except gauth_exc.GoogleAuthError as e:
+                raise translate(e, "gs://", "connect") from None
+            project = o.project or adc_project
+        session = AuthorizedSession(credentials)
+        adapter = requests.adapters.HTTPAdapter(
+            pool_connections=o.max_pool_connections, pool_maxsize=o.max_pool_connections, max_retries=0
+        )
+        session.mount("https://", adapter)
+        session.mount("http://", adapter)
+        try:
+            return storage.Client(
+                project=project,
+                credentials=credentials,
+                _http=session,
+                client_options={"api_endpoint": endpoint} if endpoint else None,
+            )
+        except (gauth_exc.GoogleAuthError, ValueError) as e:
+            raise translate(e, "gs://", "connect") from None
+
+    def _retry(self, on_retry: Callable[[], None] | None = None) -> Retry | None:
+        """A Retry with the library's predicate that reports every retry."""
+        if self.options.max_attempts <= 1:
+            return None
+
+        def on_error(exc: Exception) -> None:
+            if on_retry is not None:
+                on_retry()
+            self._notify_retry(_retry_kind(exc))
+
+        return Retry(predicate=_should_retry, initial=0.5, maximum=30.0, multiplier=2.0, timeout=_RETRY_TIMEOUT,
+                     on_error=on_error)
+
+    def _bucket_exists(self, bucket: str) -> Callable[[], bool]:
+        def check() -> bool:
+            if bucket in self._known_buckets:
+                return True
+            try:
+                ok = self.client.bucket(bucket).exists(timeout=self._timeout, retry=self._retry())
+            except Exception:  # noqa: BLE001 - cannot tell (e.g. no bucket.get permission): assume it exists
+                return True
+            if ok:
+                self._known_buckets.add(bucket)
+            return ok
+
+        return check
+
+    def _translate(self, e: BaseException, url: str, op: str) -> BaseException:
+        try:
+            bucket = parse_url(url).bucket
+        except InvalidURL:
+            return translate(e, url, op)
+        return translate(e, url, op, bucket_exists=self._bucket_exists(bucket))
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client._http.close()
+            except Exception:  # noqa: BLE001 - closing idle connections is best-effort
+                pass
+
+    def __getstate__(self):
+        return {"options": self.options}
+
+    def __setstate__(self, state):
+        self.__init__(state["options"])
+
+    # ------------------------------------------------------------ primitives
+    def _chunk_size(self, size: int) -> int:
+        o = self.options
+        if size > o.multipart_threshold:
+            return max(_CHUNK_MULTIPLE, o.part_size // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE)
+        # one request: a chunk at least as large as the object
+        return max(_CHUNK_MULTIPLE, -(-size // _CHUNK_MULTIPLE) * _CHUNK_MULTIPLE)
+
+    def _upload(self, stream: BinaryIO, url: str, size: int, *, if_absent: bool, retry: Retry | None) -> None:
+        bucket, key = _object(url)
+        blob = self.client.bucket(bucket).blob(key, chunk_size=self._chunk_size(size))
+        blob.upload_from_file(
+            stream,
+            size=size,
+            content_type="application/octet-stream",
+            if_generation_match=0 if if_absent else None,
+            timeout=self._timeout,
+            retry=retry,
+        )
+
+    def put_bytes(self, url: str, data: bytes, *, if_absent: bool = False) -> None:
+        retried = []
+        try:
+            self._upload(io.BytesIO(data), url, len(data), if_absent=if_absent, retry=self._retry(lambda: retried.append(1)))
+        except Exception as e:  # noqa: BLE001 - translated below
+            err = self._translate(e, url, "put")
+            if if_absent and isinstance(err, PreconditionFailed):
+                # A retried create whose first attempt landed (response lost) sees its own
+                # object: that is a win, not a conflict.
+                if retried and self._has_crc32c(url, data):
+                    return
+                raise AlreadyExists(f"{url} already exists", url=url) from None
+            raise err from None
+
+    def _has_crc32c(self, url: str, data: bytes) -> bool:
+        import base64
+
+        bucket, key = _object(url)
+        blob = self.client.bucket(bucket).blob(key)
+        try:
+            blob.reload(timeout=self._timeout, retry=self._retry())
+        except Exception:  # noqa: BLE001 - cannot tell: report the conflict
+            return False
+        want = base64.b64encode(google_crc32c.value(data).to_bytes(4, "big")).decode()
+        return blob.crc32c == want and blob.size == len(data)
+
+    def get_bytes(self, url: str, *, start: int | None = None, end: int | None = None) -> bytes:
+        bucket, key = _object(url)
+        if end is not None and end <= (start or 0):
+            return b""
+        blob = self.client.bucket(bucket).blob(key)
+        try:
+            # google's ``end`` is inclusive; ours is exclusive
+            return blob.download_as_bytes(
+                start=start or None,
+                end=None if end is None else end - 1,
+                raw_download=True,
+                timeout=self._timeout,
+                retry=self._retry(),
+            )
+        except gexc.RequestRangeNotSatisfiable:
+            return b""  # the range starts at or after the end of the object
+        except Exception as e:  # noqa: BLE001 - translated below
+            raise self._translate(e, url, "get") from None
+
+    def upload_fileobj(
+        self, fileobj: BinaryIO, url: str, *, size: int, if_absent: bool = False, progress: Progress = None
+    ) -> None:
+        _object(url)
+        if if_absent and size <= _SINGLE_REQUEST_MAX:
+            # one request: put_bytes knows how to tell a lost-response retry from a conflict
+            data = fileobj.read(size)
+            self.put_bytes(url, data, if_absent=True)
+            if progress and data:
+                progress(len(data))
+            return
+        reader = _Reader(fileobj, size, progress)
+        try:
+            self._upload(reader, url, size, if_absent=if_absent, retry=self._retry())
+        except Exception as e:  # noqa: BLE001 - translated below
+            err = self._translate(e, url, "upload")
+            if if_absent and isinstance(err, PreconditionFailed):
+                raise AlreadyExists(f"{url} already exists", url=url) from None
+            raise err from None
+        reader.finish()
+
+    def download_fileobj(self, url: str, fileobj: BinaryIO, *, progress: Progress = None) -> int:
+        bucket, key = _object(url)
+        writer = _Writer(fileobj, progress)
+        blob = self.client.bucket(bucket).blob(key)
+        try:
+            blob.download_to_file(writer, raw_download=True, timeout=self._timeout, retry=self._retry())
+        except Exception as e:  # noqa: BLE001 - translated below
+            raise self._translate(e, url, "download") from None
+        return writer.total
+
+    def stat(self, url: str) -> ObjectInfo:
+        bucket, key = _object(url)
+        blob = self.client.bucket(bucket).blob(key)
+        try:
+            blob.reload(timeout=self._timeout, retry=self._retry())
+        except Exception as e:  # noqa: BLE001 - translated below
+            raise self._translate(e, url, "stat") from None
+        return ObjectInfo(url, int(blob.size or 0), _ts(blob.updated))
+
+    def list(self, prefix: str, *, delimiter: str | None = "/") -> Iterator[ListEntry]:
+        bucket, key = _split(prefix)
+        base = f"gs://{bucket}/"
+        try:
+            it = self.client.list_blobs(
+                bucket,
+                prefix=key or None,
+                delimiter=delimiter or None,
+                page_size=1000,
+                fields="items(name,size,updated),prefixes,nextPageToken",
+                timeout=self._timeout,
+                retry=self._retry(),
+            )
+            for page in it.pages:
+                for p in page.prefixes:
+                    yield ListEntry(base + p, is_prefix=True)
+                for b in page:
+                    yield ListEntry(base + b.name, size=int(b.size or 0), mtime=_ts(b.updated))
+        except Exception as e:  # noqa: BLE001 - translated below
+            err = translate(e, prefix, "list")
+            if type(err) is NotFound:  # listing an existing bucket never answers 404
+                err = BucketNotFound(f"list {prefix}: bucket {bucket!r} does not exist; create it or fix the URL", url=prefix)
+            raise err from None
+
+    def delete(self, url: str) -> None:
+        bucket, key = _object(url)
+        try:
+            self.client.bucket(bucket).blob(key).delete(timeout=self._timeout, retry=self._retry())
+        except Exception as e:  # noqa: BLE001 - translated below
+            err = self._translate(e, url, "delete")
+            if not isinstance(err, NotFound) or isinstance(err, BucketNotFound):
+                raise err from None
+
+    def delete_many(self, urls_: Iterable[str]) -> int:
+        """Deletes concurrently (a small thread pool). The JSON batch endpoint is not
+        used: fake-gcs-server does not implement it, and its sub-requests are not retried
+        by the library. The first failure cancels the deletes not yet started."""
+        todo = list(urls_)
+        if len(todo) <= 1:
+            for u in todo:
+                self.delete(u)
+            return len(todo)
+        with ThreadPoolExecutor(max_workers=min(16, self.options.max_pool_connections, len(todo)),
+                                thread_name_prefix="cloudckpt-gcs-delete") as ex:
+            futures = [ex.submit(self.delete, u) for u in todo]
+            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            for f in pending:
+                f.cancel()
+            for f in futures:
+                if f.done() and not f.cancelled() and f.exception() is not None:
+                    raise f.exception()
+        return len(todo)
+
+    def list_multipart_uploads(self, prefix: str) -> list[PendingUpload]:
+        """Always ``[]``: GCS resumable sessions cannot be listed (they expire after a week)."""
+        _split(prefix)
+        return []
+
+
+class _Reader:
+    """Reads at most ``size`` bytes of ``f`` from its current position, presenting
+    that position as 0 (the library requires it). Progress is reported for bytes the
+    server has acknowledged: a read at position p means every byte before p was sent
+    (the library reads the next chunk only after the previous one succeeded, and
+    seeks back to the server's offset after a failure)."""
+
+    def __init__(self, f: BinaryIO, size: int, progress: Progress):
+        self._f = f
+        self._size = size
+        self._progress = progress
+        self._pos = 0
+        self._acked = 0
+        try:
+            self._start = f.tell()
+        except (OSError, AttributeError, ValueError):
+            self._start = None  # not seekable: read straight through
+
+    def _ack(self, pos: int) -> None:
+        if pos > self._acked:
+            if self._progress:
+                self._progress(pos - self._acked)
+            self._acked = pos
+
+    def read(self, n: int | None = -1) -> bytes:
+        self._ack(self._pos)
+        left = self._size - self._pos
+        n = left if n is None or n < 0 else min(n, left)
+        data = self._f.read(n) if n > 0 else b""
+        self._pos += len(data)
+        return data
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        target = {io.SEEK_SET: offset, io.SEEK_CUR: self._pos + offset, io.SEEK_END: self._size + offset}[whence]
+        if target != self._pos:
+            if self._start is None:
+                raise io.UnsupportedOperation("the upload source is not seekable")
+            self._f.seek(self._start + target)
+            self._pos = target
+        return self._pos
+
+    def seekable(self) -> bool:
+        return self._start is not None
+
+    def finish(self) -> None:
+        """The upload completed: every byte is acknowledged."""
+        self._ack(self._size)
+
+
+class _Writer:
+    """Forwards writes to ``f`` and counts them (the library resumes failed downloads
+    with a range request, so every byte is written once)."""
+
+    def __init__(self, f: BinaryIO, progress: Progress):
+        self._f = f
+        self._progress = progress
+        self.total = 0
+
+    def write(self, b) -> int:
+        n = self._f.write(b)
+        n = len(b) if n is None else n
+        self.total += n
+        if self._progress and n:
+            self._progress(n)
+        return n
+
+    def seek(self, *a):  # only for decompressive transcoding, which raw downloads never do
+        self.total = 0
+        return self._f.seek(*a)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _ts(v) -> float | None:
+    return v.timestamp() if isinstance(v, datetime) else None
