@@ -1,0 +1,135 @@
+"""Settings, results and counters of the transfer engine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+GiB = 1024**3
+
+
+def _bad(name: str, value, allowed: str) -> ConfigError:
+    return ConfigError(f"transfer option {name}={value!r} is not allowed: {allowed}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How many transfers run at once, how fast, and how hard to retry.
+
+    A *transfer* is one file upload, one file download or one byte-range read.
+    ``max_concurrency`` transfers run at most at once; the engine lowers that limit
+    when the store throttles (halves it, at most once a second, never below
+    ``min_concurrency``) and raises it again by one after every 8 transfers that
+    finish without a throttle signal (AIMD). ``max_bytes_in_flight`` bounds the sum
+    of the sizes of running transfers (uploads: the file size; reads: ``end - start``
+    when both are given; downloads and open-ended reads count 0 because their size
+    is not known up front). A single transfer larger than the bound still runs, alone.
+
+    Memory bound. Uploaded and downloaded files stay on disk; what is held in
+    memory at the same time is at most::
+
+        M = min(max_bytes_in_flight, sum of in-flight read_all/submit_read ranges)   # range reads return bytes
+          + (S3) s3transfer upload buffers:
+                (max_in_memory_upload_chunks + max_submission_concurrency) * part_size
+                = (max(4, max_pool_connections // 2) + 5) * part_size
+          + (S3) s3transfer download I/O queue: max_io_queue_size * io_chunksize
+                = 1000 * 256 KiB
+
+    With the default :class:`~cloudckpt.storage.StorageOptions`
+    (``part_size`` 16 MiB, ``max_pool_connections`` 64) the S3 terms are
+    (32 + 5) * 16 MiB + 250 MiB = 842 MiB, shared by every engine of a process
+    (the store, and so its s3transfer manager, is shared). The local backend
+    copies in 8 MiB chunks: 8 MiB per running transfer.
+
+    Fields:
+      max_concurrency: transfers in flight at most; the AIMD ceiling (>= 1).
+      min_concurrency: the AIMD floor (1 <= min <= max).
+      max_bytes_in_flight: bytes of transfers in flight (>= 1).
+      bandwidth_limit: bytes/s across the whole engine, or None for no cap.
+      stall_timeout: seconds without progress before an attempt fails with
+        TransferStalled; 0 disables the watchdog.
+      max_attempts: engine-level attempts per transfer on Transient errors
+        (Throttled, TransferStalled, 5xx, resets), on top of the SDK's own retries.
+      backoff_base, backoff_max: exponential backoff with full jitter:
+        sleep uniform(0, min(backoff_max, backoff_base * 2**(attempt-1))).
+      checksum: compute CRC32C of every uploaded/downloaded file.
+
+    Raises ConfigError naming the field, the value and what is allowed.
+    """
+
+    max_concurrency: int = 8
+    min_concurrency: int = 1
+    max_bytes_in_flight: int = 2 * GiB
+    bandwidth_limit: float | None = None
+    stall_timeout: float = 120.0
+    max_attempts: int = 4
+    backoff_base: float = 0.25
+    backoff_max: float = 20.0
+    checksum: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrency", "min_concurrency", "max_bytes_in_flight", "max_attempts"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise _bad(name, v, "use an integer >= 1")
+        if self.min_concurrency > self.max_concurrency:
+            raise _bad("min_concurrency", self.min_concurrency, f"use at most max_concurrency ({self.max_concurrency})")
+        if self.bandwidth_limit is not None and (not _is_num(self.bandwidth_limit) or not 0 < self.bandwidth_limit < math.inf):
+            raise _bad("bandwidth_limit", self.bandwidth_limit, "use bytes per second > 0, or None for no cap")
+        if not _is_num(self.stall_timeout) or self.stall_timeout < 0:
+            raise _bad("stall_timeout", self.stall_timeout, "use seconds > 0 (or 0 to disable the stall watchdog)")
+        for name in ("backoff_base", "backoff_max"):
+            v = getattr(self, name)
+            if not _is_num(v) or v < 0 or v == math.inf:
+                raise _bad(name, v, "use a finite number of seconds >= 0")
+        if self.backoff_max < self.backoff_base:
+            raise _bad("backoff_max", self.backoff_max, f"use at least backoff_base ({self.backoff_base})")
+        if not isinstance(self.checksum, bool):
+            raise _bad("checksum", self.checksum, "use True or False")
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """One finished transfer. ``crc32c``: 8 lowercase hex digits of the CRC32C of
+    the file's bytes (None when checksums are off). ``attempts``: engine-level
+    attempts it took (1 when the first one succeeded). ``seconds``: from the first
+    attempt's start to the end (queueing time excluded)."""
+
+    url: str
+    local_path: str | None
+    size: int
+    crc32c: str | None
+    attempts: int
+    seconds: float
+
+
+@dataclass
+class TransferStats:
+    """A snapshot of the engine's counters.
+
+    transfers: transfers that finished successfully; bytes_uploaded /
+    bytes_downloaded: their sizes (reads count as downloaded); retries: engine-level
+    re-attempts; sdk_retries: requests the SDK retried (reported by the stores);
+    throttled: throttle signals seen (SDK retries on 503/429 and Throttled errors);
+    stalls: attempts failed by the stall watchdog; concurrency: the current limit;
+    min_concurrency_seen: the lowest limit so far."""
+
+    transfers: int = 0
+    bytes_uploaded: int = 0
+    bytes_downloaded: int = 0
+    retries: int = 0
+    sdk_retries: int = 0
+    throttled: int = 0
+    stalls: int = 0
+    concurrency: int = 0
+    min_concurrency_seen: int = 0
