@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
-from torch.distributed.checkpoint.utils import narrow_tensor_by_index
+from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from ..errors import CorruptCheckpoint
 from ..storage import url as urls
