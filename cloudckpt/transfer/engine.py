@@ -211,13 +211,24 @@ class TransferEngine:
 
     def _run_all(self, submit: Callable[[Any], Future], items: Iterable) -> list:
         failed = threading.Event()
-        futures = []
+        futures: list[Future] = []
+
+        def on_done(f: Future) -> None:
+            # runs in the failing worker inside set_exception, before it starts the
+            # next queued transfer: the rest are cancelled before any can start
+            if f.cancelled() or f.exception() is not None:
+                failed.set()
+                for other in list(futures):
+                    other.cancel()
+
         for item in items:
             if failed.is_set():
                 break  # do not even queue the rest (matters with an inline executor)
             f = submit(item)
-            f.add_done_callback(lambda f: (f.cancelled() or f.exception() is not None) and failed.set())
             futures.append(f)
+            f.add_done_callback(on_done)
+            if failed.is_set():
+                f.cancel()
         return self.wait_all(futures)
 
     @staticmethod
@@ -234,6 +245,11 @@ class TransferEngine:
                 for other in futures:
                     other.cancel()
                 if f.cancelled():
+                    # a cancellation is usually the echo of an error (the batch cancels
+                    # the rest from the failing future's callbacks): raise the error
+                    failed = [x for x in futures if x.done() and not x.cancelled() and x.exception() is not None]
+                    if failed:
+                        raise failed[0].exception()
                     raise cf.CancelledError("a transfer was cancelled")
                 raise f.exception()
         return [f.result() for f in futures]

@@ -1,0 +1,416 @@
+"""The transfer engine against an in-memory store with scripted faults and the
+local backend: ordering, cancellation, retries, stalls, AIMD, byte budget,
+bandwidth cap, CRC32C and progress."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import io
+import random
+import threading
+import time
+
+import google_crc32c
+import pytest
+
+from cloudckpt.errors import (
+    AccessDenied,
+    AlreadyExists,
+    ConfigError,
+    InvalidURL,
+    NotFound,
+    PreconditionFailed,
+    Throttled,
+    TransferStalled,
+    Transient,
+)
+from cloudckpt.transfer import (
+    Crc32cReader,
+    ProgressSubscriber,
+    SerialExecutor,
+    TokenBucket,
+    TqdmProgress,
+    TransferConfig,
+    TransferEngine,
+    crc32c_bytes,
+    crc32c_file,
+)
+
+KiB = 1024
+MiB = 1024 * 1024
+
+
+def g_crc(data: bytes) -> str:
+    return google_crc32c.Checksum(data).hexdigest().decode()
+
+
+class Recorder(ProgressSubscriber):
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.queued, self.progress, self.done = {}, {}, {}
+
+    def on_queued(self, url, size):
+        self.queued.setdefault(url, []).append(size)
+
+    def on_progress(self, url, nbytes):
+        with self.lock:
+            self.progress[url] = self.progress.get(url, 0) + nbytes
+
+    def on_done(self, url, result_or_exception):
+        self.done[url] = result_or_exception
+
+
+# ---------------------------------------------------------------- order and cancellation
+def test_results_are_in_input_order_when_transfers_finish_in_reverse(faulty, make_files):
+    files = make_files(6, 10 * KiB)
+    pairs = [(p, f"faulty://bucket/o{i}") for i, (p, _) in enumerate(files)]
+    for i, (_, url) in enumerate(pairs):  # earlier transfers take longer
+        faulty.script(url, ("sleep", 0.05 * (len(pairs) - i)))
+    with TransferEngine(TransferConfig(max_concurrency=6)) as engine:
+        results = engine.upload_all(pairs)
+        finish_order = [u for op, u in faulty.calls]
+        reads = engine.read_all([(u, 0, 100) for _, u in reversed(pairs)])
+    assert [r.url for r in results] == [u for _, u in pairs]
+    assert [r.local_path for r in results] == [p for p, _ in pairs]
+    assert [r.crc32c for r in results] == [g_crc(d) for _, d in files]
+    assert reads == [d[:100] for _, d in reversed(files)]
+    assert finish_order  # the calls happened concurrently (start order recorded)
+
+
+@pytest.mark.parametrize("executor", [None, SerialExecutor()], ids=["threads", "serial"])
+def test_first_fatal_error_cancels_not_started_transfers_and_is_raised(faulty, make_files, executor):
+    files = make_files(6, 4 * KiB)
+    pairs = [(p, f"faulty://bucket/c{i}") for i, (p, _) in enumerate(files)]
+    faulty.script(pairs[0][1], ("sleep", 0.05))
+    faulty.script(pairs[1][1], AccessDenied("put faulty://bucket/c1: access denied", url=pairs[1][1]))
+    with TransferEngine(TransferConfig(max_concurrency=1), executor=executor) as engine:
+        with pytest.raises(AccessDenied, match="c1"):
+            engine.upload_all(pairs)
+    started = [u for op, u in faulty.calls]
+    assert started == [pairs[0][1], pairs[1][1]], "transfers after the failure must not start"
+    assert set(faulty.objects) == {pairs[0][1]}
+
+
+def test_wait_all_raises_the_error_that_happened_first_and_cancels_pending():
+    a, b, c = cf.Future(), cf.Future(), cf.Future()
+    a.set_running_or_notify_cancel()  # a started: it cannot be cancelled, it fails later
+    b.set_exception(NotFound("b is missing"))  # fails first, though second in order
+    threading.Timer(0.2, lambda: a.set_exception(AccessDenied("a denied"))).start()
+    with pytest.raises(NotFound, match="b is missing"):
+        TransferEngine.wait_all([a, b, c])
+    assert c.cancelled() and not a.cancelled()
+    assert isinstance(a.exception(timeout=2), AccessDenied)
+
+
+def test_wait_all_returns_results_in_input_order():
+    futs = [cf.Future() for _ in range(4)]
+    for i in reversed(range(4)):
+        futs[i].set_result(i)
+    assert TransferEngine.wait_all(futs) == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- retries
+def test_transient_errors_are_retried_with_seeded_full_jitter_backoff(faulty, make_files, clock):
+    (path, data), = make_files(1, 100 * KiB)
+    url = "faulty://bucket/retry"
+    faulty.script(url, Transient("503 server error", url=url), Throttled("SlowDown", url=url))
+    cfg = TransferConfig(max_attempts=4, backoff_base=0.5, backoff_max=20.0, stall_timeout=0)
+    with TransferEngine(cfg, executor=SerialExecutor(), clock=clock, sleep=clock.sleep, rng=random.Random(7)) as engine:
+        result = engine.submit_upload(path, url).result()
+        stats = engine.stats()
+    expected_rng = random.Random(7)
+    assert clock.sleeps == [expected_rng.uniform(0, 0.5), expected_rng.uniform(0, 1.0)]
+    assert result.attempts == 3 and result.crc32c == g_crc(data)
+    assert faulty.objects[url] == data
+    assert (stats.retries, stats.throttled, stats.transfers) == (2, 1, 1)
+
+
+def test_retries_stop_after_max_attempts_and_raise_the_last_error(faulty, make_files, clock):
+    (path, _), = make_files(1, 1 * KiB)
+    url = "faulty://bucket/always-503"
+    faulty.script(url, *[Transient(f"503 #{i}", url=url) for i in range(10)])
+    with TransferEngine(TransferConfig(max_attempts=3, stall_timeout=0), executor=SerialExecutor(),
+                        clock=clock, sleep=clock.sleep) as engine:
+        with pytest.raises(Transient, match="503 #2"):
+            engine.submit_upload(path, url).result()
+        assert engine.stats().retries == 2
+    assert faulty.calls.count(("upload", url)) == 3
+
+
+@pytest.mark.parametrize("exc", [AccessDenied("denied"), NotFound("missing"), PreconditionFailed("precondition"),
+                                 AlreadyExists("exists"), InvalidURL("bad url")],
+                         ids=lambda e: type(e).__name__)
+def test_fatal_errors_are_not_retried(faulty, make_files, clock, exc):
+    (path, _), = make_files(1, 1 * KiB)
+    url = "faulty://bucket/fatal"
+    faulty.script(url, exc, exc, exc)
+    with TransferEngine(TransferConfig(max_attempts=4), executor=SerialExecutor(), clock=clock, sleep=clock.sleep) as engine:
+        with pytest.raises(type(exc)):
+            engine.submit_upload(path, url).result()
+        assert engine.stats().retries == 0
+    assert faulty.calls == [("upload", url)] and clock.sleeps == []
+
+
+def test_missing_local_file_fails_without_retry(faulty, tmp_path):
+    with TransferEngine(executor=SerialExecutor()) as engine:
+        with pytest.raises(FileNotFoundError, match="nope.bin"):
+            engine.submit_upload(str(tmp_path / "nope.bin"), "faulty://bucket/x").result()
+        assert engine.stats().retries == 0
+
+
+# ---------------------------------------------------------------- stall watchdog
+def test_stall_watchdog_fails_a_blocked_upload_within_stall_timeout(faulty, make_files):
+    (path, _), = make_files(1, 256 * KiB)
+    url = "faulty://bucket/stuck"
+    faulty.script(url, ("block",))
+    with TransferEngine(TransferConfig(stall_timeout=0.3, max_attempts=1)) as engine:
+        t0 = time.monotonic()
+        fut = engine.submit_upload(path, url)
+        with pytest.raises(TransferStalled) as ei:
+            fut.result(timeout=5)
+        elapsed = time.monotonic() - t0
+        assert 0.3 <= elapsed < 0.3 + 0.5, elapsed
+        assert url in str(ei.value) and "0.3s" in str(ei.value)
+        faulty.release()  # the stuck worker wakes up: its late outcome must be ignored
+        time.sleep(0.2)
+        stats = engine.stats()
+    assert (stats.stalls, stats.transfers) == (1, 0)
+    assert isinstance(fut.exception(), TransferStalled)
+    assert url not in faulty.objects, "the abandoned attempt must stop at its next progress callback"
+
+
+def test_stalled_attempt_is_retried_and_the_stuck_attempt_is_ignored(faulty, make_files):
+    (path, data), = make_files(1, 256 * KiB)
+    url = "faulty://bucket/stuck-once"
+    faulty.script(url, ("block",))
+    cfg = TransferConfig(stall_timeout=0.3, max_attempts=2, backoff_base=0.01)
+    with TransferEngine(cfg) as engine:
+        result = engine.submit_upload(path, url).result(timeout=5)
+        faulty.release()
+        time.sleep(0.2)
+        stats = engine.stats()
+    assert result.attempts == 2 and result.crc32c == g_crc(data)
+    assert faulty.objects[url] == data
+    assert (stats.stalls, stats.retries, stats.transfers) == (1, 1, 1)
+
+
+def test_stall_watchdog_counts_a_whole_range_read_as_one_request(faulty):
+    url = "faulty://bucket/slow-read"
+    faulty.objects[url] = b"x" * 1000
+    faulty.script(url, ("sleep", 1.0))
+    with TransferEngine(TransferConfig(stall_timeout=0.3, max_attempts=1)) as engine:
+        t0 = time.monotonic()
+        with pytest.raises(TransferStalled, match="slow-read"):
+            engine.submit_read(url, 0, 10).result(timeout=5)
+        assert time.monotonic() - t0 < 0.9
+
+
+def test_stall_check_uses_the_injected_clock(faulty, make_files, clock):
+    (path, _), = make_files(1, 1 * KiB)
+    url = "faulty://bucket/fake-clock-stall"
+    faulty.script(url, ("block",))
+    engine = TransferEngine(TransferConfig(stall_timeout=60, max_attempts=1), clock=clock)
+    fut = engine.submit_upload(path, url)
+    deadline = time.monotonic() + 5
+    while not faulty.calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    clock.t += 59
+    assert engine.check_stalls() == 0 and not fut.done()
+    clock.t += 2
+    assert engine.check_stalls() == 1
+    assert isinstance(fut.exception(timeout=1), TransferStalled)
+    faulty.release()
+    engine.close()
+
+
+# ---------------------------------------------------------------- AIMD and budgets
+def test_aimd_halves_on_throttle_once_per_window_and_recovers_additively(faulty, make_files, clock):
+    files = make_files(1, 1 * KiB)
+    path = files[0][0]
+    cfg = TransferConfig(max_concurrency=8, min_concurrency=2, stall_timeout=0)
+    with TransferEngine(cfg, executor=SerialExecutor(), clock=clock, sleep=clock.sleep) as engine:
+        def upload(name, *actions):
+            faulty.script(f"faulty://bucket/{name}", *actions)
+            engine.submit_upload(path, f"faulty://bucket/{name}").result()
+
+        upload("t1", ("signal", "throttled"))
+        assert engine.stats().concurrency == 4
+        upload("t2", ("signal", "throttled"))  # same 1 s window: no second cut
+        assert engine.stats().concurrency == 4
+        clock.t += 1.5
+        upload("t3", ("signal", "throttled"))
+        clock.t += 1.5
+        upload("t4", ("signal", "throttled"))  # floor: min_concurrency
+        assert engine.stats().concurrency == 2
+        upload("t5", ("signal", "transient"))  # a plain retry is no throttle signal
+        s = engine.stats()
+        assert (s.concurrency, s.throttled, s.sdk_retries, s.min_concurrency_seen) == (2, 4, 5, 2)
+        for i in range(7):  # t5 was the first clean success: 8 in all
+            upload(f"ok{i}")
+        assert engine.stats().concurrency == 3
+        for i in range(8 * 5):
+            upload(f"more{i}")
+        assert engine.stats().concurrency == 8, "recovery stops at max_concurrency"
+
+
+def test_in_flight_transfers_follow_the_lowered_limit(faulty, make_files):
+    files = make_files(12, 1 * KiB)
+    with TransferEngine(TransferConfig(max_concurrency=8)) as engine:
+        faulty.script("faulty://bucket/first", ("signal", "throttled"))
+        engine.submit_upload(files[0][0], "faulty://bucket/first").result()
+        assert engine.stats().concurrency == 4
+        faulty.peak_active = 0
+        pairs = [(p, f"faulty://bucket/p{i}") for i, (p, _) in enumerate(files)]
+        for _, u in pairs:
+            faulty.script(u, ("sleep", 0.05))
+        engine.upload_all(pairs)
+    assert faulty.peak_active == 4
+
+
+def test_bytes_in_flight_are_bounded_and_a_larger_transfer_runs_alone(faulty, make_files):
+    small = make_files(6, 100 * KiB, prefix="s")
+    (big, _), = make_files(1, 300 * KiB, prefix="b")
+    with TransferEngine(TransferConfig(max_concurrency=8, max_bytes_in_flight=250 * KiB)) as engine:
+        pairs = [(p, f"faulty://bucket/s{i}") for i, (p, _) in enumerate(small)]
+        for _, u in pairs:
+            faulty.script(u, ("sleep", 0.05))
+        engine.upload_all(pairs)
+        assert faulty.peak_active == 2
+        faulty.peak_active = 0
+        assert engine.submit_upload(big, "faulty://bucket/big").result().size == 300 * KiB
+    assert faulty.peak_active == 1
+
+
+# ---------------------------------------------------------------- bandwidth
+def test_token_bucket_schedule_with_fake_clock(clock):
+    bucket = TokenBucket(1000.0, clock=clock, sleep=clock.sleep)
+    t0 = clock.t
+    for _ in range(10):
+        bucket.consume(500)
+    assert clock.t - t0 == pytest.approx(5.0)
+    clock.t += 100  # idle time gives no credit for a later burst
+    assert bucket.consume(1000) == pytest.approx(1.0)
+
+
+def test_bandwidth_cap_holds_within_10_percent_across_concurrent_uploads(make_files, tmp_path):
+    rate = 20e6
+    files = make_files(4, 10 * MiB)
+    pairs = [(p, str(tmp_path / "out" / f"o{i}")) for i, (p, _) in enumerate(files)]
+    with TransferEngine(TransferConfig(max_concurrency=4, bandwidth_limit=rate)) as engine:
+        t0 = time.monotonic()
+        engine.upload_all(pairs)
+        elapsed = time.monotonic() - t0
+    measured = 4 * 10 * MiB / elapsed
+    assert 0.9 * rate <= measured <= 1.1 * rate, f"{measured / 1e6:.1f} MB/s against a cap of {rate / 1e6:.0f} MB/s"
+
+
+# ---------------------------------------------------------------- CRC32C
+def test_crc32c_helpers_match_google_crc32c(tmp_path):
+    data = bytes(range(256)) * 1000
+    p = tmp_path / "d"
+    p.write_bytes(data)
+    assert crc32c_bytes(data) == crc32c_file(p, chunk_size=999) == g_crc(data)
+    assert crc32c_bytes(b"123456789") == "e3069283"  # the CRC32C check value
+
+
+def test_crc32c_reader_restarts_on_seek_zero_and_reports_an_incomplete_prefix():
+    data = bytes(range(256)) * 100
+    r = Crc32cReader(io.BytesIO(data))
+    r.read(1000)
+    r.seek(0)
+    while r.read(777):
+        pass
+    assert (r.hexdigest(), r.bytes_covered) == (g_crc(data), len(data))
+    r.seek(500)
+    r.read(10)  # re-reading covered bytes changes nothing
+    assert r.hexdigest() == g_crc(data)
+    r2 = Crc32cReader(io.BytesIO(data))
+    r2.seek(100)
+    r2.read()  # skipped the first 100 bytes: the CRC cannot cover the file
+    assert r2.bytes_covered == 0
+
+
+def test_upload_crc32c_is_right_after_a_backend_restart_and_an_engine_retry(faulty, make_files, clock):
+    (path, data), = make_files(1, 1 * MiB)
+    a, b = "faulty://bucket/restarted", "faulty://bucket/retried"
+    faulty.script(a, ("restart",))
+    faulty.script(b, ("midway", Transient("connection reset", url=b)))
+    with TransferEngine(executor=SerialExecutor(), clock=clock, sleep=clock.sleep) as engine:
+        ra = engine.submit_upload(path, a).result()
+        rb = engine.submit_upload(path, b).result()
+    assert ra.crc32c == rb.crc32c == g_crc(data)
+    assert (ra.attempts, rb.attempts) == (1, 2)
+    assert faulty.objects[a] == faulty.objects[b] == data
+
+
+def test_checksum_off_gives_no_crc(faulty, make_files):
+    (path, _), = make_files(1, 1 * KiB)
+    with TransferEngine(TransferConfig(checksum=False), executor=SerialExecutor()) as engine:
+        assert engine.submit_upload(path, "faulty://bucket/nocrc").result().crc32c is None
+
+
+def test_local_download_writes_the_file_and_its_crc(make_files, tmp_path):
+    (path, data), = make_files(1, 3 * MiB)
+    dest = tmp_path / "dl" / "copy.bin"
+    with TransferEngine() as engine:
+        (r,) = engine.download_all([(path, str(dest))])
+    assert dest.read_bytes() == data and r.size == len(data) and r.crc32c == g_crc(data)
+    assert [p.name for p in dest.parent.iterdir()] == ["copy.bin"]
+
+
+# ---------------------------------------------------------------- progress
+def test_progress_sums_to_the_size_even_when_an_attempt_is_restarted(faulty, make_files, clock):
+    (path, data), = make_files(1, 1 * MiB)
+    url = "faulty://bucket/progress"
+    faulty.script(url, ("midway", Transient("reset", url=url)))
+    rec = Recorder()
+    with TransferEngine(progress=rec, executor=SerialExecutor(), clock=clock, sleep=clock.sleep) as engine:
+        result = engine.submit_upload(path, url).result()
+        engine.submit_download(url, path + ".back").result()
+    assert rec.queued == {url: [len(data), None]}  # a download's size is not known up front
+    assert rec.progress[url] == 2 * len(data)  # the upload, then the download
+    assert rec.done[url].local_path == path + ".back" and result.attempts == 2
+
+
+def test_tqdm_progress_bar_reaches_the_total(make_files, tmp_path):
+    files = make_files(3, 200 * KiB)
+    out = io.StringIO()
+    with TqdmProgress(file=out, mininterval=0) as bar:
+        with TransferEngine(progress=bar) as engine:
+            engine.upload_all([(p, str(tmp_path / "o" / f"{i}")) for i, (p, _) in enumerate(files)])
+        assert bar.bar.total == bar.bar.n == 3 * 200 * KiB
+
+
+# ---------------------------------------------------------------- lifecycle and config
+def test_close_removes_retry_listeners_and_refuses_new_work(faulty, make_files):
+    (path, _), = make_files(1, 1 * KiB)
+    engine = TransferEngine()
+    engine.submit_upload(path, "faulty://bucket/l").result()
+    assert faulty._retry_listeners
+    engine.close()
+    assert faulty._retry_listeners == []
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit_upload(path, "faulty://bucket/l2")
+
+
+def test_close_without_wait_cancels_queued_transfers(faulty, make_files):
+    files = make_files(3, 1 * KiB)
+    url0 = "faulty://bucket/q0"
+    faulty.script(url0, ("sleep", 0.2))
+    engine = TransferEngine(TransferConfig(max_concurrency=1))
+    futs = [engine.submit_upload(p, f"faulty://bucket/q{i}") for i, (p, _) in enumerate(files)]
+    time.sleep(0.05)
+    engine.close(wait=False)
+    assert [f.cancelled() for f in futs] == [False, True, True]
+    assert futs[0].result(timeout=2).url == url0
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_concurrency", 0), ("min_concurrency", 9), ("max_bytes_in_flight", -1), ("bandwidth_limit", 0),
+    ("stall_timeout", -1), ("max_attempts", 0), ("backoff_base", -0.1), ("backoff_max", 0.1), ("checksum", "yes"),
+    ("max_concurrency", 2.5),
+])
+def test_config_rejects_bad_values_naming_field_and_value(field, value):
+    with pytest.raises(ConfigError) as ei:
+        TransferConfig(**{field: value})
+    assert field in str(ei.value) and repr(value) in str(ei.value)
