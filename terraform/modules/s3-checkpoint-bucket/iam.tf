@@ -154,7 +154,7 @@ resource "aws_iam_role" "trainer" {
   lifecycle {
     precondition {
       condition     = var.create_iam_policies
-      error_message = "create_trainer_role needs create_iam_policies = true (the role gets the trainer policy)."
+      error_message = "The create_trainer_role option needs create_iam_policies = true (the role gets the trainer policy)."
     }
   }
 }
