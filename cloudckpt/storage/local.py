@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from typing import BinaryIO, Iterator
 
-from ..errors import AccessDenied, AlreadyExists, NotFound, StorageError, Transient
+from ..errors import AccessDenied, AlreadyExists, InvalidURL, NotFound, StorageError, Transient
 from .base import MiB, ListEntry, ObjectInfo, ObjectStore, Progress
 from .url import parse_url
 
@@ -25,7 +25,10 @@ class LocalStore(ObjectStore):
 
     @staticmethod
     def _path(url: str) -> str:
-        return parse_url(url).key
+        p = parse_url(url)
+        if p.scheme != "file":
+            raise InvalidURL(f"not a local path or file:// URL: {url!r}", url=url)
+        return p.key
 
     @staticmethod
     def _err(e: OSError, url: str, what: str) -> StorageError:
@@ -57,6 +60,8 @@ class LocalStore(ObjectStore):
                     raise AlreadyExists(f"{url} already exists", url=url) from None
             else:
                 os.replace(tmp, path)
+        except StorageError:
+            raise  # AlreadyExists is an OSError too: keep it as it is
         except OSError as e:
             raise self._err(e, url, "write") from e
         finally:
@@ -69,6 +74,8 @@ class LocalStore(ObjectStore):
         self._write(url, lambda f: f.write(data), if_absent=if_absent)
 
     def get_bytes(self, url: str, *, start: int | None = None, end: int | None = None) -> bytes:
+        if end is not None and end <= (start or 0):
+            return b""
         try:
             with open(self._path(url), "rb") as f:
                 if start:

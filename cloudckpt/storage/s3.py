@@ -202,6 +202,10 @@ class S3Store(ObjectStore):
             kw["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
         try:
             return self.client.get_object(Bucket=bucket, Key=key, **kw)["Body"].read()
+        except bex.ClientError as e:
+            if kw and e.response.get("Error", {}).get("Code") == "InvalidRange":
+                return b""  # the range starts at or after the end (or the object is empty): like slicing
+            raise translate(e, url, "get") from None
         except Exception as e:  # noqa: BLE001 - translated below
             raise translate(e, url, "get") from None
 

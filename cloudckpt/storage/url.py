@@ -59,7 +59,7 @@ def parse_url(url: str) -> ParsedURL:
             "letters, digits, dots or hyphens, starting and ending with a letter or digit",
             url=url,
         )
-    if "//" in key:
+    if "//" in key or key.startswith("/"):
         raise InvalidURL(f"URL {url!r} has an empty path segment ('//'): remove it", url=url)
     return ParsedURL(scheme, bucket, key)
 
