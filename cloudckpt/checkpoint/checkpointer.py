@@ -22,6 +22,7 @@ Save, on every rank (collective steps in CAPITALS):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -29,6 +30,7 @@ import socket
 import tempfile
 import time
 import uuid
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -36,6 +38,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import dist
 from .._version import __version__
@@ -158,15 +161,17 @@ class Checkpointer:
         locked = False  # rank 0 holds the step's lock
         try:
             def prepare():
-                nonlocal work, locked
-                if self.coord.is_coordinator:
-                    self._prepare_step(dir, save_id)
-                    locked = True
+                nonlocal locked
+                self._prepare_step(dir, save_id)
+                locked = True
+
+            def make_work_dir():
+                nonlocal work
                 os.makedirs(self.work_dir, exist_ok=True)
                 work = tempfile.mkdtemp(dir=self.work_dir, prefix=f"step{step}-rank{self.coord.rank}-")  # mode 0700
-                return True
 
-            self.coord.all_ranks("prepare", prepare, error=SaveFailed.from_failures)
+            self.coord.on_coordinator("prepare", prepare)
+            self.coord.all_ranks("work dir", make_work_dir, error=SaveFailed.from_failures)
             outcome = self._write_and_upload(dir, work, state_dict, train_state)
             results = self.coord.all_ranks("agree", lambda: outcome.result(), error=SaveFailed.from_failures)
             marker = Marker(
@@ -204,6 +209,7 @@ class Checkpointer:
 
     def _prepare_step(self, dir: str, save_id: str) -> None:
         store = open_store(dir, self.storage_options)
+        store.check_bucket(dir)  # a clear BucketNotFound; some S3-compatible stores would create it on PUT
         marker, lock = layout.marker_url(dir), urls.join(dir, layout.LOCK)
         if store.exists(marker):
             if not self.save_overwrite:
@@ -253,14 +259,15 @@ class Checkpointer:
         writer = UploadingWriter(os.path.join(work, layout.MODEL_DIR), on_file, thread_count=self.thread_count)
         error: BaseException | None = None
         try:
-            dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=self.coord.group)
+            with _quiet_dcp():
+                dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=self.coord.group)
             if train_state is not None:
                 path = os.path.join(work, layout.train_state_name(self.coord.rank))
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 torch.save(train_state, path)
                 on_file(path)
         except BaseException as e:  # noqa: BLE001 - carried to every rank by AGREE
-            error = e
+            error = _unwrap_dcp(e)
         entries = []
         try:
             results = TransferEngine.wait_all([f for _, _, f in uploads])
@@ -372,9 +379,10 @@ class Checkpointer:
             )
             planner = _KeyCheckingPlanner(strict=strict, optional_prefixes=optional)
             try:
-                dcp.load(sd, storage_reader=reader, planner=planner, process_group=self.coord.group)
-            except Exception as e:  # noqa: BLE001 - unwrap DCP's CheckpointException to our typed error
-                raise _unwrap_dcp(e) from e
+                with _quiet_dcp():
+                    dcp.load(sd, storage_reader=reader, planner=planner, process_group=self.coord.group)
+            except CheckpointException as e:
+                raise _unwrap_dcp(e) from None
             state_dict.update(sd)  # top-level non-tensor values are replaced, not filled in place
         finally:
             if local:
@@ -441,6 +449,14 @@ class Checkpointer:
         self.close()
 
 
+@contextlib.contextmanager
+def _quiet_dcp():
+    """DCP warns that it runs without torch.distributed in single-process jobs; that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def _crc_range(path: str, offset: int, length: int) -> str:
     with open(path, "rb") as f:
         f.seek(offset)
@@ -448,11 +464,11 @@ def _crc_range(path: str, offset: int, length: int) -> str:
 
 
 def _unwrap_dcp(e: BaseException) -> BaseException:
-    """DCP wraps per-rank errors in CheckpointException; surface our typed error."""
+    """DCP wraps per-rank errors in CheckpointException (a BaseException carrying
+    ``{rank: (exception, traceback)}``); surface the first underlying error."""
     failures = getattr(e, "failures", None)
-    if isinstance(failures, dict):
-        for exc in failures.values():
-            inner = getattr(exc, "exception", exc)
-            if isinstance(inner, CloudCkptError):
-                return inner
+    if isinstance(e, CheckpointException) and isinstance(failures, dict) and failures:
+        inner = [v[0] if isinstance(v, tuple) else v for _, v in sorted(failures.items())]
+        typed = [x for x in inner if isinstance(x, CloudCkptError)]
+        return typed[0] if typed else inner[0]
     return e

@@ -142,7 +142,7 @@ class StreamingReader(StorageReader):
         target.copy_(tensor)
         planner.commit_tensor(req, target)
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         per_file: dict[str, list[tuple[int, int, ReadItem]]] = {}
         for req in plan.items:
             s = self.storage_data[req.storage_index]
@@ -151,7 +151,7 @@ class StreamingReader(StorageReader):
             self._read_local(per_file, planner)
         else:
             self._read_remote(per_file, planner)
-        f: Future = Future()
+        f: torch.futures.Future = torch.futures.Future()
         f.set_result(None)
         return f
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -52,7 +50,7 @@ def save_sharded(rank, world_size, dir, work_dir, seed=0, ephemeral=False):
     ck = Checkpointer(work_dir=work_dir)
     marker = ck.save(dir, sharded_state(world_size, seed), {"rank": rank, "step": 7, "lr": 0.1}, ephemeral=ephemeral)
     ck.close()
-    return {"objects": [o.path for o in marker.objects], "world_size": marker.world_size, "work_left": os.listdir(work_dir)}
+    return {"objects": [o.path for o in marker.objects], "world_size": marker.world_size}
 
 
 def load_sharded(rank, world_size, dir, work_dir, pre_download=False):
@@ -60,7 +58,7 @@ def load_sharded(rank, world_size, dir, work_dir, pre_download=False):
     sd = sharded_state(world_size, zero=True)
     ts = ck.load(dir, sd)
     ck.close()
-    return {"tensors": gathered(sd), "step": sd["optim"]["step"], "train_state": ts, "work_left": os.listdir(work_dir)}
+    return {"tensors": gathered(sd), "step": sd["optim"]["step"], "train_state": ts}
 
 
 def save_with_failing_rank(rank, world_size, dir, work_dir, bad_rank):
@@ -83,7 +81,7 @@ def save_with_failing_rank(rank, world_size, dir, work_dir, bad_rank):
     try:
         ck.save(dir, sharded_state(world_size), {"rank": rank})
     except CloudCkptError as e:
-        return {"error": type(e).__name__, "message": str(e), "work_left": os.listdir(work_dir)}
+        return {"error": type(e).__name__, "message": str(e)}
     finally:
         ck.close()
     return {"error": None}
