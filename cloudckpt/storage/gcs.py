@@ -394,7 +394,7 @@ class GCSStore(ObjectStore):
 
     def list(self, prefix: str, *, delimiter: str | None = "/") -> Iterator[ListEntry]:
         bucket, key = _split(prefix)
-        base = f"gs://{bucket}/"
+        base = f"{parse_url(prefix).scheme}://{bucket}/"  # the caller's spelling (gs:// or gcs://)
         try:
             it = self.client.list_blobs(
                 bucket,

@@ -355,7 +355,7 @@ def test_missing_bucket_raises_bucket_not_found(backend):
 def test_wrong_credentials_raise_access_denied_without_leaking_the_secret(backend, monkeypatch):
     if backend.name != "seaweedfs":
         pytest.skip({
-            "local": "local folders have no credentials (file modes are tested by the local backend's own tests)",
+            "local": "local folders have no credentials to get wrong",
             "moto": "moto server accepts any credentials",
             "gcs": "fake-gcs-server accepts any credentials (missing ADC is tested in test_gcs.py)",
         }[backend.name])

@@ -134,6 +134,38 @@ def test_upload_from_a_non_seekable_stream_in_chunks(gcs_bucket):
     assert len(progress) == 3 and sum(progress) == len(data)  # 5 MiB + 5 MiB + the rest
 
 
+def test_chunked_conditional_create_asks_for_generation_0_and_maps_412_to_already_exists(gcs_bucket, fake_gcs):
+    # fake-gcs-server ignores ifGenerationMatch on resumable uploads (it enforces it on
+    # single-request ones), so what is checked here is what we send and how a 412 is
+    # read; real GCS checks the precondition when the session starts and when it ends.
+    store = GCSStore(StorageOptions(multipart_threshold=1024 * 1024, part_size=5 * 1024 * 1024))
+    data = b"y" * (9 * 1024 * 1024)  # above the single-request size: a resumable upload
+    sent: list[str] = []
+
+    class Record(requests.adapters.HTTPAdapter):
+        def send(self, request, **kw):
+            sent.append(f"{request.method} {request.url}")
+            return super().send(request, **kw)
+
+    store.client._http.mount(fake_gcs.endpoint_url, Record())
+    store.upload_fileobj(io.BytesIO(data), gcs_bucket + "/big-new", size=len(data), if_absent=True)
+    assert store.get_bytes(gcs_bucket + "/big-new", start=len(data) - 3) == b"yyy"
+    starts = [r for r in sent if r.startswith("POST") and "uploadType=resumable" in r]
+    assert len(starts) == 1 and "ifGenerationMatch=0" in starts[0]
+    assert sum(r.startswith("PUT") for r in sent) == 2  # 5 MiB + 4 MiB chunks
+
+    _inject(store, fake_gcs.endpoint_url, FaultAdapter(status=412, n=1, method="POST"))
+    with pytest.raises(AlreadyExists):
+        store.upload_fileobj(io.BytesIO(data), gcs_bucket + "/big-new", size=len(data), if_absent=True)
+
+
+def test_listing_keeps_the_gcs_alias_scheme_of_the_prefix(gcs_bucket):
+    store = GCSStore()
+    store.put_bytes(gcs_bucket + "/alias/obj", b"x")
+    alias = gcs_bucket.replace("gs://", "gcs://", 1)
+    assert [e.url for e in store.list(alias + "/alias/")] == [alias + "/alias/obj"]
+
+
 # ---------------------------------------------------------------- retries (faults injected)
 class FaultAdapter(requests.adapters.HTTPAdapter):
     """Answers the first ``n`` matching requests with ``status`` (after sending them
