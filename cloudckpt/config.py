@@ -151,6 +151,13 @@ class CheckpointConfig:
             p = urls.parse_url(self.save_folder)
         except InvalidURL as e:
             raise ConfigError(f"save_folder={self.save_folder!r} is not usable: {e}") from None
+        from .storage import known_schemes
+
+        if p.scheme not in known_schemes():
+            raise ConfigError(
+                f"save_folder={self.save_folder!r} has an unknown scheme {p.scheme + '://'!r}: use a local path, "
+                "s3://bucket/prefix or gs://bucket/prefix"
+            )
         if p.scheme != "file" and not p.key.strip("/"):
             raise ConfigError(
                 f"save_folder={self.save_folder!r} is a bucket root: use a prefix such as {self.save_folder.rstrip('/')}/run-1, "

@@ -87,8 +87,9 @@ def gc(folder: str, *, older_than: float = 3600.0, only_steps_above: int | None 
             if step <= only_steps_above:
                 continue
         else:
+            # a folder with no objects yet may be a save that is just starting: leave it
             newest = max((o.mtime or now for o in store.walk(urls.as_prefix(dir))), default=None)
-            if newest is not None and now - newest < older_than:
+            if newest is None or now - newest < older_than:
                 continue
         doomed.append(dir)
     uploads = [u for u in store.list_multipart_uploads(urls.as_prefix(folder))

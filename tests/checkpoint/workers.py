@@ -97,3 +97,52 @@ def save_plain(rank, world_size, dir, work_dir, value):
         return f"{type(e).__name__}: {e}"
     finally:
         ck.close()
+
+
+def async_roundtrip(rank, world_size, dir, work_dir):
+    """save_async while the training group runs its own collectives, then load back."""
+    import torch.distributed as tdist
+
+    ck = Checkpointer(work_dir=work_dir)
+    sd = sharded_state(world_size)
+    fut = ck.save_async(dir, sd, {"rank": rank})
+    # training goes on: mutate the live state and run collectives on the default group
+    with torch.no_grad():
+        sd["model"]["w"].to_local().add_(100.0)
+    for _ in range(20):
+        t = torch.ones(8)
+        tdist.all_reduce(t)
+        assert t[0].item() == world_size
+    marker = fut.result(timeout=120)
+    ck.wait()
+    out = sharded_state(world_size, zero=True)
+    ts = ck.load(dir, out)
+    ck.close()
+    return {"tensors": gathered(out), "train_state": ts, "objects": len(marker.objects)}
+
+
+def async_failure(rank, world_size, dir, work_dir):
+    """An async save whose uploads fail on rank 1: the error surfaces on the next save and on close."""
+    from cloudckpt.errors import AccessDenied, SaveFailed
+    from cloudckpt.storage import open_store
+
+    store = open_store(dir)
+    real = store.upload_fileobj
+    if rank == 1:
+        def broken(fileobj, url, **kw):
+            raise AccessDenied("injected async failure", url=url)
+
+        store.upload_fileobj = broken
+    ck = Checkpointer(work_dir=work_dir)
+    fut = ck.save_async(dir, sharded_state(world_size), {"rank": rank})
+    exc = fut.exception(timeout=120)
+    surfaced_on_next = None
+    try:
+        ck.save_async(dir, sharded_state(world_size), {"rank": rank})
+    except SaveFailed as e:
+        surfaced_on_next = str(e)
+    store.upload_fileobj = real
+    # the failure was reported once; a later save succeeds (the step was never committed)
+    ck.save_async(dir, sharded_state(world_size), {"rank": rank}).result(timeout=120)
+    ck.close()
+    return {"future_error": type(exc).__name__, "message": str(exc), "surfaced_on_next": surfaced_on_next}

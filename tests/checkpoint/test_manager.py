@@ -1,0 +1,187 @@
+"""Async saves, the manager (intervals, retention, resume, gc) and its config."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from cloudckpt import CheckpointConfig, Checkpointer
+from cloudckpt.checkpoint import discovery, layout, retention
+from cloudckpt.errors import ConfigError
+from cloudckpt.storage import open_store
+from cloudckpt.storage import url as urls
+from cloudckpt.testing.multiprocess import run_ranks
+
+from . import workers
+from .test_checkpointer import _assert_bitexact, _env
+
+
+def test_async_save_multi_rank_round_trip_while_training_collectives_run(s3_bucket, tmp_path):
+    step = s3_bucket + "/run/step5"
+    outs = run_ranks(2, workers.async_roundtrip, step, str(tmp_path / "work"), env=_env())
+    for r, out in enumerate(outs):
+        _assert_bitexact(out["tensors"])  # the staged copy, not the state mutated after save_async returned
+        assert out["train_state"] == {"rank": r}
+    assert os.listdir(tmp_path / "work") == []
+
+
+def test_async_failure_is_never_committed_and_surfaces_once(s3_bucket, tmp_path):
+    step = s3_bucket + "/run/step5"
+    outs = run_ranks(2, workers.async_failure, step, str(tmp_path / "work"), env=_env())
+    for out in outs:
+        assert out["future_error"] == "SaveFailed" and "injected async failure" in out["message"]
+        assert out["surfaced_on_next"] is not None and "rank 1" in out["surfaced_on_next"]
+    # the third save committed; nothing of the failed attempt is visible
+    assert discovery.dir_is_checkpoint(step)
+
+
+def test_async_error_surfaces_on_wait_and_close(tmp_path, monkeypatch):
+    from cloudckpt.errors import AccessDenied
+
+    root = str(tmp_path / "ckpt")
+    store = open_store(root)
+
+    def broken(*a, **kw):
+        raise AccessDenied("injected", url=root)
+
+    monkeypatch.setattr(store, "upload_fileobj", broken)
+    ck = Checkpointer(work_dir=str(tmp_path / "w"))
+    ck.save_async(urls.join(root, "step1"), {"w": torch.ones(3)})
+    with pytest.raises(Exception, match="injected"):
+        ck.wait()
+    ck.wait()  # reported once
+    ck.save_async(urls.join(root, "step2"), {"w": torch.ones(3)})
+    with pytest.raises(Exception, match="injected"):
+        ck.close()
+    assert not discovery.contains_checkpoint(root)
+
+
+def _run_30_steps(folder: str, work: str, async_save: bool) -> list[int]:
+    cfg = CheckpointConfig(save_folder=folder, work_dir=work, save_interval=10, ephemeral_save_interval=3,
+                           keep_last_ephemeral=1, max_checkpoints=1, keep_every=20, async_save=async_save,
+                           exact_resume=False)
+    mgr = cfg.build()
+    sd = {"model": {"w": torch.zeros(16)}}
+    for step in range(1, 31):
+        sd["model"]["w"].fill_(step)
+        mgr.maybe_save(step, sd, {"step": step})
+    mgr.close()
+    return [s for s, _ in discovery.find_checkpoints(folder)]
+
+
+@pytest.mark.parametrize("backend,async_save", [("local", False), ("s3", True)])
+def test_30_steps_with_intervals_and_retention_leave_exactly_the_policy_steps(backend, async_save, request, tmp_path):
+    folder = str(tmp_path / "run") if backend == "local" else request.getfixturevalue("s3_bucket") + "/run"
+    # persistent: 10, 20, 30; ephemeral: 3,6,9,...,27. keep_every=20 keeps 20; max_checkpoints=1 keeps 30
+    # of the rest; keep_last_ephemeral=1 keeps 27.
+    assert _run_30_steps(folder, str(tmp_path / "w"), async_save) == [20, 27, 30]
+    ephemeral = [s for s, _ in discovery.find_checkpoints(folder, ephemeral=True)]
+    assert ephemeral == [27]
+    store = open_store(folder)
+    leftovers = {o.url for o in store.walk(urls.as_prefix(folder))}
+    assert all(any(f"/step{s}/" in u for s in (20, 27, 30)) for u in leftovers), "pruned steps leave no objects"
+
+
+def test_resume_picks_newest_committed_step_and_clears_newer_uncommitted_leftovers(s3_bucket, tmp_path):
+    folder = s3_bucket + "/run"
+    ck = Checkpointer(work_dir=str(tmp_path / "w"))
+    ck.save(urls.join(folder, "step10"), {"model": {"w": torch.full((4,), 10.0)}}, {"step": 10})
+    store = open_store(folder)
+    leftover = urls.join(folder, "step20", "model_and_optim", "__0_0.distcp")
+    store.put_bytes(leftover, b"half-written")
+    mgr = CheckpointConfig(save_folder=folder, work_dir=str(tmp_path / "w"), save_interval=5).build()
+    sd = {"model": {"w": torch.zeros(4)}}
+    ts = mgr.resume(sd)
+    assert ts["step"] == 10 and mgr.resumed_step == 10
+    assert torch.equal(sd["model"]["w"], torch.full((4,), 10.0))
+    assert not store.exists(leftover), "the crashed attempt's step20 is removed before it is written again"
+    mgr.maybe_save(20, sd, {"step": 20})
+    mgr.close()
+    assert discovery.latest_checkpoint(folder) == urls.join(folder, "step20")
+
+
+def test_resume_returns_none_on_an_empty_folder(tmp_path):
+    mgr = CheckpointConfig(save_folder=str(tmp_path / "run"), work_dir=str(tmp_path / "w")).build()
+    assert mgr.resume({"w": torch.zeros(1)}) is None
+    mgr.close()
+
+
+def test_exact_resume_restores_rng_state(tmp_path):
+    folder = str(tmp_path / "run")
+    mgr = CheckpointConfig(save_folder=folder, work_dir=str(tmp_path / "w"), save_interval=1).build()
+    torch.manual_seed(123)
+    mgr.maybe_save(1, {"w": torch.zeros(2)}, {"step": 1})
+    expected = torch.rand(5)
+    mgr.close()
+    torch.manual_seed(999)
+    mgr = CheckpointConfig(save_folder=folder, work_dir=str(tmp_path / "w")).build()
+    mgr.resume({"w": torch.zeros(2)})
+    assert torch.equal(torch.rand(5), expected)
+    mgr.close()
+
+
+def test_gc_removes_old_uncommitted_folders_and_orphaned_uploads_only(s3_bucket, seaweed, tmp_path):
+    folder = s3_bucket + "/run"
+    ck = Checkpointer(work_dir=str(tmp_path / "w"))
+    ck.save(urls.join(folder, "step1"), {"w": torch.ones(2)}, None)
+    store = open_store(folder)
+    store.put_bytes(urls.join(folder, "step2", "model_and_optim", "__0_0.distcp"), b"x")  # crashed save
+    bucket = urls.parse_url(folder).bucket
+    seaweed.client().create_multipart_upload(Bucket=bucket, Key="run/step2/big.distcp")
+    # nothing is old enough yet
+    rep = retention.gc(folder, older_than=3600)
+    assert rep.step_dirs == [] and rep.uploads == []
+    # an hour later: the uncommitted folder and the upload go; the committed step stays
+    rep = retention.gc(folder, older_than=3600, dry_run=True, now=time.time() + 7200)
+    assert rep.step_dirs == [urls.join(folder, "step2")] and len(rep.uploads) == 1
+    assert store.exists(urls.join(folder, "step2", "model_and_optim", "__0_0.distcp")), "dry run deletes nothing"
+    retention.gc(folder, older_than=3600, now=time.time() + 7200)
+    assert list(store.walk(urls.as_prefix(urls.join(folder, "step2")))) == []
+    assert store.list_multipart_uploads(urls.as_prefix(folder)) == []
+    assert discovery.dir_is_checkpoint(urls.join(folder, "step1"))
+
+
+def test_prune_deletes_marker_first_and_never_the_newest():
+    committed = [(1, False), (2, True), (3, True), (4, False)]
+    assert retention.steps_to_prune(committed, retention.Policy(keep_last_ephemeral=1, max_checkpoints=1)) == [1, 2]
+    assert retention.steps_to_prune([(5, True)], retention.Policy(keep_last_ephemeral=1, max_checkpoints=1)) == []
+    assert retention.steps_to_prune(committed, retention.Policy(max_checkpoints=1), protect=frozenset({1})) == [2]
+
+
+# ------------------------------------------------------------------ config
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"save_interval": -5}, "save_interval"),
+        ({"ephemeral_save_interval": 0}, "ephemeral_save_interval"),
+        ({"save_interval": "often"}, "save_interval"),
+        ({"async_save": "maybe"}, "async_save"),
+        ({"max_checkpoints": 0}, "max_checkpoints"),
+        ({"keep_last_ephemeral": 0}, "keep_last_ephemeral"),
+        ({"save_folder": "s3://bucket-only"}, "save_folder"),
+        ({"save_folder": "s3://b/run/step100"}, "save_folder"),
+        ({"save_folder": "ftp://host/x"}, "save_folder"),
+        ({"addressing_style": "sideways"}, "addressing_style"),
+        ({"bandwidth_limit": "fast"}, "bandwidth_limit"),
+        ({"sigterm": "ignore"}, "sigterm"),
+    ],
+)
+def test_config_errors_name_the_field_and_value(kwargs, field):
+    d = {"save_folder": "s3://bucket/run", **kwargs}
+    with pytest.raises(ConfigError) as ei:
+        CheckpointConfig.from_dict(d, env={})
+    assert field in str(ei.value)
+
+
+def test_config_unknown_fields_yaml_and_env_overrides(tmp_path):
+    with pytest.raises(ConfigError, match="unknown checkpoint config field.*save_intervall"):
+        CheckpointConfig.from_dict({"save_folder": "/x", "save_intervall": 3}, env={})
+    p = tmp_path / "c.yaml"
+    p.write_text("checkpoint:\n  save_folder: s3://bucket/run\n  save_interval: 100\n  bandwidth_limit: 200MB/s\n")
+    cfg = CheckpointConfig.from_yaml(str(p), section="checkpoint",
+                                     env={"CLOUDCKPT_SAVE_INTERVAL": "50", "CLOUDCKPT_ASYNC_SAVE": "true"})
+    assert (cfg.save_interval, cfg.async_save, cfg.bandwidth_limit) == (50, True, 200_000_000)
+    assert CheckpointConfig(save_folder="gs://bucket/run", part_size="32MiB").part_size == 32 * 1024 * 1024
