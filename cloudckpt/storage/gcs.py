@@ -217,10 +217,7 @@ class GCSStore(ObjectStore):
             project = o.project or os.environ.get("GOOGLE_CLOUD_PROJECT") or _EMULATOR_PROJECT
         else:
             endpoint = o.endpoint_url
-            try:
-                credentials, adc_project = google.auth.default(scopes=storage.Client.SCOPE)
-            except gauth_exc.GoogleAuthError as e:
-                raise translate(e, "gs://", "connect") from None
+            credentials, adc_project = google.auth.default(scopes=storage.Client.SCOPE)  # callers translate
             project = o.project or adc_project
         session = AuthorizedSession(credentials)
         adapter = requests.adapters.HTTPAdapter(
@@ -228,15 +225,12 @@ class GCSStore(ObjectStore):
         )
         session.mount("https://", adapter)
         session.mount("http://", adapter)
-        try:
-            return storage.Client(
-                project=project,
-                credentials=credentials,
-                _http=session,
-                client_options={"api_endpoint": endpoint} if endpoint else None,
-            )
-        except (gauth_exc.GoogleAuthError, ValueError) as e:
-            raise translate(e, "gs://", "connect") from None
+        return storage.Client(
+            project=project,
+            credentials=credentials,
+            _http=session,
+            client_options={"api_endpoint": endpoint} if endpoint else None,
+        )
 
     def _retry(self, on_retry: Callable[[], None] | None = None) -> Retry | None:
         """A Retry with the library's predicate that reports every retry."""
@@ -325,8 +319,8 @@ class GCSStore(ObjectStore):
         import base64
 
         bucket, key = _object(url)
-        blob = self.client.bucket(bucket).blob(key)
         try:
+            blob = self.client.bucket(bucket).blob(key)
             blob.reload(timeout=self._timeout, retry=self._retry())
         except Exception:  # noqa: BLE001 - cannot tell: report the conflict
             return False
@@ -337,8 +331,8 @@ class GCSStore(ObjectStore):
         bucket, key = _object(url)
         if end is not None and end <= (start or 0):
             return b""
-        blob = self.client.bucket(bucket).blob(key)
         try:
+            blob = self.client.bucket(bucket).blob(key)
             # google's ``end`` is inclusive; ours is exclusive
             return blob.download_as_bytes(
                 start=start or None,
@@ -376,8 +370,8 @@ class GCSStore(ObjectStore):
     def download_fileobj(self, url: str, fileobj: BinaryIO, *, progress: Progress = None) -> int:
         bucket, key = _object(url)
         writer = _Writer(fileobj, progress)
-        blob = self.client.bucket(bucket).blob(key)
         try:
+            blob = self.client.bucket(bucket).blob(key)
             blob.download_to_file(writer, raw_download=True, timeout=self._timeout, retry=self._retry())
         except Exception as e:  # noqa: BLE001 - translated below
             raise self._translate(e, url, "download") from None
@@ -385,8 +379,8 @@ class GCSStore(ObjectStore):
 
     def stat(self, url: str) -> ObjectInfo:
         bucket, key = _object(url)
-        blob = self.client.bucket(bucket).blob(key)
         try:
+            blob = self.client.bucket(bucket).blob(key)
             blob.reload(timeout=self._timeout, retry=self._retry())
         except Exception as e:  # noqa: BLE001 - translated below
             raise self._translate(e, url, "stat") from None

@@ -84,6 +84,7 @@ def test_missing_application_default_credentials_raise_access_denied_with_the_fi
     with pytest.raises(AccessDenied) as ei:
         store.get_bytes(URL)
     msg = str(ei.value)
+    assert URL in msg
     assert "gcloud auth application-default login" in msg and "GOOGLE_APPLICATION_CREDENTIALS" in msg
 
 
