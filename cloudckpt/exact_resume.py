@@ -1,5 +1,8 @@
-"""Capture and restore per-rank RNG states (Python ``random``, NumPy, torch CPU and
-CUDA) as plain data that ``torch.load(weights_only=True)`` accepts."""
+"""Exact resume (Megatron-style train state): capture and restore, per rank, the RNG
+states of Python ``random``, NumPy, torch CPU (and CUDA when present) and the state of
+stateful data loaders (torchdata's ``StatefulDataLoader`` or anything with
+``state_dict``/``load_state_dict``), as plain data that ``torch.load(weights_only=True)``
+accepts. The manager stores them under one key of the per-rank train state."""
 
 from __future__ import annotations
 
@@ -62,3 +65,29 @@ def _py_to_plain(s):
 def _plain_to_py(s):
     version, internal, gauss = s
     return (version, tuple(internal), gauss)
+
+
+KEY = "cloudckpt_resume"
+
+
+def capture(loaders: dict[str, Any]) -> dict[str, Any]:
+    """Everything exact resume needs from this rank."""
+    return {"rng": capture_rng_state(), "loaders": {name: dl.state_dict() for name, dl in loaders.items()}}
+
+
+def restore(state: dict[str, Any], loaders: dict[str, Any], *, same_world_size: bool) -> tuple[list[str], list[str]]:
+    """Restore RNG and loader states; returns (restored, not_restored) names. With a
+    changed world size the per-rank states of this rank do not exist: nothing is
+    restored and the caller says so."""
+    names = ["rng"] + [f"loader:{n}" for n in loaders]
+    if not same_world_size:
+        return [], names
+    done = [f"rng:{n}" for n in restore_rng_state(state.get("rng", {}))]
+    missing = []
+    for name, dl in loaders.items():
+        if name in state.get("loaders", {}):
+            dl.load_state_dict(state["loaders"][name])
+            done.append(f"loader:{name}")
+        else:
+            missing.append(f"loader:{name}")
+    return done, missing

@@ -127,6 +127,7 @@ class Checkpointer:
         self.coord = dist.Coordinator(timeout=collective_timeout)
         self.engine = TransferEngine(transfer or TransferConfig(), storage_options=self.storage_options, progress=progress)
         self.last_save_stats: dict = {}
+        self.last_load_info: dict = {}
         self._async = AsyncSaver(self._save_now, max_in_flight=max_in_flight)
 
     # ================================================================ save
@@ -387,6 +388,7 @@ class Checkpointer:
         finally:
             if local:
                 shutil.rmtree(local, ignore_errors=True)
+        self.last_load_info = {"dir": dir, "step": marker.step, "saved_world_size": marker.world_size}
         if load_trainer_state is False:
             return None
         return self._load_train_state(dir, marker, required=bool(load_trainer_state))

@@ -29,6 +29,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from .. import exact_resume
 from ..errors import CloudCkptError, NotACheckpoint
 from . import discovery, layout, retention
 from .checkpointer import Checkpointer
@@ -58,7 +59,13 @@ class CheckpointManager:
         self.resumed_step: int | None = None
         self.last_saved_step: int | None = None
         self._closed = False
+        self._loaders: dict[str, Any] = {}
         self._install_sigterm()
+
+    def register_data_loader(self, loader: Any, name: str = "train") -> None:
+        """Save and restore this loader's state (``state_dict``/``load_state_dict``) with
+        every checkpoint of this rank (exact resume)."""
+        self._loaders[name] = loader
 
     # ------------------------------------------------------------ resume
     def resume(self, state_dict: dict, **load_kwargs: Any) -> Any:
@@ -85,10 +92,15 @@ class CheckpointManager:
         ts = self.checkpointer.load(latest, state_dict, **load_kwargs)
         self.resumed_step = layout.parse_step_dir(latest)
         log.info("resumed from %s", latest)
-        if self.config.exact_resume and isinstance(ts, dict) and "rng" in ts:
-            from ..exact_resume import restore_rng_state
-
-            restore_rng_state(ts["rng"])
+        if isinstance(ts, dict) and exact_resume.KEY in ts:
+            ts = dict(ts)
+            saved = ts.pop(exact_resume.KEY)
+            if self.config.exact_resume:
+                same = self.checkpointer.last_load_info.get("saved_world_size") == self.coord.world_size
+                done, missing = exact_resume.restore(saved, self._loaders, same_world_size=same)
+                if missing:
+                    log.warning("exact resume: not restored on rank %d: %s (%s)", self.coord.rank, ", ".join(missing),
+                                "the world size changed" if not same else "not in the checkpoint")
         return ts
 
     # ------------------------------------------------------------ save
@@ -112,10 +124,8 @@ class CheckpointManager:
     def save(self, step: int, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False) -> Any:
         dir = layout.step_dir(self.config.save_folder, step)
         if self.config.exact_resume:
-            from ..exact_resume import capture_rng_state
-
             train_state = dict(train_state or {})
-            train_state["rng"] = capture_rng_state()
+            train_state[exact_resume.KEY] = exact_resume.capture(self._loaders)
         with self._lock:
             self._writing.add(step)
         if self.config.async_save:
