@@ -1,0 +1,37 @@
+"""SIGTERM during an async save: 'finish' commits it before exiting, 'abandon' leaves it invisible."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from cloudckpt.checkpoint import discovery
+
+SCRIPT = textwrap.dedent("""
+    import sys, time, torch
+    from cloudckpt import CheckpointConfig
+    mgr = CheckpointConfig(save_folder=sys.argv[1], work_dir=sys.argv[2], save_interval=1, async_save=True,
+                           bandwidth_limit="4MB/s", sigterm=sys.argv[3], exact_resume=False).build()
+    mgr.maybe_save(1, {"w": torch.randn(4 * 1024 * 1024)}, {"step": 1})   # 16 MiB at 4 MB/s: ~4 s in flight
+    print("SAVING", flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("mode", ["finish", "abandon"])
+def test_sigterm_finishes_or_abandons_the_in_flight_save(mode, tmp_path):
+    folder = str(tmp_path / "run")
+    p = subprocess.Popen([sys.executable, "-c", SCRIPT, folder, str(tmp_path / "w"), mode],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "SAVING"
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == -signal.SIGTERM, err  # the process still exits with the signal
+    committed = discovery.dir_is_checkpoint(os.path.join(folder, "step1"))
+    assert committed == (mode == "finish"), err
+    assert ("finishing 1 in-flight save" in err) == (mode == "finish")
