@@ -94,6 +94,25 @@ class _KeyCheckingPlanner(DefaultLoadPlanner):
             )
 
 
+    def load_bytes(self, read_item, value) -> None:
+        # Stock DCP unpickles non-tensor values with weights_only=False: a checkpoint
+        # from a bucket could run code. Only plain data is accepted here.
+        from torch.distributed.checkpoint._traverse import set_element
+
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - anything weights_only refuses
+            raise CorruptCheckpoint(
+                f"refused to load the value of {fqn!r} ({type(e).__name__}): it is not plain data "
+                "(weights_only=True), so loading it could run code"
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
 class Checkpointer:
     """Save and load checkpoints to a local folder, ``s3://`` or ``gs://``.
 

@@ -258,3 +258,27 @@ def test_stock_dcp_reads_a_downloaded_checkpoint_and_converts_it(s3_bucket, tmp_
     dcp_to_torch_save(str(local), str(tmp_path / "full.pt"))
     full = torch.load(tmp_path / "full.pt", weights_only=True)
     assert torch.equal(full["model"]["w"], state["model"]["w"]) and full["epoch"] == 2
+
+
+class _Evil:
+    """Unpickling this would create a file (stands for arbitrary code)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_dcp_values_that_would_run_code_on_load_are_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    step = tmp_path / "run" / "step1"
+    Checkpointer(work_dir=str(tmp_path / "w")).save(str(step), {"model": {"w": torch.ones(2)}, "extra": 1}, None)
+    # rewrite the DCP part with a value whose pickle runs code, keeping a valid marker around it
+    pwned = tmp_path / "pwned"
+    dcp.save({"model": {"w": torch.ones(2)}, "extra": _Evil(str(pwned))}, checkpoint_id=str(step / "model_and_optim"))
+    with pytest.raises(CorruptCheckpoint) as ei:
+        Checkpointer(verify_checksums=False).load(str(step), {"model": {"w": torch.zeros(2)}, "extra": 0})
+    assert "extra" in str(ei.value) and "weights_only" in str(ei.value)
+    assert not pwned.exists(), "the pickle's code must not have run"
