@@ -1,7 +1,23 @@
 """``cloudckpt`` / ``python -m cloudckpt``: look at runs from a laptop or a script.
 
-Errors print one line on stderr saying what to do and exit non-zero; ``--debug``
-shows the traceback.
+Commands: ``list``, ``latest``, ``inspect``, ``verify``, ``download``, ``prune``, ``gc``.
+Every command takes local paths, ``file://``, ``s3://`` and ``gs://`` URLs; ``--json``
+prints one JSON document on stdout for scripts, otherwise a table for people.
+
+Errors print one line on stderr (``cloudckpt: error: ...``, saying what to do) and
+exit non-zero; ``--debug`` adds the traceback and debug logs of cloudckpt (never the
+SDKs' wire logs, which carry signed headers). Exit codes:
+
+    0  success
+    1  the answer is "no" / a check failed: ``latest`` found no committed step,
+       ``verify`` or ``download`` found missing or corrupt objects, an unreadable marker
+    2  usage: bad arguments, a malformed URL or duration
+    3  not found: bucket, folder or object missing; not a committed checkpoint
+    4  access denied or no usable credentials
+    5  any other error (network, throttling after retries, local I/O)
+    130 interrupted
+
+Heavy imports (torch) happen only in the commands that need them (``inspect``).
 """
 
 from __future__ import annotations
@@ -9,20 +25,50 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
 import sys
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
-from .errors import CloudCkptError
-from .storage import StorageOptions
+from ._version import __version__
+from .errors import (
+    AccessDenied,
+    CloudCkptError,
+    ConfigError,
+    CorruptCheckpoint,
+    IncompatibleCheckpoint,
+    InvalidURL,
+    NotFound,
+    UnsafeDelete,
+)
+
+EXIT_OK, EXIT_NO, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_DENIED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 5, 130
+
+_MARKER_READ_THREADS = 32
+
+log = logging.getLogger("cloudckpt.cli")
 
 
-def _storage_options(args) -> StorageOptions:
+class CliError(Exception):
+    """An error the CLI reports as one line with a given exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_ERROR):
+        super().__init__(message)
+        self.code = code
+
+
+# ====================================================================== helpers
+def _storage_options(args):
+    from .storage import StorageOptions
+
     return StorageOptions(endpoint_url=args.endpoint_url, profile=args.profile, region=args.region)
 
 
 def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
     for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= n:
             return f"{seconds / n:.0f}{unit}"
@@ -37,91 +83,744 @@ def _size(n: float) -> str:
     return f"{n}"
 
 
-def cmd_list(args) -> int:
-    from .checkpoint import discovery
-
-    so = _storage_options(args)
-    steps = discovery.list_step_dirs(args.folder, storage_options=so)
-    with ThreadPoolExecutor(max_workers=32) as pool:
-        markers = list(pool.map(lambda sd: discovery._try_marker(sd[1], so), steps))
-    now = time.time()
-    rows = []
-    for (step, dir), m in zip(steps, markers):
-        if m is None:
-            if not args.all:
-                continue
-            rows.append({"step": step, "url": dir, "status": "incomplete"})
-            continue
-        if (args.ephemeral and not m.ephemeral) or (args.persistent and m.ephemeral):
-            continue
-        rows.append({"step": step, "url": dir, "status": "ephemeral" if m.ephemeral else "persistent",
-                     "size": m.total_bytes, "objects": len(m.objects), "world_size": m.world_size,
-                     "created": m.created, "age_seconds": round(now - m.created_unix, 1)})
-    if args.json:
-        json.dump(rows, sys.stdout, indent=1)
-        print()
-        return 0
-    if not rows:
-        print(f"no {'step folders' if args.all else 'committed checkpoints'} in {args.folder}")
-        return 0
-    print(f"{'STEP':>8}  {'KIND':<10}  {'SIZE':>9}  {'OBJECTS':>7}  {'WORLD':>5}  {'AGE':>5}  URL")
-    for r in rows:
-        if r["status"] == "incomplete":
-            print(f"{r['step']:>8}  {'incomplete':<10}  {'-':>9}  {'-':>7}  {'-':>5}  {'-':>5}  {r['url']}")
-        else:
-            print(f"{r['step']:>8}  {r['status']:<10}  {_size(r['size']):>9}  {r['objects']:>7}  {r['world_size']:>5}  "
-                  f"{_age(r['age_seconds']):>5}  {r['url']}")
-    return 0
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([smhdw]?)")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
-def cmd_latest(args) -> int:
-    from .checkpoint import discovery
+def parse_duration(text: str) -> float:
+    """``30m``, ``2h``, ``1d``, ``1h30m``, ``90`` (seconds) -> seconds. Raises ValueError."""
+    s = text.strip().lower()
+    pos, total, parts = 0, 0.0, 0
+    while pos < len(s):
+        m = _DURATION_RE.match(s, pos)
+        if not m or (m.group(2) == "" and m.end() != len(s)):
+            raise ValueError(text)
+        total += float(m.group(1)) * _UNITS[m.group(2)]
+        pos, parts = m.end(), parts + 1
+    if not parts:
+        raise ValueError(text)
+    return total
+
+
+def _duration_arg(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid duration {text!r}: use a number with a unit s, m, h, d or w, e.g. 30m, 2h, 1d, 1h30m"
+        ) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: use an integer >= 1")
+    return v
+
+
+def _print_json(doc: Any) -> None:
+    json.dump(doc, sys.stdout, indent=1)
+    sys.stdout.write("\n")
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> None:
+    """Print an aligned table; columns listed in ``right`` are right-aligned; the
+    last column is not padded."""
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(vals):
+        out = []
+        for i, v in enumerate(vals):
+            if i == len(vals) - 1:
+                out.append(v)
+            elif i in right:
+                out.append(v.rjust(widths[i]))
+            else:
+                out.append(v.ljust(widths[i]))
+        return "  ".join(out).rstrip()
+
+    print(line(list(headers)))
+    for r in cells:
+        print(line(r))
+
+
+def _bar(args, total: int, desc: str):
+    """A tqdm bar on stderr: shown on a terminal, or when ``--progress`` forces it."""
+    from tqdm.auto import tqdm
+
+    disable = True if args.progress is False else (False if args.progress else None)
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=disable,
+                dynamic_ncols=True, file=sys.stderr)
+
+
+def _read_marker(dir: str, so) -> tuple[Any, bytes]:
+    """The marker of a step folder and its raw bytes. Raises NotACheckpoint (no
+    marker), BucketNotFound, CorruptCheckpoint / IncompatibleCheckpoint, storage errors."""
+    from .checkpoint import layout
+    from .checkpoint.marker import Marker
+    from .errors import BucketNotFound, NotACheckpoint
+    from .storage import open_store
+
+    url = layout.marker_url(dir)
+    try:
+        raw = open_store(url, so).get_bytes(url)
+    except BucketNotFound:
+        raise
+    except NotFound:
+        raise NotACheckpoint(
+            f"{dir} is not a committed checkpoint: it has no {layout.MARKER} (the save never finished, or the path "
+            "is wrong); run `cloudckpt list` on the save folder to see committed steps"
+        ) from None
+    return Marker.from_bytes(raw, url=url), raw
+
+
+def _probe_marker(dir: str, so) -> tuple[Any, str | None]:
+    """``(marker, None)`` when committed, ``(None, None)`` when there is no marker,
+    ``(None, reason)`` when the marker cannot be read. Storage errors propagate."""
     from .errors import NotACheckpoint
 
     try:
-        print(discovery.latest_checkpoint(args.folder, storage_options=_storage_options(args)))
-        return 0
-    except NotACheckpoint as e:
-        print(f"cloudckpt: {e}", file=sys.stderr)
-        return 1
+        return _read_marker(dir, so)[0], None
+    except NotACheckpoint:
+        return None, None
+    except (CorruptCheckpoint, IncompatibleCheckpoint) as e:
+        return None, str(e)
+
+
+def _manifest_path(root: str, rel: str, where: str) -> str:
+    """``root/rel`` for a manifest entry; refuses entries that would escape ``root``
+    (a marker from a bucket must not make us write outside the destination)."""
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in parts):
+        raise CorruptCheckpoint(f"the marker of {where} lists an unsafe object path {rel!r}; refusing to use it")
+    return os.path.join(root, *parts)
+
+
+# ====================================================================== list
+def cmd_list(args) -> int:
+    from .checkpoint import discovery, layout
+    from .storage import url as urls
+
+    so = _storage_options(args)
+    steps = discovery.list_step_dirs(args.folder, storage_options=so)
+    with ThreadPoolExecutor(max_workers=_MARKER_READ_THREADS) as pool:
+        probes = list(pool.map(lambda sd: _probe_marker(sd[1], so), steps))
+    now = time.time()
+    rows: list[dict] = []
+    for (step, dir), (m, problem) in zip(steps, probes):
+        if m is None:
+            if problem:
+                print(f"cloudckpt: warning: {dir} is not counted: {problem}", file=sys.stderr)
+            if args.all:
+                rows.append({"step": step, "url": dir, "status": "unreadable" if problem else "incomplete",
+                             "ephemeral": None, "size_bytes": None, "object_count": None, "world_size": None,
+                             "created": None, "created_unix": None, "age_seconds": None,
+                             **({"error": problem} if problem else {})})
+            continue
+        if (args.ephemeral and not m.ephemeral) or (args.persistent and m.ephemeral):
+            continue
+        rows.append({"step": step, "url": dir, "status": "committed", "ephemeral": m.ephemeral,
+                     "size_bytes": m.total_bytes, "object_count": len(m.objects), "world_size": m.world_size,
+                     "created": m.created, "created_unix": m.created_unix, "age_seconds": round(now - m.created_unix, 1)})
+    if args.json:
+        _print_json({"folder": args.folder, "steps": rows})
+        return EXIT_OK
+    if not rows:
+        what = "step folders" if args.all else "committed checkpoints"
+        hint = ""
+        if not steps and layout.step_of_name(urls.basename(args.folder)) is not None:
+            hint = f"; {args.folder} looks like a step folder itself: list its save folder {urls.parent(args.folder)}"
+        elif not steps:
+            hint = " (no step{N} folders at all: is the path right?)"
+        print(f"no {what} in {args.folder}{hint}")
+        return EXIT_OK
+    table = []
+    for r in rows:
+        if r["status"] != "committed":
+            table.append([r["step"], r["status"], "-", "-", "-", "-", r["url"]])
+        else:
+            table.append([r["step"], "ephemeral" if r["ephemeral"] else "persistent", _size(r["size_bytes"]),
+                          r["object_count"], r["world_size"], _age(r["age_seconds"]), r["url"]])
+    _table(["STEP", "KIND", "SIZE", "OBJECTS", "WORLD", "AGE", "URL"], table, right=(0, 2, 3, 4, 5))
+    committed = [r for r in rows if r["status"] == "committed"]
+    eph = sum(1 for r in committed if r["ephemeral"])
+    summary = f"{len(committed)} committed ({len(committed) - eph} persistent, {eph} ephemeral), " \
+              f"{_size(sum(r['size_bytes'] for r in committed))}"
+    others = len(rows) - len(committed)
+    if others:
+        summary += f"; {others} not committed"
+    print(summary)
+    return EXIT_OK
+
+
+# ====================================================================== latest
+def cmd_latest(args) -> int:
+    from .checkpoint import discovery, layout
+    from .errors import NotACheckpoint
+
+    try:
+        url = discovery.latest_checkpoint(args.folder, storage_options=_storage_options(args))
+    except NotACheckpoint:
+        print(f"cloudckpt: no committed checkpoint in {args.folder} (run `cloudckpt list --all {args.folder}` "
+              "to see step folders)", file=sys.stderr)
+        return EXIT_NO
+    if args.json:
+        from .storage import url as urls
+
+        _print_json({"folder": args.folder, "step": layout.step_of_name(urls.basename(url)), "url": url})
+    else:
+        print(url)
+    return EXIT_OK
+
+
+# ====================================================================== inspect
+def _checked_bytes(store, url: str, entry) -> bytes:
+    """Read one object of a step and check it against its manifest entry."""
+    from .transfer import crc32c_bytes
+
+    try:
+        data = store.get_bytes(url)
+    except NotFound as e:
+        if type(e) is not NotFound:
+            raise
+        raise CorruptCheckpoint(f"{url} is listed in the marker but missing; the checkpoint is damaged "
+                                "(run `cloudckpt verify`)") from None
+    if len(data) != entry.size or (entry.crc32c and crc32c_bytes(data) != entry.crc32c):
+        raise CorruptCheckpoint(f"{url}: size or CRC32C does not match the marker; the checkpoint is damaged "
+                                "(run `cloudckpt verify`)")
+    return data
+
+
+def _describe_value(v: Any) -> tuple[str, Any, str]:
+    """(type name, JSON-able scalar or None, short text) of a train-state value."""
+    tname = type(v).__name__
+    if v is None or isinstance(v, (bool, int, float)):
+        return tname, v, repr(v)
+    if isinstance(v, str):
+        return tname, v, repr(v if len(v) <= 60 else v[:57] + "...")
+    shape = getattr(v, "shape", None)
+    if shape is not None and hasattr(v, "dtype"):
+        return tname, None, f"{str(v.dtype).replace('torch.', '')} {list(shape)}"
+    if isinstance(v, (dict, list, tuple, set)):
+        return tname, None, f"{len(v)} item(s)"
+    return tname, None, ""
+
+
+def cmd_inspect(args) -> int:
+    from .checkpoint import layout
+    from .storage import open_store
+    from .storage import url as urls
+
+    so = _storage_options(args)
+    marker, _ = _read_marker(args.step, so)
+    store = open_store(args.step, so)
+    now = time.time()
+
+    # DCP metadata: tensors and non-tensor entries
+    tensors: list[dict] = []
+    others: list[str] = []
+    meta_rel = f"{layout.MODEL_DIR}/.metadata"
+    meta_entry = marker.object(meta_rel)
+    if meta_entry is not None:
+        import torch  # noqa: F401 - the metadata holds torch dtypes/sizes
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from .dcp.safe_pickle import loads_metadata
+
+        url = urls.join(args.step, meta_rel)
+        md = loads_metadata(_checked_bytes(store, url, meta_entry), url=url)
+        for key in sorted(md.state_dict_metadata):
+            sm = md.state_dict_metadata[key]
+            if isinstance(sm, TensorStorageMetadata):
+                dtype = sm.properties.dtype
+                numel = 1
+                for d in sm.size:
+                    numel *= int(d)
+                tensors.append({"key": key, "dtype": str(dtype).replace("torch.", ""), "shape": [int(d) for d in sm.size],
+                                "numel": numel, "size_bytes": numel * dtype.itemsize, "chunks": len(sm.chunks)})
+            else:
+                others.append(key)
+
+    # train state of rank 0
+    train: dict | None = None
+    ts_rel = layout.train_state_name(0)
+    ts_entry = marker.object(ts_rel)
+    if ts_entry is not None:
+        import io
+
+        import torch
+
+        url = urls.join(args.step, ts_rel)
+        data = _checked_bytes(store, url, ts_entry)
+        try:
+            obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - anything weights_only refuses is reported, never run
+            raise CorruptCheckpoint(f"{url}: refused to load the train state ({type(e).__name__}): it is not plain "
+                                    "data (weights_only=True)") from None
+        keys = []
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                tname, value, text = _describe_value(v)
+                keys.append({"key": str(k), "type": tname, "value": value, "summary": text})
+        tname, value, text = _describe_value(obj)
+        train = {"path": ts_rel, "type": tname, "keys": keys, "ranks": marker.world_size,
+                 **({} if isinstance(obj, dict) else {"summary": text})}
+
+    summary = marker.summary()
+    summary["age_seconds"] = round(now - marker.created_unix, 1)
+    doc = {"url": args.step, "marker": summary, "tensors": tensors, "non_tensor_keys": others,
+           "train_state": train, "objects": [o.to_json() for o in marker.objects]}
+    if args.json:
+        for o in doc["objects"]:
+            o.pop("chunks", None)
+        _print_json(doc)
+        return EXIT_OK
+
+    kind = "ephemeral" if marker.ephemeral else "persistent"
+    print(f"{args.step}")
+    print(f"  step {marker.step}, {kind}, world size {marker.world_size}, "
+          f"{len(marker.objects)} objects, {_size(marker.total_bytes)}")
+    print(f"  committed {marker.created} ({_age(now - marker.created_unix)} ago) by cloudckpt {marker.library_version}, "
+          f"torch {marker.torch_version or '?'}; format {marker.format_version}; save_id {marker.save_id or '-'}")
+    print()
+    if meta_entry is None:
+        print("no DCP metadata (model_and_optim/.metadata) in this checkpoint")
+    else:
+        total = sum(t["size_bytes"] for t in tensors)
+        print(f"tensors ({meta_rel}): {len(tensors)} tensors, {sum(t['numel'] for t in tensors):,} elements, {_size(total)}")
+        if tensors:
+            _table(["KEY", "DTYPE", "SHAPE", "SIZE", "CHUNKS"],
+                   [[t["key"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", _size(t["size_bytes"]), t["chunks"]]
+                    for t in tensors], right=(3,))
+        if others:
+            print(f"non-tensor entries: {', '.join(others)}")
+    print()
+    if train is None:
+        print("no train state (train/rank0.pt) in this checkpoint")
+    else:
+        note = f"; one file per rank, {marker.world_size} ranks" if marker.world_size > 1 else ""
+        print(f"train state ({ts_rel}{note}): {train['type']}")
+        if train["keys"]:
+            _table(["KEY", "TYPE", "VALUE"], [[k["key"], k["type"], k["summary"]] for k in train["keys"]])
+    if args.objects:
+        print()
+        _table(["OBJECT", "SIZE", "CRC32C"], [[o.path, o.size, o.crc32c or "-"] for o in marker.objects], right=(1,))
+    return EXIT_OK
+
+
+# ====================================================================== verify
+class _CrcSink:
+    """A write-only, non-seekable file object that computes CRC32C of what is written
+    in order (s3transfer then delivers ranges in order, holding only a bounded window)."""
+
+    def __init__(self, on_bytes: Callable[[int], None] | None = None):
+        import google_crc32c
+
+        self._extend = google_crc32c.extend
+        self.crc = 0
+        self.size = 0
+        self._on_bytes = on_bytes
+
+    def write(self, b) -> int:
+        b = bytes(b)
+        self.crc = self._extend(self.crc, b)
+        self.size += len(b)
+        if self._on_bytes:
+            self._on_bytes(len(b))
+        return len(b)
+
+    def seekable(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return f"{self.crc:08x}"
+
+
+def _verify_one(store, url: str, entry, *, size_only: bool, on_bytes) -> dict | None:
+    from .errors import BucketNotFound
+
+    try:
+        if size_only:
+            size, crc = store.stat(url).size, None
+        else:
+            sink = _CrcSink(on_bytes)
+            store.download_fileobj(url, sink)
+            size, crc = sink.size, sink.hexdigest()
+    except BucketNotFound:
+        raise
+    except NotFound:
+        return {"path": entry.path, "url": url, "problem": "missing", "detail": "object is missing"}
+    if size != entry.size:
+        return {"path": entry.path, "url": url, "problem": "size",
+                "detail": f"size {size} bytes, the marker says {entry.size}", "size": size, "expected_size": entry.size}
+    if crc is not None and entry.crc32c and crc != entry.crc32c:
+        return {"path": entry.path, "url": url, "problem": "crc32c",
+                "detail": f"CRC32C {crc}, the marker says {entry.crc32c}", "crc32c": crc, "expected_crc32c": entry.crc32c}
+    return None
+
+
+def cmd_verify(args) -> int:
+    from .storage import open_store
+    from .storage import url as urls
+
+    so = _storage_options(args)
+    marker, _ = _read_marker(args.step, so)
+    store = open_store(args.step, so)
+    objects = list(marker.objects)
+    total = sum(o.size for o in objects)
+    bar = _bar(args, 0 if args.size_only else total, "verify")
+    try:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            results = list(pool.map(
+                lambda o: _verify_one(store, urls.join(args.step, o.path), o, size_only=args.size_only, on_bytes=bar.update),
+                objects))
+    finally:
+        bar.close()
+    bad = [r for r in results if r is not None]
+    unchecked = [o.path for o in objects if not o.crc32c]
+    if args.json:
+        _print_json({"url": args.step, "ok": not bad, "checked": "size" if args.size_only else "size+crc32c",
+                     "object_count": len(objects), "total_bytes": total, "bad": bad, "no_checksum": unchecked})
+    else:
+        for r in bad:
+            print(f"BAD  {r['path']}: {r['detail']}  ({r['url']})")
+        what = "size" if args.size_only else "size and CRC32C"
+        if bad:
+            print(f"FAILED: {len(bad)} of {len(objects)} objects of {args.step} are missing or corrupt ({what} checked)")
+        else:
+            print(f"OK: {len(objects)} objects, {_size(total)}: {what} match the marker")
+        if unchecked and not args.size_only:
+            print(f"note: {len(unchecked)} object(s) have no CRC32C in the marker; only their size was checked")
+    if bad:
+        names = ", ".join(r["path"] for r in bad)
+        print(f"cloudckpt: verify failed for {args.step}: {names}", file=sys.stderr)
+        return EXIT_NO
+    return EXIT_OK
+
+
+# ====================================================================== download
+def _local_matches(path: str, entry) -> bool:
+    from .transfer import crc32c_file
+
+    try:
+        if os.path.getsize(path) != entry.size:
+            return False
+        return not entry.crc32c or crc32c_file(path) == entry.crc32c
+    except OSError:
+        return False
+
+
+def cmd_download(args) -> int:
+    from .checkpoint import layout
+    from .storage import open_store
+    from .storage import url as urls
+    from .transfer import TqdmProgress, TransferConfig, TransferEngine
+
+    if urls.scheme_of(args.dest) != "file":
+        raise InvalidURL(f"DEST {args.dest!r} is not a local path: `cloudckpt download` writes to a local folder")
+    so = _storage_options(args)
+    marker, raw = _read_marker(args.step, so)
+    dest_arg = args.dest
+    if layout.step_of_name(urls.basename(dest_arg)) is None:
+        dest_arg = urls.join(dest_arg, f"step{marker.step}")  # DEST is a save folder: the step goes inside it
+    dest = urls.parse_url(dest_arg).key.rstrip("/")
+    marker_path = os.path.join(dest, layout.MARKER)
+    os.makedirs(dest, exist_ok=True)
+
+    # A marker already here from another checkpoint goes first: while we download, DEST is uncommitted.
+    try:
+        with open(marker_path, "rb") as f:
+            if f.read() != raw:
+                os.unlink(marker_path)
+                log.info("removed the marker of a different checkpoint at %s", marker_path)
+    except FileNotFoundError:
+        pass
+    # temporary files of an interrupted earlier download (store.download_file names them .part-*)
+    for root, _, files in os.walk(dest):
+        for fn in files:
+            if fn.startswith(".part-"):
+                os.unlink(os.path.join(root, fn))
+
+    plan = [(o, urls.join(args.step, o.path), _manifest_path(dest, o.path, args.step)) for o in marker.objects]
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        present = list(pool.map(lambda p: _local_matches(p[2], p[0]), plan))
+    todo = [p for p, ok in zip(plan, present) if not ok]
+    skipped = [p[0].path for p, ok in zip(plan, present) if ok]
+    nbytes = sum(o.size for o, _, _ in todo)
+
+    bad: list[dict] = []
+    if todo:
+        disable = True if args.progress is False else (False if args.progress else None)
+        progress = TqdmProgress(desc=f"download step{marker.step}", total=nbytes, disable=disable, file=sys.stderr)
+        try:
+            with TransferEngine(TransferConfig(max_concurrency=args.jobs), storage_options=so, progress=progress) as eng:
+                try:
+                    results = eng.download_all([(url, path) for _, url, path in todo])
+                except NotFound as e:
+                    if type(e) is not NotFound:
+                        raise
+                    raise CorruptCheckpoint(f"{e.url or e} is listed in the marker of {args.step} but missing; the "
+                                            "checkpoint is damaged (run `cloudckpt verify`, or download an older step)") from None
+        finally:
+            progress.close()
+        for (o, url, path), res in zip(todo, results):
+            if res.size != o.size or (o.crc32c and res.crc32c != o.crc32c):
+                bad.append({"path": o.path, "url": url, "size": res.size, "expected_size": o.size,
+                            "crc32c": res.crc32c, "expected_crc32c": o.crc32c})
+                os.unlink(path)
+    if bad:
+        if args.json:
+            _print_json({"url": args.step, "dest": dest_arg, "ok": False, "bad": bad})
+        for b in bad:
+            print(f"BAD  {b['path']}: size {b['size']} crc32c {b['crc32c']}, the marker says size "
+                  f"{b['expected_size']} crc32c {b['expected_crc32c']}", file=sys.stderr)
+        print(f"cloudckpt: download of {args.step} failed: {len(bad)} object(s) do not match the marker; "
+              f"{dest_arg} is left uncommitted (run `cloudckpt verify {args.step}`)", file=sys.stderr)
+        return EXIT_NO
+
+    # Marker last: only now is DEST a committed checkpoint (atomic rename of a complete file).
+    open_store(marker_path).put_bytes(marker_path, raw)
+    doc = {"url": args.step, "dest": dest_arg, "ok": True, "step": marker.step,
+           "downloaded": [o.path for o, _, _ in todo], "skipped": skipped,
+           "bytes_downloaded": nbytes, "total_bytes": marker.total_bytes}
+    if args.json:
+        _print_json(doc)
+    else:
+        print(f"downloaded {len(todo)} object(s) ({_size(nbytes)}), skipped {len(skipped)} already present; "
+              f"{dest_arg} is a committed checkpoint (step {marker.step})")
+    return EXIT_OK
+
+
+# ====================================================================== prune
+def cmd_prune(args) -> int:
+    from .checkpoint import discovery, layout, retention
+
+    if args.ephemeral_only and args.keep_last_ephemeral is not None:
+        raise CliError("--keep-last-ephemeral cannot be combined with --ephemeral-only (there --keep-last counts "
+                       "ephemeral steps)", EXIT_USAGE)
+    so = _storage_options(args)
+    found = list(discovery.find_checkpoints(args.folder, storage_options=so, with_markers=True))
+    committed = [(s, m.ephemeral) for s, _, m in found]
+    markers = {s: m for s, _, m in found}
+    newest = max((s for s, _ in committed), default=None)
+    keep_every = args.keep_every
+    if args.ephemeral_only:
+        # only ephemeral steps are candidates; multiples of --keep-every are kept and not counted
+        candidates = [(s, e) for s, e in committed if e and not (keep_every and s % keep_every == 0)]
+        policy = retention.Policy(keep_last_ephemeral=args.keep_last, max_checkpoints=None)
+        protect = frozenset({newest} if newest is not None else ())
+        doomed = retention.steps_to_prune(candidates, policy, protect=protect)
+    else:
+        policy = retention.Policy(keep_last_ephemeral=args.keep_last_ephemeral or 1, max_checkpoints=args.keep_last,
+                                  keep_every=keep_every)
+        doomed = retention.steps_to_prune(committed, policy)
+    doomed = [s for s in doomed if s != newest]  # never the newest committed step, whatever the policy says
+    items = [{"step": s, "url": layout.step_dir(args.folder, s), "ephemeral": markers[s].ephemeral,
+              "size_bytes": markers[s].total_bytes} for s in doomed]
+    kept = [s for s, _ in committed if s not in set(doomed)]
+    doc = {"folder": args.folder, "dry_run": not args.yes,
+           "policy": {"keep_last": args.keep_last, "keep_every": keep_every, "ephemeral_only": args.ephemeral_only,
+                      "keep_last_ephemeral": None if args.ephemeral_only else policy.keep_last_ephemeral},
+           "prune": items, "kept": kept, "deleted": []}
+
+    if not args.json:
+        if not items:
+            print(f"nothing to prune in {args.folder}: the policy keeps all {len(committed)} committed step(s)")
+        else:
+            verb = "deleting" if args.yes else "would delete"
+            print(f"{verb} {len(items)} of {len(committed)} committed step(s) "
+                  f"({_size(sum(i['size_bytes'] for i in items))}); keeping {len(kept)}:")
+            _table(["STEP", "KIND", "SIZE", "URL"],
+                   [[i["step"], "ephemeral" if i["ephemeral"] else "persistent", _size(i["size_bytes"]), i["url"]]
+                    for i in items], right=(0, 2))
+    if args.yes:
+        for i in items:
+            retention.delete_step(i["url"], storage_options=so)  # marker first, then the objects
+            doc["deleted"].append(i["step"])
+            if not args.json:
+                print(f"deleted {i['url']}")
+    elif items and not args.json:
+        print("dry run: nothing was deleted; run again with --yes to delete")
+    if args.json:
+        _print_json(doc)
+    return EXIT_OK
+
+
+# ====================================================================== gc
+def cmd_gc(args) -> int:
+    from .checkpoint import retention
+
+    so = _storage_options(args)
+    rep = retention.gc(args.folder, older_than=args.older_than, dry_run=not args.yes, storage_options=so)
+    if args.json:
+        _print_json({"folder": args.folder, "dry_run": not args.yes, "older_than_seconds": args.older_than,
+                     "step_dirs": rep.step_dirs, "uploads": rep.uploads})
+        return EXIT_OK
+    verb = "removed" if args.yes else "would remove"
+    age = _age(args.older_than)
+    if not rep.step_dirs and not rep.uploads:
+        print(f"nothing to collect in {args.folder}: no uncommitted step folder or multipart upload older than {age}")
+        return EXIT_OK
+    for d in rep.step_dirs:
+        print(f"{verb} uncommitted step folder {d}")
+    for u in rep.uploads:
+        print(f"{'aborted' if args.yes else 'would abort'} multipart upload {u}")
+    print(f"{len(rep.step_dirs)} uncommitted folder(s), {len(rep.uploads)} multipart upload(s) older than {age}")
+    if not args.yes:
+        print("dry run: nothing was deleted; run again with --yes to delete")
+    return EXIT_OK
+
+
+# ====================================================================== parser
+def _add_common(p: argparse.ArgumentParser, *, suppress: bool) -> None:
+    """Options accepted before and after the command. On subcommands their default is
+    SUPPRESS so a value given before the command is not overwritten."""
+    d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
+    g = p.add_argument_group("storage and output options")
+    g.add_argument("--endpoint-url", default=d(None), metavar="URL",
+                   help="S3-compatible endpoint, or GCS API endpoint (default: AWS_ENDPOINT_URL / the SDK's chain; "
+                        "STORAGE_EMULATOR_HOST for GCS emulators)")
+    g.add_argument("--profile", default=d(None), help="AWS profile (default: AWS_PROFILE)")
+    g.add_argument("--region", default=d(None), help="S3 region (default: AWS_REGION)")
+    g.add_argument("--json", action="store_true", default=d(False), help="print one JSON document for scripts")
+    g.add_argument("--debug", action="store_true", default=d(False), help="show tracebacks and cloudckpt debug logs")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--endpoint-url", help="S3-compatible endpoint (default: AWS_ENDPOINT_URL / the SDK's chain)")
-    common.add_argument("--profile", help="AWS profile (default: AWS_PROFILE)")
-    common.add_argument("--region", help="region (default: AWS_REGION)")
-    common.add_argument("--json", action="store_true", help="machine-readable output")
-    common.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    p = argparse.ArgumentParser(prog="cloudckpt", description="Look at cloudckpt checkpoints in local folders, s3:// and gs://.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(
+        prog="cloudckpt",
+        description="Look at and manage cloudckpt checkpoints in local folders, s3:// and gs://.",
+        epilog="exit codes: 0 ok, 1 no/check failed, 2 usage, 3 not found, 4 access denied, 5 other error",
+    )
+    p.add_argument("--version", action="version", version=f"cloudckpt {__version__}")
+    _add_common(p, suppress=False)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("list", parents=[common], help="committed steps of a save folder")
-    s.add_argument("folder")
+    def command(name: str, func, help: str, description: str | None = None) -> argparse.ArgumentParser:
+        s = sub.add_parser(name, help=help, description=description or help)
+        _add_common(s, suppress=True)
+        s.set_defaults(func=func)
+        return s
+
+    def progress_opts(s):
+        g = s.add_mutually_exclusive_group()
+        g.add_argument("--progress", dest="progress", action="store_true", default=None,
+                       help="always show the progress bar (default: only on a terminal)")
+        g.add_argument("--no-progress", dest="progress", action="store_false", help="never show the progress bar")
+
+    s = command("list", cmd_list, "committed steps of a save folder",
+                "Committed steps of a save folder: kind, size, objects, world size, age. One LIST of the "
+                "folder plus concurrent marker reads.")
+    s.add_argument("folder", metavar="FOLDER", help="the save folder (local path, s3://bucket/prefix, gs://bucket/prefix)")
     s.add_argument("--all", action="store_true", help="also show uncommitted step folders (marked incomplete)")
     g = s.add_mutually_exclusive_group()
     g.add_argument("--ephemeral", action="store_true", help="only ephemeral checkpoints")
     g.add_argument("--persistent", action="store_true", help="only persistent checkpoints")
-    s.set_defaults(func=cmd_list)
 
-    s = sub.add_parser("latest", parents=[common], help="URL of the newest committed step (exit 1 if none)")
-    s.add_argument("folder")
-    s.set_defaults(func=cmd_latest)
+    s = command("latest", cmd_latest, "URL of the newest committed step (exit 1 if none)")
+    s.add_argument("folder", metavar="FOLDER")
+
+    s = command("inspect", cmd_inspect, "tensors, train state keys and marker fields of one step")
+    s.add_argument("step", metavar="STEP", help="a step folder, e.g. s3://bucket/run-7/step1000")
+    s.add_argument("--objects", action="store_true", help="also list every object of the manifest")
+
+    s = command("verify", cmd_verify, "check every object of a step against its marker (size and CRC32C)",
+                "Check that every object listed in the step's marker exists with the right size and CRC32C "
+                "(each object is streamed and checksummed, concurrently). Exit 1 naming each bad object.")
+    s.add_argument("step", metavar="STEP")
+    s.add_argument("--size-only", action="store_true", help="check existence and size only (no download)")
+    s.add_argument("--jobs", "-j", type=_positive_int, default=16, help="objects checked at once (default 16)")
+    progress_opts(s)
+
+    s = command("download", cmd_download, "download a step to a local folder (parallel, resumable)",
+                "Download a committed step into a local folder: parallel, with a progress bar, resumable (files "
+                "already present with the right size and CRC32C are skipped), marker written last. If DEST is "
+                "named step{N} it is the step folder; otherwise the step goes into DEST/step{N}.")
+    s.add_argument("step", metavar="STEP")
+    s.add_argument("dest", metavar="DEST", help="local step folder (named step{N}) or save folder")
+    s.add_argument("--jobs", "-j", type=_positive_int, default=8, help="downloads at once (default 8)")
+    progress_opts(s)
+
+    s = command("prune", cmd_prune, "delete old committed steps by a keep-last policy (dry run unless --yes)",
+                "Delete old committed steps, marker first. Default: keep the newest N persistent steps (steps "
+                "divisible by --keep-every are kept and not counted) and the newest --keep-last-ephemeral (1) "
+                "ephemeral ones. --ephemeral-only: persistent steps are untouched and the newest N ephemeral ones "
+                "are kept. The newest committed step is never deleted. Dry run unless --yes.")
+    s.add_argument("folder", metavar="FOLDER")
+    s.add_argument("--keep-last", type=_positive_int, required=True, metavar="N",
+                   help="persistent steps to keep (ephemeral ones with --ephemeral-only)")
+    s.add_argument("--keep-every", type=_positive_int, metavar="K", help="also keep every step divisible by K")
+    s.add_argument("--keep-last-ephemeral", type=_positive_int, metavar="M",
+                   help="ephemeral steps to keep (default 1; not with --ephemeral-only)")
+    s.add_argument("--ephemeral-only", action="store_true", help="consider only ephemeral steps")
+    s.add_argument("--yes", "-y", action="store_true", help="really delete (default: dry run)")
+
+    s = command("gc", cmd_gc, "remove uncommitted step folders and orphaned multipart uploads (dry run unless --yes)",
+                "Remove what crashed saves left: step folders without a marker whose newest object is older than "
+                "--older-than (empty folders are left alone), and multipart uploads under the folder started "
+                "before that. Dry run unless --yes.")
+    s.add_argument("folder", metavar="FOLDER")
+    s.add_argument("--older-than", type=_duration_arg, default=3600.0, metavar="DURATION",
+                   help="only what is older than this, e.g. 30m, 2h, 1d (default 1h)")
+    s.add_argument("--yes", "-y", action="store_true", help="really delete (default: dry run)")
     return p
+
+
+def exit_code(e: BaseException) -> int:
+    """The exit code for an error (see the module docstring)."""
+    from .errors import NotACheckpoint
+
+    if isinstance(e, CliError):
+        return e.code
+    if isinstance(e, (InvalidURL, ConfigError, UnsafeDelete)):
+        return EXIT_USAGE
+    if isinstance(e, (CorruptCheckpoint, IncompatibleCheckpoint)):
+        return EXIT_NO
+    if isinstance(e, (NotFound, NotACheckpoint)):
+        return EXIT_NOT_FOUND
+    if isinstance(e, AccessDenied):
+        return EXIT_DENIED
+    return EXIT_ERROR
+
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, (CloudCkptError, CliError)):
+        return " ".join(str(e).split())  # one line
+    if isinstance(e, OSError):
+        return f"{e.strerror or type(e).__name__}: {e.filename or ''}".rstrip(": ") + \
+            "; check the local path and its permissions (rerun with --debug for details)"
+    return f"unexpected {type(e).__name__}: {' '.join(str(e).split())} (rerun with --debug for the traceback)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if not args.debug:
-        for noisy in ("botocore", "urllib3", "google"):
-            logging.getLogger(noisy).setLevel(logging.ERROR)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.debug:
+        logging.getLogger("cloudckpt").setLevel(logging.DEBUG)
+    # The SDKs' debug logs include signed request headers: never enable them here.
+    for noisy in ("botocore", "boto3", "s3transfer", "urllib3", "google"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
     try:
         return args.func(args)
-    except CloudCkptError as e:
-        if args.debug:
-            raise
-        print(f"cloudckpt: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
-        return 130
+        print("cloudckpt: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # the reader of our stdout went away (e.g. `| head`): not an error
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return EXIT_OK
+    except Exception as e:  # noqa: BLE001 - every error becomes one line and an exit code
+        if args.debug:
+            traceback.print_exc()
+        print(f"cloudckpt: error: {_message(e)}", file=sys.stderr)
+        return exit_code(e)

@@ -78,14 +78,17 @@ class Coordinator:
     for a dead or stuck rank.
     """
 
-    def __init__(self, *, timeout: float = 600.0, group=None):
+    def __init__(self, *, timeout: float = 600.0, group=None, local: bool = False):
+        """``local=True``: this process acts alone even in a distributed job (e.g. a
+        trainer that saves from rank 0 only)."""
         self.timeout = timeout
         if group is not None:
             self.group = group
-        elif is_distributed():
+        elif is_distributed() and not local:
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
         else:
             self.group = None
+        self.local = self.group is None
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
 

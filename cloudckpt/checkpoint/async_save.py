@@ -76,7 +76,7 @@ class AsyncSaver:
         return staged, reuse
 
     # ------------------------------------------------------------ API
-    def submit(self, dir: str, state_dict: dict, train_state: Any, ephemeral: bool) -> Future:
+    def submit(self, dir: str, state_dict: dict, train_state: Any, ephemeral: bool, step: int | None = None) -> Future:
         self.raise_unreported()
         self._slots.acquire()
         try:
@@ -88,7 +88,7 @@ class AsyncSaver:
 
         def run():
             try:
-                return self._save_fn(dir, staged, ts, ephemeral=ephemeral)
+                return self._save_fn(dir, staged, ts, ephemeral=ephemeral, step=step)
             finally:
                 if uses_cache:
                     with self._lock:

@@ -135,6 +135,7 @@ class Checkpointer:
         collective_timeout: float = 600.0,
         progress: Any = None,
         max_in_flight: int = 1,
+        distributed: bool = True,
     ):
         self.work_dir = work_dir or os.path.join(tempfile.gettempdir(), "cloudckpt-work")
         self.save_overwrite = save_overwrite
@@ -143,38 +144,42 @@ class Checkpointer:
         self.pre_download = pre_download
         self.thread_count = thread_count
         self.stale_lock_seconds = stale_lock_seconds
-        self.coord = dist.Coordinator(timeout=collective_timeout)
+        self.coord = dist.Coordinator(timeout=collective_timeout, local=not distributed)
         self.engine = TransferEngine(transfer or TransferConfig(), storage_options=self.storage_options, progress=progress)
         self.last_save_stats: dict = {}
         self.last_load_info: dict = {}
         self._async = AsyncSaver(self._save_now, max_in_flight=max_in_flight)
 
     # ================================================================ save
-    def save_async(self, dir: str, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False) -> Future:
+    def save_async(self, dir: str, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False,
+                   step: int | None = None) -> Future:
         """Stage ``state_dict`` and ``train_state`` in host memory, then save in the
         background; returns a Future of the Marker. Collective (call on every rank).
         Waits while ``max_in_flight`` saves are in flight; raises here the error of
         an earlier async save that failed and was not reported yet."""
-        return self._async.submit(dir, state_dict, train_state, ephemeral)
+        return self._async.submit(dir, state_dict, train_state, ephemeral, step)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for in-flight async saves; raise the first failure not reported yet."""
         self._async.wait(timeout)
 
-    def save(self, dir: str, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False) -> Marker:
+    def save(self, dir: str, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False,
+             step: int | None = None) -> Marker:
         """Save synchronously (after any in-flight async saves finish). See ``_save_now``."""
         self._async.wait()
-        return self._save_now(dir, state_dict, train_state, ephemeral=ephemeral)
+        return self._save_now(dir, state_dict, train_state, ephemeral=ephemeral, step=step)
 
-    def _save_now(self, dir: str, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False) -> Marker:
+    def _save_now(self, dir: str, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False,
+                  step: int | None = None) -> Marker:
         """Save ``state_dict`` (DCP) and this rank's ``train_state`` to the step folder
         ``dir`` and commit it. Collective: call on every rank.
 
         Raises CheckpointExists (step committed, ``save_overwrite`` off), SaveInProgress
         (another save holds the step's lock), SaveFailed (any rank failed; nothing
-        committed), NotACheckpoint (``dir`` is not named ``step{N}``), storage errors.
+        committed), NotACheckpoint (``dir`` is not named ``step{N}`` and no ``step`` is
+        given; integrations with their own naming pass ``step``), storage errors.
         """
-        step = layout.parse_step_dir(dir)
+        step = layout.parse_step_dir(dir) if step is None else int(step)
         save_id = uuid.uuid4().hex
         t0 = time.monotonic()
         work = None
@@ -280,7 +285,8 @@ class Checkpointer:
         error: BaseException | None = None
         try:
             with _quiet_dcp():
-                dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=self.coord.group)
+                dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=self.coord.group,
+                         no_dist=self.coord.local)
             if train_state is not None:
                 path = os.path.join(work, layout.train_state_name(self.coord.rank))
                 os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -400,7 +406,8 @@ class Checkpointer:
             planner = _KeyCheckingPlanner(strict=strict, optional_prefixes=optional)
             try:
                 with _quiet_dcp():
-                    dcp.load(sd, storage_reader=reader, planner=planner, process_group=self.coord.group)
+                    dcp.load(sd, storage_reader=reader, planner=planner, process_group=self.coord.group,
+                             no_dist=self.coord.local)
             except CheckpointException as e:
                 raise _unwrap_dcp(e) from None
             state_dict.update(sd)  # top-level non-tensor values are replaced, not filled in place
