@@ -3,15 +3,44 @@
 Public API::
 
     from cloudckpt import Checkpointer, CheckpointConfig, CheckpointManager
+
+Names that need torch are imported on first use (PEP 562), so ``cloudckpt list``
+and other torch-free tools start without paying for ``import torch``.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from ._version import __version__
-from .checkpoint import Checkpointer, Marker
-from .checkpoint.manager import CheckpointManager
+from .checkpoint.marker import Marker
 from .config import CheckpointConfig
 from .storage import StorageOptions
 from .transfer import TransferConfig
 from . import errors
+
+_LAZY = {
+    "Checkpointer": "cloudckpt.checkpoint.checkpointer",
+    "CheckpointManager": "cloudckpt.checkpoint.manager",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .checkpoint.checkpointer import Checkpointer
+    from .checkpoint.manager import CheckpointManager
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'cloudckpt' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "CheckpointConfig",

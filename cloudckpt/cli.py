@@ -143,7 +143,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequenc
                 out.append(v.ljust(widths[i]))
         return "  ".join(out).rstrip()
 
-    print(line([h.rjust(widths[i]) if i in right and i < len(headers) - 1 else h for i, h in enumerate(headers)]))
+    print(line(list(headers)))
     for r in cells:
         print(line(r))
 
