@@ -124,24 +124,25 @@ def test_file_round_trip_reports_progress_and_leaves_no_partial_files(backend, t
     assert os.listdir(dst.parent) == ["dst.bin"]
 
 
-@pytest.mark.parametrize(
-    "start,end,expect",
-    [
-        (3, None, slice(3, None)),  # start only
-        (3, 10, slice(3, 10)),  # start and end (end exclusive)
-        (None, 5, slice(0, 5)),  # end only
-        (90, 1000, slice(90, None)),  # end beyond the size
-        (100, None, slice(100, None)),  # start at the size: empty
-        (150, 200, slice(150, 200)),  # start beyond the size: empty
-        (7, 7, slice(7, 7)),  # empty range
-        (10, 5, slice(10, 5)),  # end before start: empty
-    ],
-)
-def test_byte_range_reads_match_python_slicing(backend, start, end, expect):
+# (start, end) -> the Python slice the read must equal; one object serves every case
+RANGES = [
+    ((3, None), slice(3, None)),  # start only
+    ((3, 10), slice(3, 10)),  # start and end (end exclusive)
+    ((None, 5), slice(0, 5)),  # end only
+    ((90, 1000), slice(90, None)),  # end beyond the size
+    ((100, None), slice(100, None)),  # start at the size: empty
+    ((150, 200), slice(150, 200)),  # start beyond the size: empty
+    ((7, 7), slice(7, 7)),  # empty range
+    ((10, 5), slice(10, 5)),  # end before start: empty
+]
+
+
+def test_byte_range_reads_match_python_slicing(backend):
     data = bytes(range(100))
     u = backend.url("range.bin")
     backend.store.put_bytes(u, data)
-    assert backend.store.get_bytes(u, start=start, end=end) == data[expect]
+    for (start, end), expect in RANGES:
+        assert backend.store.get_bytes(u, start=start, end=end) == data[expect], f"start={start} end={end}"
 
 
 def test_empty_objects_round_trip_as_bytes_and_files(backend, tmp_path):
@@ -161,19 +162,19 @@ def test_empty_objects_round_trip_as_bytes_and_files(backend, tmp_path):
     assert sizes == {u: 0, fu: 0}
 
 
-@pytest.mark.parametrize(
-    "key",
-    ["unicode/ünïcødé 名前 ✓.bin", "spaces/with  two spaces/and one.txt", "chars/plus+percent%20amp&eq=hash#.bin"],
-)
-def test_unicode_and_special_characters_in_keys_round_trip_and_list_back_verbatim(backend, key):
-    u = backend.url(key)
-    backend.store.put_bytes(u, key.encode())
-    assert backend.store.get_bytes(u) == key.encode()
-    assert backend.store.stat(u).size == len(key.encode())
-    listed = [e.url for e in backend.store.list(backend.url(key.split("/")[0] + "/"), delimiter=None)]
-    assert listed == [u]
-    backend.store.delete(u)
-    assert not backend.store.exists(u)
+ODD_KEYS = ["unicode/ünïcødé 名前 ✓.bin", "spaces/with  two spaces/and one.txt", "chars/plus+percent%20amp&eq=hash#.bin"]
+
+
+def test_unicode_and_special_characters_in_keys_round_trip_and_list_back_verbatim(backend):
+    for key in ODD_KEYS:
+        u = backend.url(key)
+        backend.store.put_bytes(u, key.encode())
+        assert backend.store.get_bytes(u) == key.encode(), key
+        assert backend.store.stat(u).size == len(key.encode()), key
+        listed = [e.url for e in backend.store.list(backend.url(key.split("/")[0] + "/"), delimiter=None)]
+        assert listed == [u], key
+        backend.store.delete(u)
+        assert not backend.store.exists(u), key
 
 
 # ---------------------------------------------------------------- listing and deleting many keys
@@ -187,16 +188,31 @@ def _many_keys(backend: Backend, folder: str) -> dict[str, bytes]:
     return {backend.url(k): b"" for k in keys}
 
 
-def test_list_follows_every_page_of_1500_keys_with_and_without_delimiter(backend):
+def _count_s3_calls(backend: Backend, operation: str):
+    """A list that grows by one per S3 ``operation`` request the store makes (S3 only)."""
+    calls: list[int] = []
+    backend.s3_client().meta.events.register(f"before-call.s3.{operation}", lambda **kw: calls.append(1))
+    return calls
+
+
+def test_1500_keys_are_listed_across_all_pages_then_deleted_by_prefix_in_batches(backend):
+    # One population serves both halves: creating 1,500 objects is the slow part on
+    # every server, and the delete half needs exactly what the list half checked.
     items = _many_keys(backend, "many")
     _put_many(backend.store, items)
-    backend.store.put_bytes(backend.url("many-sibling/not-listed"), b"")  # shares the string prefix "many"
+    keep = backend.url("many-sibling/keep")  # shares the string prefix "many"
+    backend.store.put_bytes(keep, b"keep")
+    if backend.is_s3:
+        list_calls = _count_s3_calls(backend, "ListObjectsV2")
+        delete_calls = _count_s3_calls(backend, "DeleteObjects")
 
+    # list without a delimiter: every object, over more than one page
     flat = list(backend.store.list(backend.url("many/"), delimiter=None))
     assert len(flat) == N_MANY
     assert {e.url for e in flat} == set(items)
     assert not any(e.is_prefix for e in flat)
 
+    # with a delimiter: 1,200 objects and 300 folded prefixes, over more than one page
     folded = list(backend.store.list(backend.url("many/"), delimiter="/"))
     assert len(folded) == N_MANY
     prefixes = {e.url for e in folded if e.is_prefix}
@@ -204,28 +220,14 @@ def test_list_follows_every_page_of_1500_keys_with_and_without_delimiter(backend
     assert prefixes == {backend.url(f"many/d{i:03d}/") for i in range(300)}
     assert all(p.endswith("/") for p in prefixes)
     assert objects == {backend.url(f"many/k{i:04d}") for i in range(1200)}
-
-
-def test_delete_prefix_of_1500_keys_deletes_all_in_batches_and_nothing_else(backend):
-    items = _many_keys(backend, "doomed")
-    _put_many(backend.store, items)
-    keep = backend.url("doomed-sibling/keep")
-    backend.store.put_bytes(keep, b"keep")
-
-    calls = []
     if backend.is_s3:
-        events = backend.s3_client().meta.events
-        hook = lambda **kw: calls.append(1)  # noqa: E731
-        events.register("before-call.s3.DeleteObjects", hook)
-    try:
-        assert backend.store.delete_prefix(backend.url("doomed")) == N_MANY
-    finally:
-        if backend.is_s3:
-            events.unregister("before-call.s3.DeleteObjects", hook)
+        assert len(list_calls) == 4  # two pages (1,000 + 500) per listing
 
+    # delete_prefix: everything under the folder, nothing beside it
+    assert backend.store.delete_prefix(backend.url("many")) == N_MANY
     if backend.is_s3:
-        assert len(calls) == 2  # DeleteObjects takes at most 1,000 keys a call
-    assert list(backend.store.list(backend.url("doomed/"), delimiter=None)) == []
+        assert len(delete_calls) == 2  # DeleteObjects takes at most 1,000 keys a call
+    assert list(backend.store.list(backend.url("many/"), delimiter=None)) == []
     assert backend.store.get_bytes(keep) == b"keep"
 
 
