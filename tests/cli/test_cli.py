@@ -395,3 +395,25 @@ def test_storage_flags_select_the_endpoint(runs, stores):
     r = cli("latest", runs["s3"], "--endpoint-url", stores["seaweed"].endpoint_url, "--region", "us-east-1", env=env)
     assert r.code == 0, r.err
     assert r.out.strip() == runs["s3"] + "/step30"
+
+
+def test_an_unreadable_marker_is_not_counted_and_is_reported(fresh):
+    folder = fresh("gcs")
+    write_fake_steps(folder, {1: False})
+    open_store(folder).put_bytes(folder + "/step2/.metadata.json", b"{not json")
+    r = cli("list", folder, "--json")
+    assert r.code == 0 and [s["step"] for s in r.json()["steps"]] == [1]
+    assert "step2" in r.assert_one_line_error() and "warning" in r.err
+    r = cli("list", folder, "--all", "--json")
+    row = r.json()["steps"][1]
+    assert row["status"] == "unreadable" and "not valid JSON" in row["error"]
+    r = cli("verify", folder + "/step2")
+    assert r.code == 1 and "not valid JSON" in r.assert_one_line_error()
+
+
+def test_a_local_io_error_is_one_line_with_exit_5(runs, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    r = cli("download", runs["local"] + "/step10", blocker / "step10")
+    assert r.code == 5, r.out + r.err
+    assert "check the local path" in r.assert_one_line_error()
