@@ -33,7 +33,7 @@ import uuid
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -57,7 +57,7 @@ from ..errors import (
 from ..storage import StorageOptions, open_store
 from ..storage import url as urls
 from ..transfer import TransferConfig, TransferEngine, crc32c_bytes
-from . import discovery, layout
+from . import discovery, layout, pointer
 from .async_save import AsyncSaver
 from .marker import Marker, ObjectEntry
 
@@ -164,15 +164,21 @@ class Checkpointer:
         self._async.wait(timeout)
 
     def save(self, dir: str, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False,
-             step: int | None = None) -> Marker:
+             step: int | None = None, commit: bool = True) -> "Marker | PendingCommit":
         """Save synchronously (after any in-flight async saves finish). See ``_save_now``."""
         self._async.wait()
-        return self._save_now(dir, state_dict, train_state, ephemeral=ephemeral, step=step)
+        return self._save_now(dir, state_dict, train_state, ephemeral=ephemeral, step=step, commit=commit)
 
     def _save_now(self, dir: str, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False,
-                  step: int | None = None) -> Marker:
+                  step: int | None = None, commit: bool = True) -> "Marker | PendingCommit":
         """Save ``state_dict`` (DCP) and this rank's ``train_state`` to the step folder
         ``dir`` and commit it. Collective: call on every rank.
+
+        ``commit=False`` stops after AGREE and returns a PendingCommit instead of the
+        Marker: everything is uploaded, nothing is visible to readers, and the step's
+        lock stays held until ``PendingCommit.commit()`` writes the marker (or
+        ``abort()`` removes the upload). Integrations that commit from another thread
+        later (the Lightning async plugin's finalize) use it.
 
         Raises CheckpointExists (step committed, ``save_overwrite`` off), SaveInProgress
         (another save holds the step's lock), SaveFailed (any rank failed; nothing
@@ -207,6 +213,9 @@ class Checkpointer:
                 torch_version=torch.__version__,
                 save_id=save_id,
             )
+            if not commit:
+                locked = False  # the PendingCommit owns the lock (and the cleanup) from here
+                return PendingCommit(self, dir, marker)
             self.coord.on_coordinator("commit", lambda: self._commit(dir, marker))
             locked = False
             stats = self.engine.stats()
@@ -320,6 +329,9 @@ class Checkpointer:
     def _commit(self, dir: str, marker: Marker) -> None:
         store = open_store(dir, self.storage_options)
         url = layout.marker_url(dir)
+        folder = urls.parent(dir) if layout.step_of_name(urls.basename(dir)) == marker.step else None
+        if folder is not None:
+            self._advance_pointer(folder, marker.step, pending=True)
         try:
             store.put_bytes(url, marker.to_bytes(), if_absent=True)
         except AlreadyExists:
@@ -330,10 +342,24 @@ class Checkpointer:
                 theirs = None
             if theirs is None or theirs.save_id != marker.save_id:
                 raise CheckpointExists(f"{dir} was committed by another save while this one ran; this save was not committed") from None
+        if folder is not None:
+            self._advance_pointer(folder, marker.step, pending=False)
         try:
             store.delete(urls.join(dir, layout.LOCK))
         except CloudCkptError as e:
             log.warning("committed %s but could not remove its lock (%s); it is harmless", dir, e)
+
+    def _advance_pointer(self, folder: str, step: int, *, pending: bool) -> None:
+        """Keep the ``latest`` pointer from ever lagging behind the newest commit. If it
+        cannot be advanced before the commit, remove it (readers then list)."""
+        try:
+            pointer.advance(folder, step, pending=pending, storage_options=self.storage_options)
+        except NotImplementedError:
+            return  # backend without conditional replace: discovery lists
+        except CloudCkptError as e:
+            log.warning("could not advance the latest pointer of %s to step %d (%s)", folder, step, e)
+            if pending:
+                pointer.best_effort_clear(folder, storage_options=self.storage_options)
 
     def _cleanup_attempt(self, dir: str, save_id: str) -> None:
         """Best effort: remove what a failed attempt uploaded, if we still hold the lock."""
@@ -360,6 +386,8 @@ class Checkpointer:
         load_trainer_state: bool | None = None,
         strict: bool = True,
         pre_download: bool | None = None,
+        exclude_from_loading: Sequence[str] = (),
+        model_only: bool = False,
     ) -> Any:
         """Load the committed step ``dir`` into ``state_dict`` in place (resharding
         as needed) and return this rank's train state (None when not loaded).
@@ -370,12 +398,30 @@ class Checkpointer:
         it if present; True requires it. ``strict=False`` loads what exists instead
         of raising MissingKeys.
 
-        Raises NotACheckpoint, IncompatibleCheckpoint, CorruptCheckpoint (bad size or
-        CRC32C, naming the object), MissingKeys, storage errors.
+        ``exclude_from_loading`` (torchtitan's option): top-level keys of
+        ``state_dict`` that are not loaded and keep their current values.
+        ``model_only``: load only the top-level ``model`` key and no train state
+        (returns None): starting a fresh run from a seed checkpoint.
+
+        Raises ValueError (an excluded key is not in ``state_dict``; ``model_only``
+        without a ``model`` key or with ``load_trainer_state=True``), NotACheckpoint,
+        IncompatibleCheckpoint, CorruptCheckpoint (bad size or CRC32C, naming the
+        object), MissingKeys, storage errors.
         """
+        unknown = [k for k in exclude_from_loading if k not in state_dict]
+        if unknown:
+            raise ValueError(f"exclude_from_loading names keys that are not in the state dict: {unknown} "
+                             f"(top-level keys are: {sorted(state_dict)})")
+        if model_only:
+            if "model" not in state_dict:
+                raise ValueError(f"model_only=True needs a top-level 'model' key (got: {sorted(state_dict)})")
+            if load_trainer_state:
+                raise ValueError("model_only=True loads no train state: do not pass load_trainer_state=True")
+            exclude_from_loading = [k for k in state_dict if k != "model"]
+            load_trainer_state = False
         self._async.wait()
         marker = self.coord.on_coordinator("read marker", lambda: discovery.read_marker(dir, storage_options=self.storage_options))
-        sd = dict(state_dict)
+        sd = {k: v for k, v in state_dict.items() if k not in exclude_from_loading}
         if load_optim_state is False:
             sd.pop("optim", None)
         optional = ("optim.",) if load_optim_state is None else ()
@@ -475,6 +521,42 @@ class Checkpointer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class PendingCommit:
+    """A save that is uploaded and agreed on but not committed: ``save(..., commit=False)``.
+
+    Until ``commit()`` or ``abort()`` runs, the step is invisible to readers (no
+    marker) and its lock is held (another save of the step raises SaveInProgress
+    until the lock is ``stale_lock_seconds`` old). Both are collective like save:
+    call them on every rank of the checkpointer, once.
+    """
+
+    def __init__(self, checkpointer: "Checkpointer", dir: str, marker: Marker):
+        self._ckpt = checkpointer
+        self.dir = dir
+        self.marker = marker
+
+    def commit(self) -> Marker:
+        """Write the marker (conditional create, stamped with the commit time) and
+        release the lock. On failure nothing is committed and the upload is removed
+        (best effort), as a failed ``save`` does. Raises CheckpointExists if another
+        save committed the step meanwhile, storage errors."""
+        import dataclasses
+
+        marker = dataclasses.replace(self.marker, created_unix=time.time())
+        try:
+            self._ckpt.coord.on_coordinator("commit", lambda: self._ckpt._commit(self.dir, marker))
+        except BaseException:
+            self.abort()
+            raise
+        self.marker = marker
+        return marker
+
+    def abort(self) -> None:
+        """Best effort: remove what the save uploaded, unless it got committed."""
+        if self._ckpt.coord.is_coordinator:
+            self._ckpt._cleanup_attempt(self.dir, self.marker.save_id)
 
 
 @contextlib.contextmanager

@@ -78,8 +78,17 @@ def find_checkpoints(
         yield (step, dir, m) if with_markers else (step, dir)
 
 
-def latest_checkpoint(folder: str, *, storage_options: StorageOptions | None = None) -> str:
-    """The newest committed step folder. Raises NotACheckpoint (a FileNotFoundError) if none."""
+def latest_checkpoint(folder: str, *, storage_options: StorageOptions | None = None, use_pointer: bool = True) -> str:
+    """The newest committed step folder. Raises NotACheckpoint (a FileNotFoundError) if none.
+
+    With ``use_pointer`` (default) the ``latest`` pointer is tried first (2 requests);
+    when it is missing or cannot vouch for a committed step, one LIST pass is used."""
+    if use_pointer:
+        from . import pointer
+
+        found = pointer.try_latest(folder, storage_options=storage_options)
+        if found is not None:
+            return found
     for step, dir in reversed(list_step_dirs(folder, storage_options=storage_options)):
         if _try_marker(dir, storage_options) is not None:
             return dir

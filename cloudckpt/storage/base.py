@@ -160,6 +160,16 @@ class ObjectStore(ABC):
             n += 1
         return n
 
+    def get_bytes_versioned(self, url: str) -> tuple[bytes, str]:
+        """Read a small object and its version token (S3 ETag, GCS generation, local
+        inode+mtime+size) for a later ``put_bytes_if_match``. Raises NotFound."""
+        raise NotImplementedError(f"{type(self).__name__} has no conditional replace")
+
+    def put_bytes_if_match(self, url: str, data: bytes, version: str) -> None:
+        """Replace the object only if it still has ``version``; raises PreconditionFailed
+        otherwise (someone else wrote it in between)."""
+        raise NotImplementedError(f"{type(self).__name__} has no conditional replace")
+
     def list_multipart_uploads(self, prefix: str) -> list[PendingUpload]:
         """Incomplete multipart uploads under ``prefix`` (empty where the backend has none)."""
         return []

@@ -7,9 +7,9 @@ server), and the project is ``StorageOptions.project`` or the ADC/env default. W
 client uses anonymous credentials and that endpoint instead; the variable is read
 when the client is first needed, not at import.
 
-Request retries are google-api-core's (the predicate of the library's
-``DEFAULT_RETRY``: 408, 429, 5xx, connection resets and timeouts; exponential
-backoff with jitter, at most ``_RETRY_TIMEOUT`` seconds per request). Every retry
+Request retries are google-api-core's, as the library's ``DEFAULT_RETRY`` (its
+predicate: 408, 429, 5xx, connection resets and timeouts; exponential backoff with
+jitter, at most ``_RETRY_TIMEOUT`` seconds per request or per upload chunk). Every retry
 is reported to the retry listeners (``"throttled"`` for 429/503, ``"transient"``
 otherwise), which is how the transfer engine sees throttling. ``max_attempts=1``
 turns retries off.
@@ -242,8 +242,8 @@ class GCSStore(ObjectStore):
                 on_retry()
             self._notify_retry(_retry_kind(exc))
 
-        return Retry(predicate=_should_retry, initial=0.5, maximum=30.0, multiplier=2.0, timeout=_RETRY_TIMEOUT,
-                     on_error=on_error)
+        # api-core's default backoff (1 s doubling to 60 s, with jitter) within _RETRY_TIMEOUT
+        return Retry(predicate=_should_retry, timeout=_RETRY_TIMEOUT, on_error=on_error)
 
     def _bucket_exists(self, bucket: str) -> Callable[[], bool]:
         def check() -> bool:
@@ -345,6 +345,30 @@ class GCSStore(ObjectStore):
             return b""  # the range starts at or after the end of the object
         except Exception as e:  # noqa: BLE001 - translated below
             raise self._translate(e, url, "get") from None
+
+    def get_bytes_versioned(self, url: str) -> tuple[bytes, str]:
+        bucket, key = _object(url)
+        try:
+            blob = self.client.bucket(bucket).get_blob(key, timeout=self._timeout, retry=self._retry())
+            if blob is None:
+                raise NotFound(f"get {url}: no such object", url=url)
+            data = blob.download_as_bytes(if_generation_match=blob.generation, raw_download=True,
+                                          timeout=self._timeout, retry=self._retry())
+            return data, str(blob.generation)
+        except Exception as e:  # noqa: BLE001 - translated below
+            raise self._translate(e, url, "get") from None
+
+    def put_bytes_if_match(self, url: str, data: bytes, version: str) -> None:
+        bucket, key = _object(url)
+        try:
+            blob = self.client.bucket(bucket).blob(key)
+            blob.upload_from_string(data, content_type="application/octet-stream", if_generation_match=int(version),
+                                    timeout=self._timeout, retry=self._retry())
+        except Exception as e:  # noqa: BLE001 - translated below
+            err = self._translate(e, url, "put")
+            if isinstance(err, NotFound):
+                raise PreconditionFailed(f"put {url}: the object changed or was deleted", url=url) from None
+            raise err from None
 
     def upload_fileobj(
         self, fileobj: BinaryIO, url: str, *, size: int, if_absent: bool = False, progress: Progress = None

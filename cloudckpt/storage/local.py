@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from typing import BinaryIO, Iterator
 
-from ..errors import AccessDenied, AlreadyExists, InvalidURL, NotFound, StorageError, Transient
+from ..errors import AccessDenied, AlreadyExists, InvalidURL, NotFound, PreconditionFailed, StorageError, Transient
 from .base import MiB, ListEntry, ObjectInfo, ObjectStore, Progress
 from .url import parse_url
 
@@ -85,6 +85,40 @@ class LocalStore(ObjectStore):
             raise NotFound(f"read: {url} is a folder, not an object", url=url) from None
         except OSError as e:
             raise self._err(e, url, "read") from e
+
+    @staticmethod
+    def _version(path: str) -> str:
+        st = os.stat(path)
+        return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
+
+    def get_bytes_versioned(self, url: str) -> tuple[bytes, str]:
+        path = self._path(url)
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                return f.read(), f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
+        except OSError as e:
+            raise self._err(e, url, "read") from e
+
+    def put_bytes_if_match(self, url: str, data: bytes, version: str) -> None:
+        """Compare-and-replace under an flock on a sidecar lock file; readers need no
+        lock because the replace is an atomic rename (a new inode)."""
+        import fcntl
+
+        path = self._path(url)
+        try:
+            # the lock file's ".tmp-" name keeps it out of listings
+            with open(os.path.join(os.path.dirname(path), ".tmp-cas-" + os.path.basename(path)), "a") as lk:
+                fcntl.flock(lk, fcntl.LOCK_EX)
+                try:
+                    current = self._version(path)
+                except FileNotFoundError:
+                    current = None
+                if current != version:
+                    raise PreconditionFailed(f"put {url}: the object changed since it was read", url=url)
+                self.put_bytes(url, data)
+        except OSError as e:
+            raise self._err(e, url, "write") from e
 
     def upload_fileobj(self, fileobj: BinaryIO, url: str, *, size: int, if_absent: bool = False, progress: Progress = None) -> None:
         def fill(f):

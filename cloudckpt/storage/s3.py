@@ -209,6 +209,24 @@ class S3Store(ObjectStore):
         except Exception as e:  # noqa: BLE001 - translated below
             raise translate(e, url, "get") from None
 
+    def get_bytes_versioned(self, url: str) -> tuple[bytes, str]:
+        bucket, key = _split(url)
+        try:
+            r = self.client.get_object(Bucket=bucket, Key=key)
+            return r["Body"].read(), r["ETag"]
+        except Exception as e:  # noqa: BLE001 - translated below
+            raise translate(e, url, "get") from None
+
+    def put_bytes_if_match(self, url: str, data: bytes, version: str) -> None:
+        bucket, key = _split(url)
+        try:
+            self.client.put_object(Bucket=bucket, Key=key, Body=data, IfMatch=version)
+        except Exception as e:  # noqa: BLE001 - translated below
+            err = translate(e, url, "put")
+            if isinstance(err, NotFound):  # deleted in between: the precondition does not hold
+                raise PreconditionFailed(f"put {url}: the object changed or was deleted", url=url) from None
+            raise err from None
+
     def upload_fileobj(self, fileobj: BinaryIO, url: str, *, size: int, if_absent: bool = False, progress: Progress = None) -> None:
         bucket, key = _split(url)
         if if_absent:
