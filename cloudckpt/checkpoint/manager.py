@@ -76,7 +76,7 @@ class CheckpointManager:
 
         def discover():
             try:
-                latest = discovery.latest_checkpoint(folder, storage_options=so)
+                latest = discovery.latest_checkpoint(folder, storage_options=so, use_pointer=False)
             except NotACheckpoint:
                 latest = None
             step = layout.parse_step_dir(latest) if latest else -1
