@@ -263,7 +263,8 @@ def cmd_latest(args) -> int:
     from .errors import NotACheckpoint
 
     try:
-        url = discovery.latest_checkpoint(args.folder, storage_options=_storage_options(args))
+        # Listing by default: correct even if something wrote a step without moving the pointer.
+        url = discovery.latest_checkpoint(args.folder, storage_options=_storage_options(args), use_pointer=args.pointer)
     except NotACheckpoint:
         print(f"cloudckpt: no committed checkpoint in {args.folder} (run `cloudckpt list --all {args.folder}` "
               "to see step folders)", file=sys.stderr)
@@ -724,8 +725,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ephemeral", action="store_true", help="only ephemeral checkpoints")
     g.add_argument("--persistent", action="store_true", help="only persistent checkpoints")
 
-    s = command("latest", cmd_latest, "URL of the newest committed step (exit 1 if none)")
+    s = command("latest", cmd_latest, "URL of the newest committed step (exit 1 if none)",
+                "URL of the newest committed step, found by listing the folder; exit 1 if there is none.")
     s.add_argument("folder", metavar="FOLDER")
+    s.add_argument("--pointer", action="store_true",
+                   help="trust the folder's `latest` pointer when it names a committed step (2 requests instead of a "
+                        "LIST; falls back to listing)")
 
     s = command("inspect", cmd_inspect, "tensors, train state keys and marker fields of one step")
     s.add_argument("step", metavar="STEP", help="a step folder, e.g. s3://bucket/run-7/step1000")

@@ -98,6 +98,14 @@ def test_latest_prints_the_newest_committed_step_url(runs, backend):
     assert r.out == f"{runs[backend]}/step30\n"  # step40 is not committed
 
 
+def test_latest_lists_by_default_and_trusts_the_pointer_only_with_flag(fresh):
+    folder = fresh("s3")
+    write_fake_steps(folder, {10: False, 30: False})
+    open_store(folder).put_bytes(folder + "/latest", json.dumps({"step": 10}).encode())  # lags: step30 came later
+    assert cli("latest", folder).out == folder + "/step30\n"
+    assert cli("latest", folder, "--pointer").out == folder + "/step10\n"
+
+
 def test_latest_json_and_exit_1_with_a_clear_message_when_none(runs, fresh):
     r = cli("latest", runs["gcs"], "--json")
     assert r.code == 0 and r.json() == {"folder": runs["gcs"], "step": 30, "url": runs["gcs"] + "/step30"}
