@@ -1,0 +1,325 @@
+"""Export the model weights of a committed checkpoint (torchtitan's ``export``).
+
+    from cloudckpt.export import export_weights
+    export_weights("s3://bucket/run-7/step1000", "s3://bucket/run-7/export/model.safetensors",
+                   dtype="bfloat16")
+
+Only the tensors under one top-level key of the DCP state (``model`` by default)
+are exported, named without that prefix (``model.layers.0.w`` -> ``layers.0.w``),
+optionally cast to another floating-point dtype (integer and bool tensors keep
+their dtype).
+
+Streaming (``safetensors``): the header is written first (every name, dtype and
+shape is known from the DCP metadata), then the tensors one at a time: read the
+byte ranges of its chunks (concurrent range reads, CRC32C-checked against the
+commit marker), assemble, cast, write, drop. Memory above baseline is bounded
+by the largest tensor, not by the model: at most about three times the largest
+tensor's stored size (its bytes as read, the decoded chunk and, for sharded
+tensors or a cast, the assembled/cast copy) plus ``piece_size`` bytes per
+concurrent range read. The output goes to a local file (next to the destination
+when it is local, else in ``work_dir``), so local disk holds the whole output
+once; a bucket destination is then uploaded by the transfer engine (multipart
+above the store's threshold, CRC32C computed).
+
+``torch`` format: ``torch.save`` of ``{name: tensor}`` needs every tensor in
+memory at once; only safetensors is strictly streaming.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import json
+import logging
+import os
+import struct
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import torch
+
+from .checkpoint import discovery, layout
+from .checkpoint.marker import Marker
+from .dcp.safe_pickle import loads_metadata
+from .errors import AlreadyExists, CorruptCheckpoint, MissingKeys
+from .storage import StorageOptions, open_store
+from .storage import url as urls
+from .transfer import TransferConfig, TransferEngine, crc32c_bytes
+
+log = logging.getLogger(__name__)
+
+_MiB = 1024 * 1024
+FORMATS = ("safetensors", "torch")
+
+#: torch dtype -> safetensors dtype code
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}
+
+_DTYPE_NAMES = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+}
+
+
+def parse_dtype(dtype: "str | torch.dtype | None") -> torch.dtype | None:
+    """``"bfloat16"``/``"bf16"``/``torch.bfloat16`` -> ``torch.bfloat16``; None stays None.
+    Raises ValueError for anything but a floating-point dtype."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        if dtype is not None and not dtype.is_floating_point:
+            raise ValueError(f"export dtype must be a floating-point dtype, got {dtype}")
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPE_NAMES:
+        raise ValueError(f"unknown export dtype {dtype!r}: use one of {', '.join(sorted(_DTYPE_NAMES))}")
+    return _DTYPE_NAMES[key]
+
+
+# ---------------------------------------------------------------- reading the checkpoint
+def read_dcp_metadata(step_url: str, *, storage_options: StorageOptions | None = None, verify: bool = True):
+    """The commit marker and the DCP ``Metadata`` of a committed step (unpickled with
+    the allowlist; size and CRC32C checked against the marker). Raises NotACheckpoint,
+    CorruptCheckpoint, storage errors."""
+    marker = discovery.read_marker(step_url, storage_options=storage_options)
+    rel = f"{layout.MODEL_DIR}/.metadata"
+    url = urls.join(step_url, rel)
+    data = open_store(url, storage_options).get_bytes(url)
+    entry = marker.object(rel)
+    if entry is not None and (len(data) != entry.size or (verify and entry.crc32c and crc32c_bytes(data) != entry.crc32c)):
+        raise CorruptCheckpoint(f"{url}: size or CRC32C does not match the commit marker; the object is corrupt")
+    return marker, loads_metadata(data, url=url)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str  # output name (fqn without the prefix)
+    fqn: str
+    shape: tuple[int, ...]
+    src_dtype: torch.dtype
+    dtype: torch.dtype  # output dtype
+    chunks: tuple  # ChunkStorageMetadata
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+def _plan(metadata, key_prefix: str, dtype: torch.dtype | None) -> tuple[list[_Entry], list[str]]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    prefix = f"{key_prefix}." if key_prefix else ""
+    entries, skipped = [], []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not fqn.startswith(prefix):
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            skipped.append(fqn)
+            continue
+        src = md.properties.dtype
+        out = dtype if (dtype is not None and src.is_floating_point) else src
+        if out not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{fqn} has dtype {out}, which safetensors cannot store")
+        entries.append(_Entry(fqn[len(prefix):], fqn, tuple(md.size), src, out, tuple(md.chunks)))
+    if not entries:
+        tops = sorted({k.split(".", 1)[0] for k in metadata.state_dict_metadata})
+        raise MissingKeys(f"no tensors under {key_prefix!r} in this checkpoint; its top-level keys are {tops}: "
+                          "pass key_prefix= one of them")
+    return entries, skipped
+
+
+class _TensorReader:
+    """Reads one tensor at a time: the byte ranges of its chunks through the
+    transfer engine, checked against the marker's CRC32C, decoded and assembled."""
+
+    def __init__(self, step_url: str, marker: Marker, metadata, engine: TransferEngine, *, verify: bool, piece_size: int):
+        self.model_url = urls.join(step_url, layout.MODEL_DIR)
+        self.metadata = metadata
+        self.engine = engine
+        self.verify = verify
+        self.piece_size = piece_size
+        self.checksums: dict[str, dict[tuple[int, int], str]] = {}
+        for o in marker.objects:
+            if o.path.startswith(layout.MODEL_DIR + "/"):
+                self.checksums[o.path[len(layout.MODEL_DIR) + 1:]] = {(c[0], c[1]): c[2] for c in o.chunks}
+        self.bytes_read = 0
+
+    def _read_range(self, url: str, start: int, length: int) -> bytes:
+        pieces = [(s, min(s + self.piece_size, start + length)) for s in range(start, start + length, self.piece_size)]
+        if len(pieces) <= 1:
+            return self.engine.submit_read(url, start, start + length).result() if length else b""
+        futures = [self.engine.submit_read(url, s, e) for s, e in pieces]
+        try:
+            parts = [f.result() for f in futures]
+        finally:
+            for f in futures:
+                f.cancel()
+        data = b"".join(parts)
+        del parts
+        return data
+
+    def read(self, e: _Entry) -> torch.Tensor:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        full = None
+        for chunk in e.chunks:
+            info = self.metadata.storage_data[MetadataIndex(e.fqn, chunk.offsets)]
+            if getattr(info, "transform_descriptors", None):
+                raise CorruptCheckpoint(f"{e.fqn}: stream transforms {info.transform_descriptors} are not supported by cloudckpt")
+            url = urls.join(self.model_url, info.relative_path)
+            data = self._read_range(url, info.offset, info.length)
+            if len(data) != info.length:
+                raise CorruptCheckpoint(f"{url}: expected {info.length} bytes at offset {info.offset}, got {len(data)}; it is truncated")
+            want = self.checksums.get(info.relative_path, {}).get((info.offset, info.length))
+            if self.verify and want is not None and crc32c_bytes(data) != want:
+                raise CorruptCheckpoint(f"{url}: CRC32C mismatch in bytes [{info.offset}, {info.offset + info.length}) of {e.fqn}; "
+                                        "the object is corrupt: restore it or export an older step")
+            self.bytes_read += len(data)
+            part = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            del data
+            if tuple(chunk.sizes) == e.shape and len(e.chunks) == 1:
+                return part
+            if full is None:
+                full = torch.empty(e.shape, dtype=e.src_dtype)
+            index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+            full[index].copy_(part.reshape(tuple(chunk.sizes)))
+            del part
+        if full is None:  # a tensor with no chunks has no elements
+            full = torch.empty(e.shape, dtype=e.src_dtype)
+        return full
+
+
+# ---------------------------------------------------------------- writing
+def _header(entries: list[_Entry], meta: dict[str, str]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": meta}
+    off = 0
+    for e in entries:
+        header[e.name] = {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [off, off + e.nbytes]}
+        off += e.nbytes
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)  # the data starts 8-byte aligned, as the safetensors library writes it
+    return struct.pack("<Q", len(body)) + body
+
+
+def _write_tensor(f: BinaryIO, t: torch.Tensor) -> int:
+    """Write the tensor's raw little-endian bytes without copying them into Python."""
+    t = t.contiguous()
+    n = t.numel() * t.element_size()
+    if n:
+        f.write(memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())))
+    return n
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _write_safetensors(f: BinaryIO, entries: list[_Entry], reader: _TensorReader, meta: dict[str, str]) -> None:
+    f.write(_header(entries, meta))
+    for e in entries:
+        t = _cast(reader.read(e), e.dtype)
+        if _write_tensor(f, t) != e.nbytes:
+            raise CorruptCheckpoint(f"{e.fqn}: read {tuple(t.shape)} {t.dtype}, the metadata says {e.shape} {e.dtype}")
+        del t
+
+
+def _write_torch(f: BinaryIO, entries: list[_Entry], reader: _TensorReader) -> None:
+    tensors = {e.name: _cast(reader.read(e), e.dtype) for e in entries}
+    torch.save(tensors, f)
+
+
+# ---------------------------------------------------------------- entry point
+def export_weights(
+    step_url: str,
+    dest_url: str,
+    *,
+    dtype: "str | torch.dtype | None" = None,
+    fmt: str = "safetensors",
+    key_prefix: str = "model",
+    overwrite: bool = False,
+    storage_options: StorageOptions | None = None,
+    transfer: TransferConfig | None = None,
+    work_dir: str | None = None,
+    verify_checksums: bool = True,
+    piece_size: int = 32 * _MiB,
+    progress: Any = None,
+) -> dict:
+    """Export the tensors under ``key_prefix`` of the committed step ``step_url`` to
+    ``dest_url`` (a local path, ``file://``, ``s3://`` or ``gs://`` object; a URL
+    ending in ``/`` gets ``model.safetensors`` or ``model.pt`` appended).
+
+    ``dtype`` casts floating-point tensors (``"bfloat16"``, ``"float16"``, a
+    ``torch.dtype``; None keeps the stored dtype). ``fmt`` is ``"safetensors"``
+    (streaming) or ``"torch"`` (``torch.save`` of a dict; holds every tensor).
+
+    Returns ``{"step_url", "step", "dest", "format", "dtype", "tensors", "bytes",
+    "largest_tensor_bytes", "bytes_read", "skipped"}`` (``skipped``: non-tensor
+    values under the prefix, which neither format exports).
+
+    Raises NotACheckpoint (no marker), CorruptCheckpoint (bad size or CRC32C),
+    MissingKeys (no tensor under ``key_prefix``), ValueError (bad ``fmt`` or
+    ``dtype``), AlreadyExists (``dest_url`` exists and not ``overwrite``),
+    storage errors.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
+    out_dtype = parse_dtype(dtype)
+    if dest_url.endswith("/"):
+        dest_url = dest_url + ("model.safetensors" if fmt == "safetensors" else "model.pt")
+    if sys.byteorder != "little":
+        raise RuntimeError("export writes raw little-endian tensor bytes; this machine is big-endian")
+    dest_store = open_store(dest_url, storage_options)
+    if not overwrite and dest_store.exists(dest_url):
+        raise AlreadyExists(f"{dest_url} already exists; pass overwrite=True (--force) to replace it", url=dest_url)
+
+    marker, metadata = read_dcp_metadata(step_url, storage_options=storage_options, verify=verify_checksums)
+    entries, skipped = _plan(metadata, key_prefix, out_dtype)
+    if skipped:
+        log.warning("export skips %d non-tensor value(s) under %r: %s", len(skipped), key_prefix, ", ".join(skipped[:10]))
+    meta = {"format": "pt", "cloudckpt_step": str(marker.step)}
+
+    local = urls.is_plain_path(dest_url) or urls.scheme_of(dest_url) == "file"
+    if local:
+        final = urls.parse_url(dest_url).key
+        tmp_dir = os.path.dirname(final) or "."
+    else:
+        final = None
+        tmp_dir = work_dir or os.path.join(tempfile.gettempdir(), "cloudckpt-work")
+    os.makedirs(tmp_dir, exist_ok=True)
+    tmp = os.path.join(tmp_dir, f".export-{uuid.uuid4().hex}.part")  # open(..., "xb"): the umask applies, as for any file
+    engine = TransferEngine(transfer or TransferConfig(), storage_options=storage_options, progress=progress)
+    try:
+        reader = _TensorReader(step_url, marker, metadata, engine, verify=verify_checksums, piece_size=piece_size)
+        with open(tmp, "xb") as f:
+            if fmt == "safetensors":
+                _write_safetensors(f, entries, reader, meta)
+            else:
+                _write_torch(f, entries, reader)
+        size = os.path.getsize(tmp)
+        if local:
+            os.replace(tmp, final)
+        else:
+            engine.submit_upload(tmp, dest_url).result()
+    finally:
+        engine.close()
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    result = {
+        "step_url": step_url, "step": marker.step, "dest": dest_url, "format": fmt,
+        "dtype": str(out_dtype).removeprefix("torch.") if out_dtype else None,
+        "tensors": len(entries), "bytes": size, "largest_tensor_bytes": max(e.nbytes for e in entries),
+        "bytes_read": reader.bytes_read, "skipped": skipped,
+    }
+    log.info("exported %d tensors (%.1f MB) of %s to %s", len(entries), size / 1e6, step_url, dest_url)
+    return result
