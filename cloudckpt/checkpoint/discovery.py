@@ -16,7 +16,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
-from ..errors import CheckpointError, NotACheckpoint, NotFound
+from ..errors import BucketNotFound, CheckpointError, NotACheckpoint, NotFound
 from ..storage import StorageOptions, open_store
 from ..storage import url as urls
 from . import layout
@@ -31,6 +31,8 @@ def read_marker(dir: str, *, storage_options: StorageOptions | None = None) -> M
     url = layout.marker_url(dir)
     try:
         data = open_store(url, storage_options).get_bytes(url)
+    except BucketNotFound:
+        raise
     except NotFound:
         raise NotACheckpoint(
             f"{dir} is not a committed checkpoint: it has no {layout.MARKER} (the save never finished, or the path is wrong); "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import CloudCkptError
@@ -80,8 +81,11 @@ def gc(folder: str, *, older_than: float = 3600.0, only_steps_above: int | None 
     now = time.time() if now is None else now
     store = open_store(folder, storage_options)
     doomed = []
-    for step, dir in discovery.list_step_dirs(folder, storage_options=storage_options):
-        if step in protect or store.exists(layout.marker_url(dir)):
+    steps = [(s, d) for s, d in discovery.list_step_dirs(folder, storage_options=storage_options) if s not in protect]
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        committed = list(pool.map(lambda sd: store.exists(layout.marker_url(sd[1])), steps))
+    for (step, dir), is_committed in zip(steps, committed):
+        if is_committed:
             continue
         if only_steps_above is not None:
             if step <= only_steps_above:
