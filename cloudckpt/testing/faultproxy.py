@@ -30,7 +30,8 @@ Faults (``Rule.fault``):
 
 Choosing requests: a rule matches on ``method`` (one or a set) and ``key`` (a regex
 searched in the request target, path and query: the S3 ``/bucket/key`` or the GCS
-``.../b/bucket/o/name`` / ``?name=``). Among matching requests it fires on the
+``.../b/bucket/o/name`` / ``?name=``; a GCS single-request upload names its object in
+its body, so ``&name=...`` taken from the body's JSON part is appended to the target). Among matching requests it fires on the
 ``nth`` (1-based, an int or a set), or with probability ``rate``, or always; at most
 ``times`` times. The first rule that fires decides. Rate decisions are seeded and
 drawn from a hash of (seed, rule, method, path, how often that method+path was seen),
@@ -67,6 +68,7 @@ log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 FAULTS = ("slowdown", "error500", "throttle429", "reset", "stall", "truncate", "latency")
 _CHUNK = 64 * 1024
+_PEEK = 4096  # bytes of a GCS multipart upload read to find the object name
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "upgrade", "expect"}
 
 
@@ -125,6 +127,32 @@ class _Server(http.server.ThreadingHTTPServer):
     block_on_close = False  # never join a handler thread hanging in a stall
     proxy: "FaultProxy"
 
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.open_connections: set = set()
+        self.conn_lock = threading.Lock()
+
+    def process_request(self, request, client_address):
+        with self.conn_lock:
+            self.open_connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request):
+        with self.conn_lock:
+            self.open_connections.discard(request)
+        super().shutdown_request(request)
+
+    def reset_all(self) -> None:
+        """Reset every open client connection (idle keep-alive ones included)."""
+        with self.conn_lock:
+            conns, self.open_connections = list(self.open_connections), set()
+        for c in conns:
+            try:
+                c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed
+
 
 class FaultProxy:
     """The proxy. ``upstream``: the store's ``http://127.0.0.1:PORT``. ``flavor``:
@@ -171,6 +199,7 @@ class FaultProxy:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+            self._server.reset_all()
             self._server = None
 
     def __enter__(self) -> "FaultProxy":
@@ -309,7 +338,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 if size == 0:
                     return
         else:
-            left = int(self.headers.get("Content-Length") or 0)
+            left = int(self.headers.get("Content-Length") or 0) - len(self._prefix)
+            if self._prefix:
+                piece = self._prefix if limit is None else self._prefix[:limit]
+                sent += len(piece)
+                yield piece
+                if limit is not None and sent >= limit:
+                    return
             while left > 0:
                 want = min(_CHUNK, left)
                 if limit is not None:
@@ -329,7 +364,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     # ------------------------------------------------------------ the proxy
     def _proxy(self) -> None:
         proxy = self.server.proxy
-        rule = proxy._choose(self.command, self.path)
+        self._prefix = b""
+        target = self.path
+        if (self.headers.get("Content-Type") or "").startswith("multipart/related") and self.headers.get("Content-Length"):
+            # a GCS single-request upload names its object in the JSON part at the start of the body
+            self._prefix = self.rfile.read(min(_PEEK, int(self.headers["Content-Length"])))
+            m = re.search(rb'"name"\s*:\s*"([^"]*)"', self._prefix)
+            if m:
+                target += ("&" if "?" in target else "?") + "name=" + urllib.parse.quote(m.group(1).decode("utf-8", "replace"))
+        rule = proxy._choose(self.command, target)
         fault = rule.fault if rule else None
         if fault in ("slowdown", "error500", "throttle429"):
             for _ in self._body_chunks():

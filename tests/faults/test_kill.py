@@ -1,0 +1,185 @@
+"""kill -9 at random moments: of one rank during a save (sync and async), and of a
+prune or a gc. Whatever the moment, a reader never sees a partial step.
+
+Trials are seeded. CI runs ``CLOUDCKPT_KILL_TRIALS`` (default 4) save trials and
+half as many prune and gc trials; the full campaign is
+
+    CLOUDCKPT_KILL_TRIALS=24 .venv/bin/python -m pytest tests/faults/test_kill.py
+
+(24 save trials: S3, GCS and local, sync and async, 4 each; 12 prune and 12 gc trials).
+``CLOUDCKPT_KILL_SEED`` picks another family of seeds.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+
+from cloudckpt import Checkpointer, CheckpointConfig
+from cloudckpt.checkpoint import discovery, retention
+from cloudckpt.errors import NotACheckpoint
+from cloudckpt.storage import clear_cache, open_store
+from cloudckpt.storage import url as urls
+from cloudckpt.testing.faultproxy import Rule
+
+from . import checks, workers
+
+KILL_TRIALS = int(os.environ.get("CLOUDCKPT_KILL_TRIALS", "4"))
+SEED = int(os.environ.get("CLOUDCKPT_KILL_SEED", "0"))
+COMBOS = [("s3", "sync"), ("s3", "async"), ("gcs", "sync"), ("gcs", "async"), ("local", "sync"), ("local", "async")]
+NUMEL = 256 * 1024  # 1 MiB + 0.5 MiB per rank per step
+KILL_WINDOW = 4.0  # seconds after both ranks are ready: a few saves long
+
+
+def _root(backend: str, request, tmp_path) -> str:
+    if backend == "local":
+        return str(tmp_path / "ckpt" / "run")
+    proxy = request.getfixturevalue(f"{backend}_proxy")
+    proxy.add(Rule("latency", delay=0.01))  # every request 10 ms slower: wider windows between the steps of a save
+    return proxy.bucket + "/run"
+
+
+def _wait_for(paths: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(p) for p in paths):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ranks not ready after {timeout}s: {paths}")
+        time.sleep(0.05)
+
+
+def _done_steps(progress: str, world_size: int) -> set[int]:
+    out: set[int] = set()
+    for r in range(world_size):
+        try:
+            with open(os.path.join(progress, f"done{r}")) as f:
+                out |= {int(x) for x in f.read().split()}
+        except FileNotFoundError:
+            pass  # this rank never finished a save
+    return out
+
+
+def assert_no_partial_step_is_visible(folder: str, work_dir: str, *, world_size: int, numel: int) -> list[int]:
+    """The reader's guarantees: every committed step verifies (each manifest object
+    with its size and CRC32C), latest_checkpoint is the newest committed step, and
+    loading it is bit-exact. Returns the committed steps."""
+    clear_cache()
+    committed = checks.committed_steps(folder)
+    for s in committed:
+        problems = checks.verify_step(checks.step_dir(folder, s))
+        assert problems == [], f"committed step{s} is partial: {problems}"
+    if not committed:
+        with pytest.raises(NotACheckpoint):
+            Checkpointer.latest_checkpoint(folder)
+        return committed
+    latest = Checkpointer.latest_checkpoint(folder)
+    assert latest == checks.step_dir(folder, max(committed))
+    sd = checks.zero_state(world_size, numel=numel)
+    ts = Checkpointer(work_dir=work_dir).load(latest, sd)
+    assert checks.bitexact(sd, max(committed), world_size, numel=numel), f"{latest} does not load bit-exactly"
+    assert ts == {"step": max(committed), "rank": 0}
+    return committed
+
+
+@pytest.mark.parametrize("trial", range(KILL_TRIALS))
+def test_kill9_of_one_rank_at_a_random_moment_of_a_save_never_exposes_a_partial_step(trial, request, tmp_path, secret_scan):
+    backend, mode = COMBOS[trial % len(COMBOS)]
+    rng = random.Random(f"{SEED}-save-{trial}")
+    folder = _root(backend, request, tmp_path)
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    job = workers.Job(2, workers.save_loop, folder, str(tmp_path / "work"), mode, list(range(1, 200)), NUMEL, str(progress),
+                      trial % 4 != 3, env=checks.rank_env(), tmp=str(tmp_path))
+    try:
+        # "ready" comes when step 1 committed on this rank (every 4th trial: when the job starts, so
+        # that the kill may hit the very first save, with nothing committed to fall back on)
+        _wait_for([str(progress / f"ready{r}") for r in range(2)], timeout=120)
+        delay, victim = rng.uniform(0, KILL_WINDOW), rng.randrange(2)
+        time.sleep(delay)
+        job.kill(victim)
+        time.sleep(rng.uniform(0, 0.3))  # the scheduler notices and kills the rest of the job
+    finally:
+        job.kill_all()
+    done = _done_steps(str(progress), 2)
+    committed = assert_no_partial_step_is_visible(folder, str(tmp_path / "check"), world_size=2, numel=NUMEL)
+    print(f"kill trial {trial}: {backend}/{mode} killed rank {victim} after {delay:.2f}s; "
+          f"saves returned: {sorted(done)[-3:]}, committed: {committed[-3:]}")
+    assert done <= set(committed), f"a save that returned was lost: {sorted(done - set(committed))}"
+
+    # the job restarts (on one rank here): resume from the newest committed step, then keep saving
+    cfg = CheckpointConfig(save_folder=folder, work_dir=str(tmp_path / "restart"), exact_resume=False)
+    mgr = cfg.build()
+    sd = checks.zero_state(2, numel=NUMEL)
+    ts = mgr.resume(sd)
+    newest = max(committed, default=0)
+    assert ts == ({"step": newest, "rank": 0} if committed else None)
+    nxt = newest + 1
+    mgr.save(nxt, checks.step_state(nxt, 0, numel=NUMEL), {"step": nxt, "rank": 0})
+    mgr.close()
+    assert checks.committed_steps(folder)[-1] == nxt
+    assert checks.verify_step(checks.step_dir(folder, nxt)) == []
+    assert [s for s in checks.committed_steps(folder) if s <= newest] == committed, "resume lost no committed step"
+
+
+# ------------------------------------------------------------------ prune and gc
+MAINT_TRIALS = max(1, KILL_TRIALS // 2)
+
+
+def _committed_run(folder: str, work_dir: str, steps: range, *, ephemeral_every: int = 2) -> None:
+    ck = Checkpointer(work_dir=work_dir)
+    for s in steps:
+        ck.save(checks.step_dir(folder, s), checks.step_state(s, 0), {"step": s, "rank": 0}, ephemeral=s % ephemeral_every == 1)
+    ck.close()
+
+
+def _kill_during(fn, args, rng, window: float, tmp_path) -> float:
+    progress = tmp_path / "maint"
+    progress.mkdir(exist_ok=True)
+    job = workers.Job(1, fn, *args, str(progress), env=checks.rank_env(), tmp=str(tmp_path))
+    try:
+        _wait_for([str(progress / "ready0")], timeout=120)
+        delay = rng.uniform(0, window)
+        time.sleep(delay)
+    finally:
+        job.kill_all()
+    return delay
+
+
+@pytest.mark.parametrize("trial", range(MAINT_TRIALS))
+def test_kill9_during_prune_never_leaves_a_committed_step_partially_deleted(trial, s3_proxy, tmp_path, secret_scan):
+    rng = random.Random(f"{SEED}-prune-{trial}")
+    folder = s3_proxy.bucket + "/run"
+    _committed_run(folder, str(tmp_path / "w"), range(1, 9))
+    before = checks.committed_steps(folder)
+    s3_proxy.add(Rule("latency", delay=0.04))  # a prune of 7 steps takes about a second: kill somewhere inside it
+    delay = _kill_during(workers.prune_all, (folder,), rng, 1.5, tmp_path)
+    s3_proxy.clear()
+    after = assert_no_partial_step_is_visible(folder, str(tmp_path / "check"), world_size=1, numel=64 * 1024)
+    print(f"prune trial {trial}: killed after {delay:.2f}s; committed {before} -> {after}")
+    assert set(after) <= set(before) and max(after) == max(before), "prune never deletes the newest step"
+
+
+@pytest.mark.parametrize("trial", range(MAINT_TRIALS))
+def test_kill9_during_gc_never_touches_a_committed_step(trial, s3_proxy, tmp_path, secret_scan):
+    rng = random.Random(f"{SEED}-gc-{trial}")
+    folder = s3_proxy.bucket + "/run"
+    _committed_run(folder, str(tmp_path / "w"), range(1, 5))
+    store = open_store(folder)
+    for s in range(5, 10):  # crashed saves: objects without a marker (and a lock)
+        d = checks.step_dir(folder, s)
+        for name in ("model_and_optim/__0_0.distcp", "model_and_optim/.metadata", "train/rank0.pt", ".lock"):
+            store.put_bytes(urls.join(d, name), os.urandom(1000))
+    before = checks.committed_steps(folder)
+    s3_proxy.add(Rule("latency", delay=0.04))
+    delay = _kill_during(workers.gc_all, (folder,), rng, 1.0, tmp_path)
+    s3_proxy.clear()
+    after = assert_no_partial_step_is_visible(folder, str(tmp_path / "check"), world_size=1, numel=64 * 1024)
+    print(f"gc trial {trial}: killed after {delay:.2f}s; committed {before} -> {after}")
+    assert after == before, "gc never deletes a committed step"
+    rep = retention.gc(folder, older_than=0)  # a later gc finishes the job
+    assert [discovery.dir_is_checkpoint(d) for d in rep.step_dirs] == [False] * len(rep.step_dirs)
+    for s, d in discovery.list_step_dirs(folder):
+        # SeaweedFS's filer keeps emptied folders, so a gc'ed step can still be listed as a prefix: with no object
+        assert s in before or checks.objects_under(d) == [], f"gc left objects of uncommitted {d}"
