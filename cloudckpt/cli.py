@@ -210,15 +210,31 @@ def cmd_list(args) -> int:
     with ThreadPoolExecutor(max_workers=_MARKER_READ_THREADS) as pool:
         probes = list(pool.map(lambda sd: _probe_marker(sd[1], so), steps))
     now = time.time()
+    contents: dict[str, tuple[int, int, float | None]] = {}
+    if args.all:
+        # what an uncommitted folder holds; stores that keep emptied folders (SeaweedFS)
+        # list them as prefixes, and an empty one is no step at all
+        from .storage import open_store
+
+        loose = [dir for (step, dir), (m, problem) in zip(steps, probes) if m is None and not problem]
+
+        def scan(dir: str) -> tuple[int, int, float | None]:
+            objs = list(open_store(dir, so).walk(urls.as_prefix(dir)))
+            return len(objs), sum(o.size for o in objs), max((o.mtime for o in objs if o.mtime), default=None)
+
+        with ThreadPoolExecutor(max_workers=_MARKER_READ_THREADS) as pool:
+            contents = dict(zip(loose, pool.map(scan, loose)))
     rows: list[dict] = []
     for (step, dir), (m, problem) in zip(steps, probes):
         if m is None:
             if problem:
                 print(f"cloudckpt: warning: {dir} is not counted: {problem}", file=sys.stderr)
-            if args.all:
+            count, size, newest = contents.get(dir, (None, None, None))
+            if args.all and count != 0:
                 rows.append({"step": step, "url": dir, "status": "unreadable" if problem else "incomplete",
-                             "ephemeral": None, "size_bytes": None, "object_count": None, "world_size": None,
-                             "created": None, "created_unix": None, "age_seconds": None,
+                             "ephemeral": None, "size_bytes": size, "object_count": count, "world_size": None,
+                             "created": None, "created_unix": newest,
+                             "age_seconds": None if newest is None else round(now - newest, 1),
                              **({"error": problem} if problem else {})})
             continue
         if (args.ephemeral and not m.ephemeral) or (args.persistent and m.ephemeral):
@@ -241,7 +257,9 @@ def cmd_list(args) -> int:
     table = []
     for r in rows:
         if r["status"] != "committed":
-            table.append([r["step"], r["status"], "-", "-", "-", "-", r["url"]])
+            table.append([r["step"], r["status"], "-" if r["size_bytes"] is None else _size(r["size_bytes"]),
+                          "-" if r["object_count"] is None else r["object_count"], "-",
+                          "-" if r["age_seconds"] is None else _age(r["age_seconds"]), r["url"]])
         else:
             table.append([r["step"], "ephemeral" if r["ephemeral"] else "persistent", _size(r["size_bytes"]),
                           r["object_count"], r["world_size"], _age(r["age_seconds"]), r["url"]])

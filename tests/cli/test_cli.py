@@ -286,6 +286,18 @@ def test_prune_is_a_dry_run_by_default_and_deletes_marker_and_objects_with_yes(f
         assert list(store.walk(urls.as_prefix(f"{folder}/step{s}"))) == []  # objects gone too, not only the marker
 
 
+def test_list_all_skips_folders_emptied_by_prune_and_sizes_incomplete_ones(fresh):
+    folder = fresh("s3")
+    write_fake_steps(folder, PRUNE_STEPS, object_size=10)
+    assert cli("prune", folder, "--keep-last", "2", "--yes").code == 0
+    open_store(folder).put_bytes(f"{folder}/step500/model_and_optim/__0_0.distcp", b"x" * 7)
+    rows = cli("list", folder, "--all", "--json").json()["steps"]
+    # SeaweedFS keeps emptied folders as prefixes: they are not shown as steps
+    assert [(r["step"], r["status"]) for r in rows] == [(300, "committed"), (400, "committed"), (450, "committed"),
+                                                        (500, "incomplete")]
+    assert rows[-1]["object_count"] == 1 and rows[-1]["size_bytes"] == 7 and rows[-1]["age_seconds"] is not None
+
+
 @pytest.mark.parametrize("backend", ["gcs", "local"])
 def test_prune_yes_on_other_backends(fresh, backend):
     folder = fresh(backend)
