@@ -80,6 +80,15 @@ def size_label(n: int) -> str:
     return f"{n}B"
 
 
+_LOAD_SAMPLES: list[float] = []
+
+
+def _sample_load(stop) -> None:
+    while not stop.wait(10.0):
+        with contextlib.suppress(OSError):
+            _LOAD_SAMPLES.append(os.getloadavg()[0])
+
+
 def loadavg() -> list[float]:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -244,131 +253,166 @@ def run_s5cmd(args, env, argv_tail: list[str]) -> float:
 
 
 # ============================================================ cases
-def case_save_load(args, runner: Runner, res: Results, s3, nbytes: int, tools: list[str], log) -> None:
-    label = size_label(nbytes)
-    R = args.ranks
-    src = Path(tempfile.mkdtemp(prefix=f"cloudckpt-bench-src-{label}-", dir=args.tmp))
+def warm_up(s3, nbytes: int, tmp: str | None) -> float:
+    """Upload and delete ``nbytes`` once, untimed: a fresh SeaweedFS allocates its
+    volumes on the first writes, which would otherwise be charged to whichever tool
+    goes first."""
+    c = s3_client(s3)
+    path = Path(tempfile.mkdtemp(prefix="cloudckpt-bench-warm-", dir=tmp)) / "blob"
+    t0 = time.perf_counter()
     try:
-        # the bytes s5cmd copies: the same state, stock DCP FileSystemWriter, on local disk
-        src_fp = None
-        if "s5cmd" in tools:
-            if s5cmd_binary() is None:
-                res.fail("save", label, "s5cmd", "not installed", "no s5cmd binary in the venv or on PATH")
-                res.fail("load", label, "s5cmd", "not installed", "no s5cmd binary in the venv or on PATH")
-            else:
-                src_fp = summarize(runner.ranks("dcp_local", "save", str(src / "model_and_optim"), nbytes, R), "save")
-        for rep in range(args.reps):
-            order = tools[rep % len(tools):] + tools[:rep % len(tools)]
-            for tool in order:
-                if tool == "s5cmd":
-                    if src_fp is None:
-                        continue
-                    prefix = f"s5cmd/{label}/rep{rep}/"
-                    up = run_s5cmd(args, runner.env, [f"{src}/*", f"s3://{BUCKET}/{prefix}"])
-                    nb = dir_bytes(src)
-                    res.add("save", label, "s5cmd", {"seconds": up, "bytes": src_fp["bytes"], "file_bytes": nb})
-                    dst = Path(tempfile.mkdtemp(prefix="cloudckpt-bench-dl-", dir=args.tmp))
-                    try:
-                        down = run_s5cmd(args, runner.env, [f"s3://{BUCKET}/{prefix}*", f"{dst}/"])
-                        got = dir_bytes(dst)
-                        if got != nb:
-                            raise RuntimeError(f"s5cmd downloaded {got} bytes, expected {nb}")
-                    finally:
-                        shutil.rmtree(dst, ignore_errors=True)
-                    res.add("load", label, "s5cmd", {"seconds": down, "bytes": src_fp["bytes"], "file_bytes": nb})
-                    log(f"  rep {rep} s5cmd       up {up:6.2f}s  down {down:6.2f}s")
-                    delete_prefix(s3, prefix)
-                    continue
-                if tool != "cloudckpt":
-                    py, why = runner.peer_python(tool)
-                    if py is None:
-                        for case in ("save", "load"):
-                            res.fail(case, label, tool, "not installed", why)
-                        continue
-                url = f"s3://{BUCKET}/{tool}/{label}/rep{rep}"
-                try:
-                    saved = summarize(runner.ranks(tool, "save", url, nbytes, R), "save")
-                except Exception as e:  # noqa: BLE001 - reported as the row's error
-                    res.fail("save", label, tool, "error", _short(str(e)))
-                    res.fail("load", label, tool, "error", "save failed")
-                    log(f"  rep {rep} {tool:11s} save FAILED: {_short(str(e))}")
-                    continue
-                res.add("save", label, tool, saved)
-                line = f"  rep {rep} {tool:11s} save {saved['seconds']:6.2f}s"
-                loads = [("load", R, {})]
-                if tool == "cloudckpt":
-                    loads += [("load_pre", R, {"pre_download": True}), ("load_2to1", 1, {})]
-                for case, ranks, extra in loads:
-                    try:
-                        got = summarize(runner.ranks(tool, "load", url, nbytes, ranks, saved_ranks=R, **extra), "load")
-                        if not same(got["fingerprint"], saved["fingerprint"]):
-                            raise RuntimeError(f"loaded state differs from the saved one (fingerprint {got['fingerprint']} "
-                                               f"!= {saved['fingerprint']})")
-                    except Exception as e:  # noqa: BLE001 - reported as the row's error
-                        res.fail(case, label, tool, "error", _short(str(e)))
-                        line += f"  {case} FAILED: {_short(str(e))}"
-                        continue
-                    res.add(case, label, tool, got)
-                    line += f"  {case} {got['seconds']:6.2f}s (rss x{got['rss_ratio']:.2f})"
-                log(line)
-                if not args.keep:
-                    delete_prefix(s3, f"{tool}/{label}/rep{rep}/")
+        chunk = min(nbytes, 64 * MiB)
+        with open(path, "wb") as f:
+            f.write(os.urandom(chunk))
+        for i in range(max(1, nbytes // chunk)):
+            c.upload_file(str(path), BUCKET, f"warmup/{i}")
     finally:
-        shutil.rmtree(src, ignore_errors=True)
+        shutil.rmtree(path.parent, ignore_errors=True)
+    delete_prefix(s3, "warmup/")
+    return time.perf_counter() - t0
 
 
-def case_gcs(args, runner: Runner, res: Results, gcs, nbytes: int, log) -> None:
+class LocalCopies:
+    """The state of each size as stock DCP files on local disk (``FileSystemWriter``):
+    the bytes the s5cmd and transfer_manager rows copy. Written once per size."""
+
+    def __init__(self, args, runner: Runner):
+        self.args, self.runner = args, runner
+        self.dirs: dict[int, tuple[Path, dict]] = {}
+
+    def get(self, nbytes: int) -> tuple[Path, dict]:
+        if nbytes not in self.dirs:
+            src = Path(tempfile.mkdtemp(prefix=f"cloudckpt-bench-src-{size_label(nbytes)}-", dir=self.args.tmp))
+            fp = summarize(self.runner.ranks("dcp_local", "save", str(src / "model_and_optim"), nbytes, self.args.ranks), "save")
+            self.dirs[nbytes] = (src, fp)
+        return self.dirs[nbytes]
+
+    def drop(self, nbytes: int) -> None:
+        src, _ = self.dirs.pop(nbytes, (None, None))
+        if src is not None:
+            shutil.rmtree(src, ignore_errors=True)
+
+    def close(self) -> None:
+        for n in list(self.dirs):
+            self.drop(n)
+
+
+def case_save_load(args, runner: Runner, res: Results, s3, nbytes: int, tools: list[str], log, copies: LocalCopies) -> None:
     label = size_label(nbytes)
     R = args.ranks
-    env = runner.env
-    client = gcs.client()
-    src = Path(tempfile.mkdtemp(prefix="cloudckpt-bench-gsrc-", dir=args.tmp))
-    try:
-        src_fp = summarize(runner.ranks("dcp_local", "save", str(src / "model_and_optim"), nbytes, R), "save")
-        files = sorted(str(p.relative_to(src)) for p in src.rglob("*") if p.is_file())
-        for rep in range(args.reps):
-            for tool in (["cloudckpt", "gcs_tm"] if rep % 2 == 0 else ["gcs_tm", "cloudckpt"]):
-                if tool == "gcs_tm":
-                    from google.cloud.storage import transfer_manager as tm
-
-                    bucket = client.bucket(BUCKET)
-                    prefix = f"tm/{label}/rep{rep}/"
-                    t0 = time.perf_counter()
-                    out = tm.upload_many_from_filenames(bucket, files, source_directory=str(src), blob_name_prefix=prefix,
-                                                        max_workers=args.gcs_workers, worker_type=tm.THREAD)
-                    up = time.perf_counter() - t0
-                    bad = [r for r in out if isinstance(r, Exception)]
-                    if bad:
-                        res.fail("gcs_save", label, tool, "error", _short(repr(bad[0])))
-                        continue
-                    dst = Path(tempfile.mkdtemp(prefix="cloudckpt-bench-gdl-", dir=args.tmp))
-                    try:
-                        t0 = time.perf_counter()
-                        out = tm.download_many_to_path(bucket, files, destination_directory=str(dst), blob_name_prefix=prefix,
-                                                       max_workers=args.gcs_workers, worker_type=tm.THREAD)
-                        down = time.perf_counter() - t0
-                    finally:
-                        shutil.rmtree(dst, ignore_errors=True)
-                    res.add("gcs_save", label, tool, {"seconds": up, "bytes": src_fp["bytes"]})
-                    res.add("gcs_load", label, tool, {"seconds": down, "bytes": src_fp["bytes"]})
-                    log(f"  rep {rep} gcs transfer_manager up {up:6.2f}s  down {down:6.2f}s")
+    # the bytes s5cmd copies: the same state, stock DCP FileSystemWriter, on local disk
+    src_fp = src = None
+    if "s5cmd" in tools:
+        if s5cmd_binary() is None:
+            res.fail("save", label, "s5cmd", "not installed", "no s5cmd binary in the venv or on PATH")
+            res.fail("load", label, "s5cmd", "not installed", "no s5cmd binary in the venv or on PATH")
+        else:
+            src, src_fp = copies.get(nbytes)
+    for rep in range(args.reps):
+        order = tools[rep % len(tools):] + tools[:rep % len(tools)]
+        for tool in order:
+            if tool == "s5cmd":
+                if src_fp is None:
                     continue
-                url = f"gs://{BUCKET}/cloudckpt/{label}/rep{rep}"
-                stage = "gcs_save"
+                prefix = f"s5cmd/{label}/rep{rep}/"
+                up = run_s5cmd(args, runner.env, [f"{src}/*", f"s3://{BUCKET}/{prefix}"])
+                nb = dir_bytes(src)
+                res.add("save", label, "s5cmd", {"seconds": up, "bytes": src_fp["bytes"], "file_bytes": nb})
+                dst = Path(tempfile.mkdtemp(prefix="cloudckpt-bench-dl-", dir=args.tmp))
                 try:
-                    saved = summarize(runner.ranks("cloudckpt", "save", url, nbytes, R), "save")
-                    res.add("gcs_save", label, tool, saved)
-                    stage = "gcs_load"
-                    got = summarize(runner.ranks("cloudckpt", "load", url, nbytes, R), "load")
+                    down = run_s5cmd(args, runner.env, [f"s3://{BUCKET}/{prefix}*", f"{dst}/"])
+                    got = dir_bytes(dst)
+                    if got != nb:
+                        raise RuntimeError(f"s5cmd downloaded {got} bytes, expected {nb}")
+                finally:
+                    shutil.rmtree(dst, ignore_errors=True)
+                res.add("load", label, "s5cmd", {"seconds": down, "bytes": src_fp["bytes"], "file_bytes": nb})
+                log(f"  rep {rep} s5cmd       up {up:6.2f}s  down {down:6.2f}s")
+                delete_prefix(s3, prefix)
+                continue
+            if tool != "cloudckpt":
+                py, why = runner.peer_python(tool)
+                if py is None:
+                    for case in ("save", "load"):
+                        res.fail(case, label, tool, "not installed", why)
+                    continue
+            url = f"s3://{BUCKET}/{tool}/{label}/rep{rep}"
+            try:
+                saved = summarize(runner.ranks(tool, "save", url, nbytes, R), "save")
+            except Exception as e:  # noqa: BLE001 - reported as the row's error
+                res.fail("save", label, tool, "error", _short(str(e)))
+                res.fail("load", label, tool, "error", "save failed")
+                log(f"  rep {rep} {tool:11s} save FAILED: {_short(str(e))}")
+                continue
+            res.add("save", label, tool, saved)
+            line = f"  rep {rep} {tool:11s} save {saved['seconds']:6.2f}s"
+            loads = [("load", R, {})]
+            if tool == "cloudckpt":
+                loads += [("load_pre", R, {"pre_download": True}), ("load_2to1", 1, {})]
+            for case, ranks, extra in loads:
+                try:
+                    got = summarize(runner.ranks(tool, "load", url, nbytes, ranks, saved_ranks=R, **extra), "load")
                     if not same(got["fingerprint"], saved["fingerprint"]):
-                        raise RuntimeError("loaded state differs from the saved one")
-                    res.add("gcs_load", label, tool, got)
-                    log(f"  rep {rep} gcs cloudckpt save {saved['seconds']:6.2f}s  load {got['seconds']:6.2f}s")
+                        raise RuntimeError(f"loaded state differs from the saved one (fingerprint {got['fingerprint']} "
+                                           f"!= {saved['fingerprint']})")
                 except Exception as e:  # noqa: BLE001 - reported as the row's error
-                    res.fail(stage, label, tool, "error", _short(str(e)))
-                    log(f"  rep {rep} gcs cloudckpt FAILED: {_short(str(e))}")
-    finally:
-        shutil.rmtree(src, ignore_errors=True)
+                    res.fail(case, label, tool, "error", _short(str(e)))
+                    line += f"  {case} FAILED: {_short(str(e))}"
+                    continue
+                res.add(case, label, tool, got)
+                line += f"  {case} {got['seconds']:6.2f}s (rss x{got['rss_ratio']:.2f})"
+            log(line)
+            if not args.keep:
+                delete_prefix(s3, f"{tool}/{label}/rep{rep}/")
+
+
+def case_gcs(args, runner: Runner, res: Results, gcs, nbytes: int, log, copies: LocalCopies) -> None:
+    label = size_label(nbytes)
+    R = args.ranks
+    client = gcs.client()
+    src, src_fp = copies.get(nbytes)
+    files = sorted(str(p.relative_to(src)) for p in src.rglob("*") if p.is_file())
+    for rep in range(args.reps):
+        for tool in (["cloudckpt", "gcs_tm"] if rep % 2 == 0 else ["gcs_tm", "cloudckpt"]):
+            if tool == "gcs_tm":
+                from google.cloud.storage import transfer_manager as tm
+
+                bucket = client.bucket(BUCKET)
+                prefix = f"tm/{label}/rep{rep}/"
+                t0 = time.perf_counter()
+                out = tm.upload_many_from_filenames(bucket, files, source_directory=str(src), blob_name_prefix=prefix,
+                                                    max_workers=args.gcs_workers, worker_type=tm.THREAD)
+                up = time.perf_counter() - t0
+                bad = [r for r in out if isinstance(r, Exception)]
+                if bad:
+                    res.fail("gcs_save", label, tool, "error", _short(repr(bad[0])))
+                    continue
+                dst = Path(tempfile.mkdtemp(prefix="cloudckpt-bench-gdl-", dir=args.tmp))
+                try:
+                    t0 = time.perf_counter()
+                    out = tm.download_many_to_path(bucket, files, destination_directory=str(dst), blob_name_prefix=prefix,
+                                                   max_workers=args.gcs_workers, worker_type=tm.THREAD)
+                    down = time.perf_counter() - t0
+                finally:
+                    shutil.rmtree(dst, ignore_errors=True)
+                res.add("gcs_save", label, tool, {"seconds": up, "bytes": src_fp["bytes"]})
+                res.add("gcs_load", label, tool, {"seconds": down, "bytes": src_fp["bytes"]})
+                log(f"  rep {rep} gcs transfer_manager up {up:6.2f}s  down {down:6.2f}s")
+                continue
+            url = f"gs://{BUCKET}/cloudckpt/{label}/rep{rep}"
+            stage = "gcs_save"
+            try:
+                saved = summarize(runner.ranks("cloudckpt", "save", url, nbytes, R), "save")
+                res.add("gcs_save", label, tool, saved)
+                stage = "gcs_load"
+                got = summarize(runner.ranks("cloudckpt", "load", url, nbytes, R), "load")
+                if not same(got["fingerprint"], saved["fingerprint"]):
+                    raise RuntimeError("loaded state differs from the saved one")
+                res.add("gcs_load", label, tool, got)
+                log(f"  rep {rep} gcs cloudckpt save {saved['seconds']:6.2f}s  load {got['seconds']:6.2f}s")
+            except Exception as e:  # noqa: BLE001 - reported as the row's error
+                res.fail(stage, label, tool, "error", _short(str(e)))
+                log(f"  rep {rep} gcs cloudckpt FAILED: {_short(str(e))}")
 
 
 def populate_steps(s3, prefix: str, n: int) -> None:
@@ -513,7 +557,8 @@ def fmt(x, spec=".2f", none="-"):
 
 def markdown(meta: dict, rows: list[dict], ratios: list[dict], targets: list[dict]) -> str:
     out = [f"Command: `{meta['command']}`  ", f"When: {meta['when']}; machine: {meta['machine']['cpus']} cores, "
-           f"load average before {meta['load_before']}, after {meta['load_after']}; "
+           f"load average before {meta['load_before']}, after {meta['load_after']}, 1-min load during the run "
+           f"{meta['load_1min_during']}; "
            f"median of {meta['reps']} repetition(s), {meta['ranks']} ranks; MB = 10^6 bytes.", ""]
     out += ["| case | size | tool | median s | MB/s | peak RSS / bytes loaded | HTTP requests | runs | status |",
             "|---|---|---|---:|---:|---:|---:|---:|---|"]
@@ -634,6 +679,10 @@ def main(argv: list[str] | None = None) -> int:
         f"cases {sorted(cases)}, load average {load_before} on {os.cpu_count()} cores")
     res = Results()
     t_start = time.perf_counter()
+    import threading
+
+    stop_sampling = threading.Event()
+    threading.Thread(target=_sample_load, args=(stop_sampling,), daemon=True).start()
     disc_label = None
     with contextlib.ExitStack() as stack:
         s3 = stack.enter_context(SeaweedFS())
@@ -646,18 +695,34 @@ def main(argv: list[str] | None = None) -> int:
             env.update(gcs.env())
         os.environ.update(env)  # the in-process discovery case and the GCS client
         runner = Runner(args, env)
+        copies = LocalCopies(args, runner)
+        stack.callback(copies.close)
         if "save_load" in cases:
+            log(f"warm-up: {time.perf_counter() - t_start:.0f}s to start; uploading {size_label(min(max(args.sizes), GiB))} once, untimed")
+            log(f"warm-up took {warm_up(s3, min(max(args.sizes), GiB), args.tmp):.1f}s")
             for nbytes in args.sizes:
                 log(f"== save/load, {size_label(nbytes)}")
-                case_save_load(args, runner, res, s3, nbytes, args.tools_list, log)
+                case_save_load(args, runner, res, s3, nbytes, args.tools_list, log, copies)
+                if nbytes not in gcs_sizes or gcs is None:
+                    copies.drop(nbytes)
+                write_outputs(args, res, disc_label, command, load_before, t_start, out_dir / f"{stem}.partial.json", log=None)
         if gcs is not None:
             for nbytes in gcs_sizes:
                 log(f"== GCS (fake-gcs-server), {size_label(nbytes)}")
-                case_gcs(args, runner, res, gcs, nbytes, log)
+                case_gcs(args, runner, res, gcs, nbytes, log, copies)
+                copies.drop(nbytes)
         if "discovery" in cases:
             log(f"== discovery over {args.discovery_steps} committed steps")
             disc_label = f"{args.discovery_steps} steps"
             case_discovery(args, runner, res, s3, log)
+    stop_sampling.set()
+    write_outputs(args, res, disc_label, command, load_before, t_start, out_dir / f"{stem}.json", log=log)
+    (out_dir / f"{stem}.partial.json").unlink(missing_ok=True)
+    return 0
+
+
+def write_outputs(args, res: Results, disc_label, command: str, load_before, t_start: float, json_path: Path, log) -> None:
+    """The JSON (always); with ``log``, also the markdown and the chart beside it."""
     load_after = loadavg()
     rows = res.rows()
     sizes = [size_label(s) for s in args.sizes]
@@ -677,21 +742,24 @@ def main(argv: list[str] | None = None) -> int:
         "command": command, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "reps": args.reps,
         "ranks": args.ranks, "sizes": sizes, "load_before": load_before, "load_after": load_after,
         "wall_seconds": round(time.perf_counter() - t_start, 1),
+        "load_1min_during": ({"min": min(_LOAD_SAMPLES), "median": statistics.median(_LOAD_SAMPLES), "max": max(_LOAD_SAMPLES),
+                              "samples": len(_LOAD_SAMPLES)} if _LOAD_SAMPLES else None),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
         "versions": versions,
         "settings": {"s5cmd_numworkers": args.s5cmd_numworkers, "s5cmd_concurrency": args.s5cmd_concurrency,
                      "gcs_workers": args.gcs_workers, "discovery_steps": args.discovery_steps},
     }
-    (out_dir / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows, "ratios": ratios, "targets": targets}, indent=1) + "\n")
+    json_path.write_text(json.dumps({**meta, "rows": rows, "ratios": ratios, "targets": targets}, indent=1) + "\n")
+    if log is None:
+        return
     md = markdown(meta, rows, ratios, targets)
-    (out_dir / f"{stem}.md").write_text(md)
-    problem = chart(out_dir / f"{stem}.png", rows, sizes, disc_label,
+    json_path.with_suffix(".md").write_text(md)
+    problem = chart(json_path.with_suffix(".png"), rows, sizes, disc_label,
                     f"{command}  |  {meta['when']}  |  load avg {load_before} -> {load_after} on {os.cpu_count()} cores")
     log("\n" + md)
     if problem:
         log(f"chart: {problem}")
-    log(f"wrote {out_dir / stem}.json, .md, .png in {meta['wall_seconds']}s")
-    return 0
+    log(f"wrote {json_path.with_suffix('')}.json, .md, .png in {meta['wall_seconds']}s")
 
 
 if __name__ == "__main__":
