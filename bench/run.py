@@ -64,6 +64,8 @@ LABELS = {"cloudckpt": "cloudckpt", "s5cmd": "s5cmd (ceiling)", "gcs_tm": "gcs t
 SAVE_TARGETS = {"s5cmd": 0.9, "olmo": 1.3, "s3tc": 1.1}
 LOAD_TARGET_S5CMD = 0.9
 RSS_TARGET = 1.3
+DISCOVERY_CASES = {"latest": "latest_checkpoint", "latest_list": "latest_checkpoint(use_pointer=False): listing",
+                   "list": "`cloudckpt list` (in-process)", "list_cli": "`cloudckpt list` (command, incl. start-up)"}
 
 
 def parse_size(text: str) -> int:
@@ -415,6 +417,17 @@ def case_gcs(args, runner: Runner, res: Results, gcs, nbytes: int, log, copies: 
                 log(f"  rep {rep} gcs cloudckpt FAILED: {_short(str(e))}")
 
 
+def git_state() -> dict:
+    """The commit measured, and which library files differed from it (others edit
+    the tree while benchmarks run)."""
+    def git(*a):
+        p = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
+        return p.stdout.strip() if p.returncode == 0 else None
+
+    dirty = git("status", "--porcelain", "--", "cloudckpt")
+    return {"commit": git("rev-parse", "HEAD"), "dirty_library_files": dirty.splitlines() if dirty else []}
+
+
 def populate_steps(s3, prefix: str, n: int) -> None:
     """``n`` committed steps, each with what both cloudckpt and OLMo-core look for:
     ``.metadata.json`` (a valid cloudckpt marker), ``model_and_optim/.metadata`` and
@@ -450,14 +463,27 @@ def case_discovery(args, runner: Runner, res: Results, s3, log) -> None:
     log(f"  wrote {n} committed steps in {time.perf_counter() - t0:.1f}s")
     counter = HttpCounter.install()
     want = f"{url}/step{n}"
+    # the ``latest`` pointer, as cloudckpt's saves leave it (when this version has one)
+    pointer_ok = False
+    try:
+        import inspect
+
+        from cloudckpt.checkpoint import pointer
+
+        pointer.advance(url, n, pending=False)
+        pointer_ok = "use_pointer" in inspect.signature(discovery.latest_checkpoint).parameters
+    except (ImportError, AttributeError, TypeError) as e:
+        log(f"  no latest pointer in this version ({type(e).__name__}): latest_checkpoint lists")
+    variants = [("latest", {})] + ([("latest_list", {"use_pointer": False})] if pointer_ok else [])
     for rep in range(args.reps):
-        clear_cache()  # a fresh client per run, like a new process
-        n0, t0 = counter.n, time.perf_counter()
-        found = discovery.latest_checkpoint(url)
-        dt = time.perf_counter() - t0
-        if found.rstrip("/") != want:
-            raise RuntimeError(f"latest_checkpoint found {found}, expected {want}")
-        res.add("latest", label, "cloudckpt", {"seconds": dt, "requests": counter.n - n0})
+        for case, kw in variants:
+            clear_cache()  # a fresh client per run, like a new process
+            n0, t0 = counter.n, time.perf_counter()
+            found = discovery.latest_checkpoint(url, **kw)
+            dt = time.perf_counter() - t0
+            if found.rstrip("/") != want:
+                raise RuntimeError(f"latest_checkpoint({kw}) found {found}, expected {want}")
+            res.add(case, label, "cloudckpt", {"seconds": dt, "requests": counter.n - n0})
         clear_cache()
         buf = io.StringIO()
         n0, t0 = counter.n, time.perf_counter()
@@ -563,16 +589,15 @@ def markdown(meta: dict, rows: list[dict], ratios: list[dict], targets: list[dic
     out += ["| case | size | tool | median s | MB/s | peak RSS / bytes loaded | HTTP requests | runs | status |",
             "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        if r["case"] in ("latest", "list", "list_cli"):
+        if r["case"] in DISCOVERY_CASES:
             continue
         status = r["status"] if r["status"] == "ok" else f"**{r['status']}**: {r['reason']}"
         out.append(f"| {r['case']} | {r['size']} | {LABELS.get(r['tool'], r['tool'])} | {fmt(r.get('median_seconds'))} | "
                    f"{fmt(r.get('mb_per_s'), '.0f')} | {fmt(r.get('rss_ratio'))} | {fmt(r.get('requests'), '.0f')} | {r['n']} | {status} |")
-    disc = [r for r in rows if r["case"] in ("latest", "list", "list_cli")]
+    disc = [r for r in rows if r["case"] in DISCOVERY_CASES]
     if disc:
         out += ["", "| discovery | over | tool | median s | HTTP requests | runs | status |", "|---|---|---|---:|---:|---:|---|"]
-        names = {"latest": "latest_checkpoint", "list": "`cloudckpt list` (in-process)",
-                 "list_cli": "`cloudckpt list` (command, incl. start-up)"}
+        names = DISCOVERY_CASES
         for r in disc:
             status = r["status"] if r["status"] == "ok" else f"**{r['status']}**: {r['reason']}"
             out.append(f"| {names[r['case']]} | {r['size']} | {LABELS.get(r['tool'], r['tool'])} | {fmt(r.get('median_seconds'), '.3f')} | "
@@ -623,7 +648,7 @@ def chart(path: Path, rows: list[dict], sizes: list[str], disc_label: str | None
     if disc_label:
         ax = axes[0][-1]
         items = [(f"{LABELS[r['tool']]}\n{r['case']}", r) for r in rows
-                 if r["case"] in ("latest", "list") and r["size"] == disc_label and r.get("requests") is not None]
+                 if r["case"] in ("latest", "latest_list", "list") and r["size"] == disc_label and r.get("requests") is not None]
         ax.bar(range(len(items)), [r["requests"] for _, r in items], color=[colors[r["tool"]] for _, r in items])
         for k, (_, r) in enumerate(items):
             ax.annotate(f"{r['median_seconds']:.2f}s", (k, r["requests"]), ha="center", va="bottom", fontsize=8)
@@ -669,8 +694,10 @@ def main(argv: list[str] | None = None) -> int:
     stem = "smoke" if args.smoke else "bench"
     command = " ".join([".venv/bin/python -m bench.run"] + (sys.argv[1:] if argv is None else list(argv)))
 
+    t_log = time.perf_counter()
+
     def log(msg: str) -> None:
-        print(msg, flush=True)
+        print(f"[{time.perf_counter() - t_log:6.0f}s] {msg}", flush=True)
 
     from cloudckpt.testing.servers import FakeGCS, SeaweedFS
 
@@ -697,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = Runner(args, env)
         copies = LocalCopies(args, runner)
         stack.callback(copies.close)
-        if "save_load" in cases:
+        if "save_load" in cases and not args.smoke:
             log(f"warm-up: {time.perf_counter() - t_start:.0f}s to start; uploading {size_label(min(max(args.sizes), GiB))} once, untimed")
             log(f"warm-up took {warm_up(s3, min(max(args.sizes), GiB), args.tmp):.1f}s")
             for nbytes in args.sizes:
@@ -746,6 +773,7 @@ def write_outputs(args, res: Results, disc_label, command: str, load_before, t_s
                               "samples": len(_LOAD_SAMPLES)} if _LOAD_SAMPLES else None),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
         "versions": versions,
+        "git": git_state(),
         "settings": {"s5cmd_numworkers": args.s5cmd_numworkers, "s5cmd_concurrency": args.s5cmd_concurrency,
                      "gcs_workers": args.gcs_workers, "discovery_steps": args.discovery_steps},
     }
