@@ -278,7 +278,7 @@ def test_aimd_halves_on_throttle_once_per_window_and_recovers_additively(faulty,
 
 
 def test_in_flight_transfers_follow_the_lowered_limit(faulty, make_files):
-    files = make_files(12, 1 * KiB)
+    files = make_files(6, 1 * KiB)  # 1 + 6 clean successes: fewer than the 8 that would raise the limit again
     with TransferEngine(TransferConfig(max_concurrency=8)) as engine:
         faulty.script("faulty://bucket/first", ("signal", "throttled"))
         engine.submit_upload(files[0][0], "faulty://bucket/first").result()
@@ -288,6 +288,7 @@ def test_in_flight_transfers_follow_the_lowered_limit(faulty, make_files):
         for _, u in pairs:
             faulty.script(u, ("sleep", 0.05))
         engine.upload_all(pairs)
+        assert engine.stats().concurrency == 4
     assert faulty.peak_active == 4
 
 

@@ -1,6 +1,6 @@
-"""The transfer engine against real S3 servers on 127.0.0.1: moto (faults injected
-with a botocore ``before-send`` hook on the store's client) and SeaweedFS
-(credentials enforced)."""
+"""The transfer engine against real servers on 127.0.0.1: moto (faults injected
+with a botocore ``before-send`` hook on the store's client), SeaweedFS
+(credentials enforced) and, for the round trip, fake-gcs-server and a local folder."""
 
 from __future__ import annotations
 
@@ -134,9 +134,10 @@ def test_wrong_secret_is_access_denied_at_once_without_retries(s3_bucket, tmp_pa
     assert elapsed < 3.0
 
 
-def test_round_trip_on_seaweedfs_upload_download_and_ranges(s3_bucket, tmp_path):
+def test_round_trip_on_every_backend_with_matching_crc32c(any_root, tmp_path):
+    """local folder, SeaweedFS (S3) and fake-gcs-server: upload, download, ranges."""
     files = [_file(tmp_path, n, f"f{n}.bin") for n in (0, 1, 3 * MiB)]
-    pairs = [(p, f"{s3_bucket}/rt/{os.path.basename(p)}") for p, _ in files]
+    pairs = [(p, f"{any_root}/rt/{os.path.basename(p)}") for p, _ in files]
     with TransferEngine() as engine:
         up = engine.upload_all(pairs)
         down = engine.download_all([(u, str(tmp_path / "back" / os.path.basename(u))) for _, u in pairs])
