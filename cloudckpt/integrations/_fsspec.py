@@ -140,6 +140,7 @@ class _BufferedUpload(io.BytesIO):
         self._store, self.url, self._autocommit = store, url, autocommit
         self._if_absent = mode == "xb"
         self._done = False
+        self._data = b""
         if mode == "ab":
             try:
                 self.write(store.get_bytes(url))
@@ -150,15 +151,21 @@ class _BufferedUpload(io.BytesIO):
 
     def commit(self) -> None:
         if not self._done:
-            self._store.put_bytes(self.url, self.getvalue(), if_absent=self._if_absent)
+            data = self._data if self.closed else self.getvalue()
+            self._store.put_bytes(self.url, data, if_absent=self._if_absent)
             self._done = True
+            self._data = b""
 
     def discard(self) -> None:
         self._done = True
+        self._data = b""
 
     def close(self) -> None:
-        if not self.closed and self._autocommit:
-            self.commit()
+        if not self.closed:
+            if self._autocommit:
+                self.commit()
+            elif not self._done:
+                self._data = self.getvalue()  # kept for commit() at the end of the transaction
         super().close()
 
 

@@ -49,6 +49,7 @@ def fit(root: str, max_steps: int, *, ckpt_path: str | None = None, async_save: 
     trainer = Trainer(
         default_root_dir=root,  # logs (CSVLogger) go to {root}/lightning_logs/
         max_steps=max_steps,
+        log_every_n_steps=2,
         plugins=[plugin],
         # each checkpoint is a committed folder {root}/checkpoints/epoch=…-step=….ckpt/
         callbacks=[ModelCheckpoint(dirpath=f"{root}/checkpoints", every_n_train_steps=4, save_top_k=-1), *extra, *callbacks],

@@ -1,0 +1,71 @@
+"""The fsspec shim Lightning uses for s3:// and gs:// bookkeeping (folder checks, CSV logs)
+when s3fs/gcsfs are not installed; it never replaces a registered implementation."""
+
+from __future__ import annotations
+
+import importlib
+
+import fsspec
+import pytest
+
+from cloudckpt.integrations import _fsspec
+
+_reg = importlib.import_module("fsspec.registry")  # the attribute fsspec.registry is the mapping, not the module
+
+
+@pytest.fixture(autouse=True)
+def _registered():
+    _fsspec.register()
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_shim_reads_writes_appends_lists_and_removes(backend, request):
+    root = request.getfixturevalue({"s3": "s3_bucket", "gcs": "gcs_bucket"}[backend]) + "/logs"
+    fs, _ = fsspec.core.url_to_fs(root)
+    assert isinstance(fs, _fsspec._ObjectStoreFS)
+    assert not fs.exists(root) and not fs.isdir(root)
+    fs.makedirs(root + "/version_0", exist_ok=True)  # a no-op: folders appear with their first object
+    with fs.open(root + "/version_0/metrics.csv", "w", newline="") as f:
+        f.write("step,loss\n0,1.5\n")
+    with fs.open(root + "/version_0/metrics.csv", "a", newline="") as f:
+        f.write("1,1.25\n")
+    with fs.open(root + "/version_0/metrics.csv", "r") as f:
+        assert f.read() == "step,loss\n0,1.5\n1,1.25\n"
+    assert fs.isdir(root) and fs.isdir(root + "/version_0") and fs.isfile(root + "/version_0/metrics.csv")
+    assert fs.info(root + "/version_0/metrics.csv")["size"] == len("step,loss\n0,1.5\n1,1.25\n")
+    assert [p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)] == ["version_0"]
+    assert fs.modified(root + "/version_0/metrics.csv").year >= 2024
+    with pytest.raises(FileExistsError):
+        fs.open(root + "/version_0/metrics.csv", "xb")
+    fs.pipe_file(root + "/hparams.yaml", b"lr: 0.1\n")
+    assert fs.cat_file(root + "/hparams.yaml", start=4) == b"0.1\n"
+    fs.rm_file(root + "/hparams.yaml")
+    assert not fs.exists(root + "/hparams.yaml")
+    with pytest.raises(FileNotFoundError):
+        fs.ls(root + "/nothing-here")
+
+
+def test_writes_inside_a_transaction_land_on_commit_only(s3_bucket):
+    fs, _ = fsspec.core.url_to_fs(s3_bucket)
+    with fs.transaction:
+        with fs.open(s3_bucket + "/t/a.txt", "wb") as f:
+            f.write(b"x")
+        assert not fs.exists(s3_bucket + "/t/a.txt")
+    assert fs.cat_file(s3_bucket + "/t/a.txt") == b"x"
+
+
+def test_register_leaves_an_implementation_registered_before(monkeypatch):
+    class Other(fsspec.AbstractFileSystem):
+        protocol = "s3"
+
+    monkeypatch.setitem(_reg._registry, "s3", Other)
+    served = _fsspec.register()
+    assert "s3" not in served and fsspec.get_filesystem_class("s3") is Other
+
+
+def test_register_defers_to_installed_s3fs_and_gcsfs(monkeypatch):
+    for proto in ("s3", "s3a", "gs", "gcs"):
+        monkeypatch.delitem(_reg._registry, proto, raising=False)
+    monkeypatch.setattr(_fsspec.importlib.util, "find_spec", lambda name: object() if name in ("s3fs", "gcsfs") else None)
+    assert _fsspec.register() == []
+    assert "s3" not in _reg.registry and "gs" not in _reg.registry
