@@ -253,9 +253,13 @@ class Checkpointer:
             store.delete_prefix(dir)
         try:
             store.put_bytes(lock, self._lock_body(save_id), if_absent=True)
+            self._check_not_committed_under_lock(store, dir, marker, lock)
             return
         except AlreadyExists:
-            pass
+            if self._lock_owner(store, lock) == save_id:
+                # our create landed but its answer was lost; the SDK's retry met our own lock
+                self._check_not_committed_under_lock(store, dir, marker, lock)
+                return
         age = self._lock_age(store, lock)
         if not self.save_overwrite and age is not None and age < self.stale_lock_seconds:
             raise SaveInProgress(
@@ -268,6 +272,32 @@ class Checkpointer:
             store.put_bytes(lock, self._lock_body(save_id), if_absent=True)
         except AlreadyExists:
             raise SaveInProgress(f"another save of {dir} took its lock at the same moment; retry later") from None
+        self._check_not_committed_under_lock(store, dir, marker, lock)
+
+    def _check_not_committed_under_lock(self, store, dir: str, marker: str, lock: str) -> None:
+        """Look at the marker again now that we hold the lock. The check before taking it
+        is not enough: a slow lock request can land after another save of the step
+        committed and released the lock, and writing on would overwrite that committed
+        step's objects. A committer writes its marker before releasing the lock, so the
+        marker is visible here in that case."""
+        if self.save_overwrite or not store.exists(marker):
+            return
+        try:
+            store.delete(lock)
+        except CloudCkptError as e:
+            log.warning("could not release the lock %s (%s); it is harmless", lock, e)
+        raise CheckpointExists(f"{dir} was committed by another save while this one was starting; "
+                               "pass save_overwrite=True to replace it")
+
+    @staticmethod
+    def _lock_owner(store, lock: str) -> str | None:
+        """The save_id in the lock, or None when it cannot be read."""
+        import json
+
+        try:
+            return json.loads(store.get_bytes(lock)).get("save_id")
+        except (CloudCkptError, ValueError, AttributeError):
+            return None
 
     @staticmethod
     def _lock_age(store, lock: str) -> float | None:
@@ -455,7 +485,7 @@ class Checkpointer:
                     dcp.load(sd, storage_reader=reader, planner=planner, process_group=self.coord.group,
                              no_dist=self.coord.local)
             except CheckpointException as e:
-                raise _unwrap_dcp(e) from None
+                raise (reader.metadata_error or _unwrap_dcp(e)) from None
             state_dict.update(sd)  # top-level non-tensor values are replaced, not filled in place
         finally:
             if local:

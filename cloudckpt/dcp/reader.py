@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
-from ..errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint, NotFound
 from ..storage import url as urls
 from ..transfer import crc32c_bytes
 from .safe_pickle import loads_metadata
@@ -81,6 +81,7 @@ class StreamingReader(StorageReader):
         self.max_inflight_bytes = max_inflight_bytes
         self.storage_data: dict = {}
         self.bytes_read = 0
+        self.metadata_error: CorruptCheckpoint | None = None
 
     # ---------------------------------------------------------------- protocol
     def reset(self, checkpoint_id=None) -> None:
@@ -88,9 +89,14 @@ class StreamingReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         url = urls.join(self.remote_dir, METADATA_NAME)
-        data = self._get_bytes(url)
-        self._check(METADATA_NAME, 0, len(data), data, url)
-        md = loads_metadata(data, url=url)
+        try:
+            data = self._get_bytes(url)
+            self._check(METADATA_NAME, 0, len(data), data, url)
+            md = loads_metadata(data, url=url)
+        except CorruptCheckpoint as e:
+            # DCP (2.13) turns a read_metadata error into a bare AssertionError; keep the typed one
+            self.metadata_error = e
+            raise
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         return md
@@ -157,7 +163,10 @@ class StreamingReader(StorageReader):
 
     def _read_local(self, per_file, planner) -> None:
         pairs = [(urls.join(self.remote_dir, rel), os.path.join(self.local_dir, rel)) for rel in per_file]
-        self._download(pairs)
+        try:
+            self._download(pairs)
+        except NotFound as e:
+            raise _missing(e.url or self.remote_dir) from None
         for (url, path), (rel, reqs) in zip(pairs, per_file.items()):
             with open(path, "rb") as f:
                 for off, length, req in sorted(reqs, key=lambda t: t[0]):
@@ -188,7 +197,10 @@ class StreamingReader(StorageReader):
                 for fut in done:
                     url, rel, start, end, parts = pending.pop(fut)
                     inflight -= end - start
-                    buf = memoryview(fut.result())
+                    try:
+                        buf = memoryview(fut.result())
+                    except NotFound:
+                        raise _missing(url) from None
                     if len(buf) < end - start:
                         raise CorruptCheckpoint(
                             f"{url}: expected bytes [{start}, {end}) but the object ends at {start + len(buf)}; it is truncated"
@@ -202,3 +214,9 @@ class StreamingReader(StorageReader):
         finally:
             for fut in pending:
                 fut.cancel()
+
+
+def _missing(url: str) -> CorruptCheckpoint:
+    """A shard listed in the marker is gone: the committed step is damaged (not a storage hiccup)."""
+    return CorruptCheckpoint(f"{url}: the object is listed in the checkpoint's marker but missing; the checkpoint is "
+                             "damaged: restore the object or load an older step")

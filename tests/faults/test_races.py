@@ -1,0 +1,245 @@
+"""Two jobs racing on one step, and corrupted objects."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from cloudckpt import Checkpointer
+from cloudckpt.checkpoint import discovery, layout
+from cloudckpt.errors import CheckpointExists, CorruptCheckpoint, SaveInProgress
+from cloudckpt.storage import open_store
+from cloudckpt.storage import url as urls
+from cloudckpt.testing.faultproxy import Rule
+from cloudckpt.testing.multiprocess import run_ranks
+
+from . import checks, workers
+
+
+def _state(who: int) -> dict:
+    return {"model": {"x": torch.full((256, 256), float(who)), "y": torch.arange(1000, dtype=torch.float32) * who}}
+
+
+def _race(step: str, tmp_path, *, jobs=(1, 2), **ck_kwargs) -> dict:
+    """Start one save per job at the same moment (a barrier); returns job -> error text or None."""
+    results: dict = {}
+    barrier = threading.Barrier(len(jobs))
+
+    def job(i):
+        ck = Checkpointer(work_dir=str(tmp_path / f"work{i}"), **ck_kwargs)
+        barrier.wait()
+        try:
+            ck.save(step, _state(i), {"who": i})
+            results[i] = None
+        except (CheckpointExists, SaveInProgress) as e:
+            results[i] = f"{type(e).__name__}: {e}"
+        finally:
+            ck.close()
+
+    threads = [threading.Thread(target=job, args=(i,)) for i in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def _assert_exactly_one_commit(step: str, results: dict) -> int:
+    winners = [i for i, e in results.items() if e is None]
+    assert len(winners) == 1, results
+    loser_errors = [e for e in results.values() if e is not None]
+    assert all(e.startswith(("SaveInProgress", "CheckpointExists")) for e in loser_errors), loser_errors
+    assert checks.verify_step(step) == [], "the committed step is complete: every object is the winner's"
+    sd = _state(0)
+    assert Checkpointer().load(step, sd) == {"who": winners[0]}
+    assert torch.equal(sd["model"]["x"], _state(winners[0])["model"]["x"])
+    assert torch.equal(sd["model"]["y"], _state(winners[0])["model"]["y"])
+    return winners[0]
+
+
+@pytest.fixture(params=["local", "s3", "gcs"])
+def race_root(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "ckpt")
+    proxy = request.getfixturevalue(f"{request.param}_proxy")
+    proxy.add(Rule("latency", delay=0.005))
+    return proxy.bucket + "/run"
+
+
+def test_two_jobs_racing_on_one_step_exactly_one_commits(race_root, tmp_path, secret_scan):
+    for round_ in range(4):
+        step = urls.join(race_root, f"step{round_}")
+        results = _race(step, tmp_path)
+        secret_scan.add(*(e for e in results.values() if e))
+        _assert_exactly_one_commit(step, results)
+
+
+def test_a_lock_taken_after_the_other_job_committed_does_not_overwrite_the_committed_step(proxy, tmp_path, secret_scan):
+    """Job 2 checks the step (no marker yet), then its lock request is slow: it lands only after
+    job 1 committed and released the lock. Job 2 must see the commit and write nothing into it."""
+    step = proxy.bucket + "/run/step3"
+    lock_put = ("PUT", "POST") if proxy.flavor == "gcs" else "PUT"
+    proxy.add(Rule("latency", method=lock_put, key=r"step3/\.lock", nth=2, delay=4.0))
+    results = _race(step, tmp_path)
+    secret_scan.add(*(e for e in results.values() if e))
+    assert proxy.injected()["latency"] == 1
+    _assert_exactly_one_commit(step, results)
+
+
+def test_a_lock_create_whose_answer_was_lost_still_holds_the_lock(proxy, tmp_path, secret_scan):
+    """The store created the lock but the answer was reset; the SDK's retry meets the lock
+    this save created itself: that is not another save in progress."""
+    step = proxy.bucket + "/run/step4"
+    lock_put = ("PUT", "POST") if proxy.flavor == "gcs" else "PUT"
+    proxy.add(Rule("reset", method=lock_put, key=r"step4/\.lock", nth=1, when="response"))
+    ck = Checkpointer(work_dir=str(tmp_path / "w"))
+    ck.save(step, _state(5), {"who": 5})
+    ck.close()
+    assert proxy.injected()["reset"] == 1
+    assert checks.verify_step(step) == []
+
+
+def test_two_multi_process_jobs_racing_on_one_step_exactly_one_commits(s3_proxy, tmp_path, secret_scan):
+    step = s3_proxy.bucket + "/run/step9"
+    s3_proxy.add(Rule("latency", delay=0.02))
+    results: dict = {}
+
+    def job(i):
+        results[i] = run_ranks(1, workers.save_plain, step, str(tmp_path / f"work{i}"), i, env=checks.rank_env())[0]
+
+    threads = [threading.Thread(target=job, args=(i,)) for i in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    secret_scan.add(*(e for e in results.values() if e))
+    errors = list(results.values())
+    assert errors.count(None) == 1, errors
+    assert next(e for e in errors if e).startswith(("SaveInProgress", "CheckpointExists"))
+    assert checks.verify_step(step) == []
+
+
+def _plant_stale_lock(step: str) -> None:
+    body = {"save_id": "dead-job", "host": "gone", "pid": 1, "created_unix": time.time() - 3600, "world_size": 1}
+    open_store(step).put_bytes(urls.join(step, layout.LOCK), json.dumps(body).encode())
+    open_store(step).put_bytes(urls.join(step, "model_and_optim", "__0_0.distcp"), b"left over by the dead job")
+
+
+def test_two_jobs_taking_over_a_stale_lock_at_once_commit_a_complete_step(race_root, tmp_path, secret_scan):
+    """A crashed save left a stale lock; two restarted jobs find it at the same moment."""
+    for round_ in range(4):
+        step = urls.join(race_root, f"step{round_}")
+        _plant_stale_lock(step)
+        results = _race(step, tmp_path, stale_lock_seconds=60)
+        secret_scan.add(*(e for e in results.values() if e))
+        _assert_exactly_one_commit(step, results)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "library bug (design-level): taking over a stale lock is delete_prefix + create-if-absent, not a "
+    "compare-and-swap of the stale lock; a second job that judged the same lock stale a moment later deletes "
+    "the first job's fresh lock and objects (or its committed step) and proceeds too. Needs a conditional "
+    "replace (S3 If-Match on the lock's ETag, GCS if_generation_match, local rename) in ObjectStore."))
+def test_a_slow_second_taker_of_a_stale_lock_does_not_destroy_the_first_takers_commit(tmp_path, secret_scan):
+    """Job A and job B both find the stale lock of a crashed save; B is slow between judging it
+    stale and clearing it. A's committed step must survive B."""
+    step = str(tmp_path / "ckpt" / "step1")
+    _plant_stale_lock(step)
+    a = Checkpointer(work_dir=str(tmp_path / "wa"), stale_lock_seconds=60)
+    b = Checkpointer(work_dir=str(tmp_path / "wb"), stale_lock_seconds=60)
+    judged = threading.Event()
+    a_done = threading.Event()
+    real_age = Checkpointer._lock_age
+
+    def slow_age(store, lock):
+        age = real_age(store, lock)  # stale: an hour old
+        judged.set()
+        a_done.wait(60)  # B stalls (GC pause, slow network) while A takes over and commits
+        return age
+
+    b._lock_age = slow_age
+    errors: dict = {}
+
+    def run_b():
+        try:
+            b.save(step, _state(2), {"who": 2})
+        except (CheckpointExists, SaveInProgress) as e:
+            errors["b"] = e
+
+    tb = threading.Thread(target=run_b)
+    tb.start()
+    assert judged.wait(60)
+    a.save(step, _state(1), {"who": 1})  # A takes over the stale lock and commits
+    a_done.set()
+    tb.join(60)
+    sd = _state(0)
+    assert Checkpointer().load(step, sd) == {"who": 1}, "A's save returned: its step must still be there"
+    assert checks.verify_step(step) == []
+
+
+# ------------------------------------------------------------------ corrupted objects
+def _saved(root: str, tmp_path) -> tuple[str, object]:
+    step = urls.join(root, "step1")
+    Checkpointer(work_dir=str(tmp_path / "w")).save(step, checks.step_state(1, 0), {"step": 1, "rank": 0})
+    return step, discovery.read_marker(step)
+
+
+def _flip(url: str, offset: int) -> None:
+    store = open_store(url)
+    data = bytearray(store.get_bytes(url))
+    data[offset] ^= 0x5A
+    store.put_bytes(url, bytes(data))
+
+
+def _truncate(url: str, keep: int) -> None:
+    store = open_store(url)
+    store.put_bytes(url, store.get_bytes(url)[:keep])
+
+
+CORRUPTIONS = {
+    "distcp_byte_flipped": (lambda m: next(o for o in m.objects if o.path.endswith(".distcp")),
+                            lambda url, o: _flip(url, o.chunks[0][0] + o.chunks[0][1] // 2)),
+    "distcp_truncated": (lambda m: next(o for o in m.objects if o.path.endswith(".distcp")),
+                         lambda url, o: _truncate(url, o.size // 3)),
+    "train_state_byte_flipped": (lambda m: m.object("train/rank0.pt"), lambda url, o: _flip(url, o.size // 2)),
+    "train_state_truncated": (lambda m: m.object("train/rank0.pt"), lambda url, o: _truncate(url, 10)),
+    "dcp_metadata_truncated": (lambda m: m.object("model_and_optim/.metadata"), lambda url, o: _truncate(url, 7)),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(CORRUPTIONS))
+@pytest.mark.parametrize("backend", ["local", "s3", "gcs"])
+def test_corrupted_object_is_named_by_load_and_by_verify(backend, damage, request, tmp_path, secret_scan):
+    root = {"local": lambda: str(tmp_path / "ckpt"), "s3": lambda: request.getfixturevalue("s3_bucket") + "/run",
+            "gcs": lambda: request.getfixturevalue("gcs_bucket") + "/run"}[backend]()
+    step, marker = _saved(root, tmp_path)
+    pick, hurt = CORRUPTIONS[damage]
+    entry = pick(marker)
+    url = urls.join(step, entry.path)
+    hurt(url, entry)
+    with pytest.raises(CorruptCheckpoint) as ei:
+        Checkpointer().load(step, checks.zero_state(1))
+    secret_scan.add(str(ei.value))
+    assert url in str(ei.value), f"load names the damaged object: {ei.value}"
+    problems = checks.verify_step(step)
+    assert len(problems) == 1 and problems[0].startswith(url + ":"), problems
+    _library_verify_names(step, url)
+
+
+def _library_verify_names(step: str, url: str) -> None:
+    """The library's own verify (`cloudckpt verify`, issue 5) names the object too."""
+    from cloudckpt import cli
+
+    if not hasattr(cli, "cmd_verify"):
+        return  # not implemented yet: the independent oracle above covered it
+    import contextlib
+    import io
+
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        rc = cli.main(["verify", step])
+    assert rc != 0 and url in err.getvalue() + out.getvalue()
