@@ -35,7 +35,8 @@ def test_every_python_sample_in_the_docs_is_included_from_a_tested_file():
                 assert md.name in INLINE_SAMPLES_RUN, f"{md.name} has an inline python sample that no test runs"
 
 
-TESTED_FILES = {"examples/quickstart.py", "examples/manager.py", "examples/manager_config.yaml"}
+TESTED_FILES = {"examples/quickstart.py", "examples/manager.py", "examples/manager_config.yaml",
+                "tests/integrations/examples/lightning_fit.py", "tests/integrations/examples/export_and_seed.py"}
 INLINE_SAMPLES_RUN = {"storage.md"}
 
 
