@@ -33,7 +33,8 @@ searched in the request target, path and query: the S3 ``/bucket/key`` or the GC
 ``.../b/bucket/o/name`` / ``?name=``; a GCS single-request upload names its object in
 its body, so ``&name=...`` taken from the body's JSON part is appended to the target). Among matching requests it fires on the
 ``nth`` (1-based, an int or a set), or with probability ``rate``, or always; at most
-``times`` times. The first rule that fires decides. Rate decisions are seeded and
+``times`` times. The first rule that fires decides; ``nth`` counts every request
+the rule matches, including ones an earlier rule took. Rate decisions are seeded and
 drawn from a hash of (seed, rule, method, path, how often that method+path was seen),
 so the same requests get the same faults whatever order threads run in.
 
@@ -240,8 +241,8 @@ class FaultProxy:
             for i, r in enumerate(self._rules):
                 if not r.matches(method, target):
                     continue
-                r.seen += 1
-                if r.times is not None and r.fired >= r.times:
+                r.seen += 1  # every matching request counts for ``nth``, even one an earlier rule took
+                if chosen is not None or (r.times is not None and r.fired >= r.times):
                     continue
                 if r.nth is not None:
                     fire = r.seen in r.nth
@@ -252,7 +253,6 @@ class FaultProxy:
                 if fire:
                     r.fired += 1
                     chosen = r
-                    break
             if chosen is not None:
                 self._counts[chosen.fault] += 1
             self.events.append(Event(time.monotonic(), method, target, chosen.fault if chosen else None))

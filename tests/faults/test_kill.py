@@ -103,6 +103,8 @@ def test_kill9_of_one_rank_at_a_random_moment_of_a_save_never_exposes_a_partial_
     finally:
         job.kill_all()
     done = _done_steps(str(progress), 2)
+    for f in tmp_path.glob("rank*.stderr"):  # what the ranks printed (the survivors' errors included)
+        secret_scan.add(f.read_text(errors="replace"))
     committed = assert_no_partial_step_is_visible(folder, str(tmp_path / "check"), world_size=2, numel=NUMEL)
     print(f"kill trial {trial}: {backend}/{mode} killed rank {victim} after {delay:.2f}s; "
           f"saves returned: {sorted(done)[-3:]}, committed: {committed[-3:]}")
