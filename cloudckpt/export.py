@@ -45,7 +45,7 @@ import torch
 from .checkpoint import discovery, layout
 from .checkpoint.marker import Marker
 from .dcp.safe_pickle import loads_metadata
-from .errors import AlreadyExists, CorruptCheckpoint, MissingKeys
+from .errors import AlreadyExists, ConfigError, CorruptCheckpoint, MissingKeys
 from .storage import StorageOptions, open_store
 from .storage import url as urls
 from .transfer import TransferConfig, TransferEngine, crc32c_bytes
@@ -74,14 +74,14 @@ _DTYPE_NAMES = {
 
 def parse_dtype(dtype: "str | torch.dtype | None") -> torch.dtype | None:
     """``"bfloat16"``/``"bf16"``/``torch.bfloat16`` -> ``torch.bfloat16``; None stays None.
-    Raises ValueError for anything but a floating-point dtype."""
+    Raises ConfigError (a ValueError) for anything but a floating-point dtype."""
     if dtype is None or isinstance(dtype, torch.dtype):
         if dtype is not None and not dtype.is_floating_point:
-            raise ValueError(f"export dtype must be a floating-point dtype, got {dtype}")
+            raise ConfigError(f"export dtype must be a floating-point dtype, got {dtype}")
         return dtype
     key = str(dtype).lower().removeprefix("torch.")
     if key not in _DTYPE_NAMES:
-        raise ValueError(f"unknown export dtype {dtype!r}: use one of {', '.join(sorted(_DTYPE_NAMES))}")
+        raise ConfigError(f"unknown export dtype {dtype!r}: use one of {', '.join(sorted(_DTYPE_NAMES))}")
     return _DTYPE_NAMES[key]
 
 
@@ -117,7 +117,7 @@ class _Entry:
         return n * self.dtype.itemsize
 
 
-def _plan(metadata, key_prefix: str, dtype: torch.dtype | None) -> tuple[list[_Entry], list[str]]:
+def _plan(metadata, key_prefix: str, dtype: torch.dtype | None, *, safetensors: bool) -> tuple[list[_Entry], list[str]]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     prefix = f"{key_prefix}." if key_prefix else ""
@@ -130,8 +130,8 @@ def _plan(metadata, key_prefix: str, dtype: torch.dtype | None) -> tuple[list[_E
             continue
         src = md.properties.dtype
         out = dtype if (dtype is not None and src.is_floating_point) else src
-        if out not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{fqn} has dtype {out}, which safetensors cannot store")
+        if safetensors and out not in SAFETENSORS_DTYPES:
+            raise ConfigError(f"{fqn} has dtype {out}, which safetensors cannot store; use fmt='torch'")
         entries.append(_Entry(fqn[len(prefix):], fqn, tuple(md.size), src, out, tuple(md.chunks)))
     if not entries:
         tops = sorted({k.split(".", 1)[0] for k in metadata.state_dict_metadata})
@@ -278,12 +278,12 @@ def export_weights(
     values under the prefix, which neither format exports).
 
     Raises NotACheckpoint (no marker), CorruptCheckpoint (bad size or CRC32C),
-    MissingKeys (no tensor under ``key_prefix``), ValueError (bad ``fmt`` or
-    ``dtype``), AlreadyExists (``dest_url`` exists and not ``overwrite``),
-    storage errors.
+    MissingKeys (no tensor under ``key_prefix``), ConfigError (a ValueError: bad
+    ``fmt`` or ``dtype``, or a dtype safetensors cannot store), AlreadyExists
+    (``dest_url`` exists and not ``overwrite``), storage errors.
     """
     if fmt not in FORMATS:
-        raise ValueError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
+        raise ConfigError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
     out_dtype = parse_dtype(dtype)
     if dest_url.endswith("/"):
         dest_url = dest_url + ("model.safetensors" if fmt == "safetensors" else "model.pt")
@@ -294,7 +294,7 @@ def export_weights(
         raise AlreadyExists(f"{dest_url} already exists; pass overwrite=True (--force) to replace it", url=dest_url)
 
     marker, metadata = read_dcp_metadata(step_url, storage_options=storage_options, verify=verify_checksums)
-    entries, skipped = _plan(metadata, key_prefix, out_dtype)
+    entries, skipped = _plan(metadata, key_prefix, out_dtype, safetensors=fmt == "safetensors")
     if skipped:
         log.warning("export skips %d non-tensor value(s) under %r: %s", len(skipped), key_prefix, ", ".join(skipped[:10]))
     meta = {"format": "pt", "cloudckpt_step": str(marker.step)}
