@@ -581,11 +581,22 @@ def fmt(x, spec=".2f", none="-"):
     return none if x is None else format(x, spec)
 
 
+def _run_header(meta: dict) -> list[str]:
+    during = meta.get("load_1min_during") or {}
+    load = (f"1-min load average during the run: median {during['median']:.1f}, max {during['max']:.1f} "
+            f"({during['samples']} samples)") if during else "load during the run not sampled"
+    return [f"Command: `{meta['command']}`  ", f"When: {meta['when']}; machine: {meta['machine']['cpus']} cores; "
+            f"load average before {meta['load_before']}, after {meta['load_after']}; {load}; "
+            f"median of {meta['reps']} repetition(s) of the sizes {', '.join(meta['sizes'])}, {meta['ranks']} ranks; "
+            f"commit {(meta.get('git') or {}).get('commit', '?')[:10]}"
+            f"{' (library files modified in the work tree: ' + ', '.join(x.split()[-1] for x in meta['git']['dirty_library_files']) + ')' if (meta.get('git') or {}).get('dirty_library_files') else ''}."]
+
+
 def markdown(meta: dict, rows: list[dict], ratios: list[dict], targets: list[dict]) -> str:
-    out = [f"Command: `{meta['command']}`  ", f"When: {meta['when']}; machine: {meta['machine']['cpus']} cores, "
-           f"load average before {meta['load_before']}, after {meta['load_after']}, 1-min load during the run "
-           f"{meta['load_1min_during']}; "
-           f"median of {meta['reps']} repetition(s), {meta['ranks']} ranks; MB = 10^6 bytes.", ""]
+    out = []
+    for run in meta.get("runs") or [meta]:
+        out += _run_header(run) + [""]
+    out += ["MB = 10^6 bytes; throughput = state bytes / wall time of the slowest rank.", ""]
     out += ["| case | size | tool | median s | MB/s | peak RSS / bytes loaded | HTTP requests | runs | status |",
             "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
@@ -630,13 +641,14 @@ def chart(path: Path, rows: list[dict], sizes: list[str], disc_label: str | None
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.8), squeeze=False)
     for ax, size in zip(axes[0], sizes):
         present = [c for c in cases if any((c[0], size, t) in by and by[(c[0], size, t)].get("mb_per_s") for t in tools)]
-        width = 0.8 / len(tools)
-        for i, tool in enumerate(tools):
+        here = [t for t in tools if any(by.get((c, size, t), {}).get("mb_per_s") for c, _ in present)]
+        width = 0.8 / max(1, len(here))
+        for i, tool in enumerate(here):
             xs, ys = [], []
             for j, (c, _) in enumerate(present):
                 r = by.get((c, size, tool))
                 if r and r.get("mb_per_s"):
-                    xs.append(j + (i - len(tools) / 2 + 0.5) * width)
+                    xs.append(j + (i - len(here) / 2 + 0.5) * width)
                     ys.append(r["mb_per_s"])
             if xs:
                 ax.bar(xs, ys, width, label=LABELS[tool], color=colors[tool])
@@ -654,9 +666,15 @@ def chart(path: Path, rows: list[dict], sizes: list[str], disc_label: str | None
             ax.annotate(f"{r['median_seconds']:.2f}s", (k, r["requests"]), ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(items)), [n for n, _ in items], fontsize=8)
         ax.set_yscale("log")
+        from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_ylabel("HTTP requests (log; labels: median seconds)")
         ax.set_title(f"discovery over {disc_label}")
-    fig.suptitle(title, fontsize=9)
+    import textwrap
+
+    fig.suptitle("\n".join(textwrap.wrap(title, 150)), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -682,7 +700,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tmp", default=None, help="folder for local copies (default: the system temp dir)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per case before it counts as hung")
     ap.add_argument("--keep", action="store_true", help="keep uploaded objects (disk grows by every repetition)")
+    ap.add_argument("--stem", default=None, help="output file names (default: bench, or smoke with --smoke)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                    help="no run: combine the JSON of earlier runs (each size / case from one run) into one report")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, Path(args.out_dir), args.stem or "bench")
     args.sizes = [parse_size(s) for s in (args.sizes or ("4MiB" if args.smoke else "1GiB,4GiB")).split(",") if s]
     args.reps = args.reps or (1 if args.smoke else 3)
     args.discovery_steps = args.discovery_steps or (20 if args.smoke else 1000)
@@ -691,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
     gcs_sizes = [parse_size(s) for s in args.gcs_sizes.split(",")] if args.gcs_sizes else [min(args.sizes)]
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "smoke" if args.smoke else "bench"
+    stem = args.stem or ("smoke" if args.smoke else "bench")
     command = " ".join([".venv/bin/python -m bench.run"] + (sys.argv[1:] if argv is None else list(argv)))
 
     t_log = time.perf_counter()
@@ -745,6 +768,42 @@ def main(argv: list[str] | None = None) -> int:
     stop_sampling.set()
     write_outputs(args, res, disc_label, command, load_before, t_start, out_dir / f"{stem}.json", log=log)
     (out_dir / f"{stem}.partial.json").unlink(missing_ok=True)
+    return 0
+
+
+def merge(paths: list[str], out_dir: Path, stem: str) -> int:
+    """One report from several runs' JSON. Each (case, size, tool) keeps its own
+    samples; ratios compare rows of the same size, so keep each size (and the GCS
+    and discovery cases) within one run to keep the ratios same-run."""
+    res, runs, sizes, disc_label = Results(), [], [], None
+    for p in paths:
+        d = json.loads(Path(p).read_text())
+        runs.append({k: d.get(k) for k in ("command", "when", "reps", "ranks", "sizes", "load_before", "load_after",
+                                           "load_1min_during", "wall_seconds", "git", "versions", "machine", "settings")})
+        for r in d["rows"]:
+            key = (r["case"], r["size"], r["tool"])
+            for sample in r["samples"]:
+                res.add(*key, sample)
+            if r["status"] in ("not installed", "error"):
+                res.fail(*key, r["status"], r["reason"])
+            if r["case"] in DISCOVERY_CASES:
+                disc_label = r["size"]
+            elif r["size"] not in sizes:
+                sizes.append(r["size"])
+    sizes.sort(key=parse_size)
+    rows = res.rows()
+    ratios, targets = analyse(res, sizes, disc_label)
+    meta = {"merged_from": [str(p) for p in paths], "runs": runs}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows, "ratios": ratios, "targets": targets}, indent=1) + "\n")
+    md = markdown(meta, rows, ratios, targets)
+    (out_dir / f"{stem}.md").write_text(md)
+    cmds = " + ".join(r["command"] for r in runs)
+    problem = chart(out_dir / f"{stem}.png", rows, sizes, disc_label, f"{cmds}  |  {runs[0]['when']} .. {runs[-1]['when']}")
+    print(md)
+    if problem:
+        print(f"chart: {problem}")
+    print(f"wrote {out_dir / stem}.json, .md, .png")
     return 0
 
 
