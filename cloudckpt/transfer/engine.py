@@ -189,7 +189,11 @@ class TransferEngine:
                 raise RuntimeError(f"the transfer engine is closed; cannot {task.describe()}")
             self._outstanding += 1
             self._queue.append(task)
-        task.future.add_done_callback(lambda f, t=task: self._on_future_done(t, f))
+        # capture only plain values: a callback holding the task would form a cycle
+        # (task -> future -> callback -> task) that keeps a finished read's bytes alive
+        # until the garbage collector runs
+        url, desc = task.url, task.describe()
+        task.future.add_done_callback(lambda f: self._on_future_done(url, desc, f))
         self._notify("on_queued", task.url, size)
         self._pump()
         return task.future
@@ -391,14 +395,14 @@ class TransferEngine:
             return
         self._pump()
 
-    def _on_future_done(self, task: _Task, fut: Future) -> None:
+    def _on_future_done(self, url: str, desc: str, fut: Future) -> None:
         with self._cv:
             self._outstanding -= 1
             self._cv.notify_all()
         if fut.cancelled():
-            self._notify("on_done", task.url, cf.CancelledError(f"{task.describe()} was cancelled"))
+            self._notify("on_done", url, cf.CancelledError(f"{desc} was cancelled"))
         else:
-            self._notify("on_done", task.url, fut.exception() or fut.result())
+            self._notify("on_done", url, fut.exception() or fut.result())
 
     # ------------------------------------------------------------------ AIMD
     def _throttle_locked(self) -> None:
