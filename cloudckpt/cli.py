@@ -697,6 +697,21 @@ def cmd_gc(args) -> int:
     return EXIT_OK
 
 
+def cmd_export(args) -> int:
+    from .export import export_weights
+
+    res = export_weights(args.step, args.dest, dtype=args.dtype, fmt=args.format, key_prefix=args.key,
+                         overwrite=args.force, storage_options=_storage_options(args))
+    if args.json:
+        _print_json(res)
+        return EXIT_OK
+    print(f"exported {res['tensors']} tensor(s), {_size(res['bytes'])}, of step {res['step']} "
+          f"as {res['format']}{' (' + str(res['dtype']) + ')' if res['dtype'] else ''} to {res['dest']}")
+    if res.get("skipped"):
+        print(f"not exported (not tensors): {', '.join(map(str, res['skipped']))}")
+    return EXIT_OK
+
+
 # ====================================================================== parser
 def _add_common(p: argparse.ArgumentParser, *, suppress: bool) -> None:
     """Options accepted before and after the command. On subcommands their default is
@@ -793,6 +808,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--older-than", type=_duration_arg, default=3600.0, metavar="DURATION",
                    help="only what is older than this, e.g. 30m, 2h, 1d (default 1h)")
     s.add_argument("--yes", "-y", action="store_true", help="really delete (default: dry run)")
+
+    s = command("export", cmd_export, "export model weights of a step to safetensors or a torch file",
+                "Stream the tensors under --key (default: model) of a committed step into a safetensors file "
+                "(one tensor in memory at a time) or a torch file, locally or in a bucket, optionally cast to "
+                "another dtype.")
+    s.add_argument("step", metavar="STEP")
+    s.add_argument("dest", metavar="DEST", help="output file URL or path (a trailing / appends model.safetensors)")
+    s.add_argument("--dtype", default=None, help="cast floating-point tensors, e.g. bfloat16, float16")
+    s.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    s.add_argument("--key", default="model", help="top-level key of the state dict to export (default: model)")
+    s.add_argument("--force", action="store_true", help="overwrite DEST if it exists")
     return p
 
 

@@ -437,3 +437,23 @@ def test_a_local_io_error_is_one_line_with_exit_5(runs, tmp_path):
     r = cli("download", runs["local"] + "/step10", blocker / "step10")
     assert r.code == 5, r.out + r.err
     assert "check the local path" in r.assert_one_line_error()
+
+
+# ------------------------------------------------------------------ export
+def test_export_writes_safetensors_in_the_bucket_cast_to_bf16_and_refuses_to_overwrite(runs, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    folder = runs["s3"]
+    step = f"{folder}/step30"
+    dest = f"{folder}-export/model.safetensors"  # outside the shared run folder
+    r = cli("export", step, dest, "--dtype", "bfloat16", "--json")
+    assert r.code == 0, r.err
+    assert r.json()["tensors"] == 2
+    local = tmp_path / "m.safetensors"
+    open_store(dest).download_file(dest, str(local))
+    t = load_file(str(local))
+    assert t["w"].dtype == torch.bfloat16 and torch.equal(t["w"], torch.full((4,), 30.0, dtype=torch.bfloat16))
+    again = cli("export", step, dest)
+    assert again.code != 0 and "exists" in again.err and "Traceback" not in again.err
+    assert cli("export", step, dest, "--force").code == 0
