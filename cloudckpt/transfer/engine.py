@@ -233,7 +233,12 @@ class TransferEngine:
             f.add_done_callback(on_done)
             if failed.is_set():
                 f.cancel()
-        return self.wait_all(futures)
+        try:
+            return self.wait_all(futures)
+        finally:
+            # the callbacks' closure holds this list: empty it, or futures -> callback ->
+            # list -> futures keeps every result (read bytes) alive until the GC runs
+            futures.clear()
 
     @staticmethod
     def wait_all(futures: Sequence[Future]) -> list:
