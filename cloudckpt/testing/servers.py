@@ -186,7 +186,7 @@ class SeaweedFS(_Server):
         grpc = {k: free_port(used) for k in ports}
         self.port = ports["s3"]
         argv = [
-            weed_binary(), "mini", f"-dir={data}", f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}",
+            weed_binary(), f"-logdir={self.tmp}", "mini", f"-dir={data}", f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}",
             "-master.telemetry=false", "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false",
             "-admin.ui=false", f"-s3.config={cfg_path}",
         ]
