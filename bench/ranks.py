@@ -14,6 +14,9 @@ allocation + load minus the RSS before the load target was allocated; the target
 is "the bytes this rank loads", so the ratio to ``local_bytes`` includes the
 target itself (1.0 = no overhead at all).
 
+CPU: user + system seconds of the rank's process (all its threads) during the
+operation, from ``getrusage``.
+
 HTTP requests: counted at the HTTP layer of botocore (``URLLib3Session.send``)
 and of requests (google-cloud-storage), every attempt included. Tools using
 other HTTP stacks (s3torchconnector's CRT client, s3fs's aiohttp) report None.
@@ -26,7 +29,14 @@ import os
 import threading
 import time
 
+import resource
+
 from bench import state as S
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this rank's process
+    return r.ru_utime + r.ru_stime
 
 TOOLS = {
     "cloudckpt": "bench.peers.cloudckpt_tool",
@@ -97,21 +107,23 @@ def run_case(rank: int, world_size: int, args: dict) -> dict:
         staged = S.rss()
         S.barrier()
         S.reset_peak()
-        n0 = counter.n
+        n0, c0 = counter.n, _cpu()
         t0 = time.perf_counter()
         info = tool.save(url, sd, ctx) or {}
         S.barrier()
         out["seconds"] = time.perf_counter() - t0
+        out["cpu_s"] = _cpu() - c0
         out["peak_rss_above_state"] = S.peak_rss() - staged
     elif op == "load":
         sd = S.build_state(world_size, nbytes, zero=True)
         out["local_bytes"] = S.local_bytes(sd)
         S.barrier()
-        n0 = counter.n
+        n0, c0 = counter.n, _cpu()
         t0 = time.perf_counter()
         info = tool.load(url, sd, ctx) or {}
         S.barrier()
         out["seconds"] = time.perf_counter() - t0
+        out["cpu_s"] = _cpu() - c0
         out["peak_rss_above_baseline"] = S.peak_rss() - baseline
         out["fingerprint"] = S.full_fingerprint(sd)
     else:

@@ -136,7 +136,7 @@ class Results:
                 nbytes = ss[0].get("bytes")
                 row["bytes"] = nbytes
                 row["mb_per_s"] = nbytes / med / 1e6 if nbytes and med else None
-                for f in ("rss_ratio", "requests", "objects"):
+                for f in ("rss_ratio", "requests", "objects", "client_cpu_s", "server_cpu_s"):
                     m = self.median(case, size, tool, f)
                     if m is not None:
                         row[f] = m
@@ -218,7 +218,24 @@ def summarize(ranks: list[dict], op: str) -> dict:
         s["peak_rss_above_state"] = max(r["peak_rss_above_state"] for r in ranks)
     if ranks[0].get("objects") is not None:
         s["objects"] = ranks[0]["objects"]
+    cpu = [r.get("cpu_s") for r in ranks]
+    if all(x is not None for x in cpu):
+        s["client_cpu_s"] = sum(cpu)
     return s
+
+
+def server_cpu(server) -> float | None:
+    """CPU seconds (user + system) the server process has used so far."""
+    try:
+        with open(f"/proc/{server.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, AttributeError, IndexError, ValueError):
+        return None
+
+
+def _cpu_delta(before, after):
+    return None if before is None or after is None else after - before
 
 
 def same(a: float, b: float) -> bool:
@@ -242,16 +259,21 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def run_s5cmd(args, env, argv_tail: list[str]) -> float:
+def run_s5cmd(args, env, argv_tail: list[str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the s5cmd process)."""
+    import resource
+
     exe = s5cmd_binary()
     argv = [exe, "--endpoint-url", env["AWS_ENDPOINT_URL"], "--numworkers", str(args.s5cmd_numworkers), "cp",
             "--concurrency", str(args.s5cmd_concurrency), *argv_tail]
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     p = subprocess.run(argv, env=env, capture_output=True, text=True)
     dt = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if p.returncode != 0:
         raise RuntimeError(f"s5cmd failed ({p.returncode}): {_short(p.stderr or p.stdout)}")
-    return dt
+    return dt, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
 
 
 # ============================================================ cases
@@ -317,18 +339,23 @@ def case_save_load(args, runner: Runner, res: Results, s3, nbytes: int, tools: l
                 if src_fp is None:
                     continue
                 prefix = f"s5cmd/{label}/rep{rep}/"
-                up = run_s5cmd(args, runner.env, [f"{src}/*", f"s3://{BUCKET}/{prefix}"])
+                c0 = server_cpu(s3)
+                up, up_cpu = run_s5cmd(args, runner.env, [f"{src}/*", f"s3://{BUCKET}/{prefix}"])
                 nb = dir_bytes(src)
-                res.add("save", label, "s5cmd", {"seconds": up, "bytes": src_fp["bytes"], "file_bytes": nb})
+                res.add("save", label, "s5cmd", {"seconds": up, "bytes": src_fp["bytes"], "file_bytes": nb,
+                                                  "client_cpu_s": up_cpu, "server_cpu_s": _cpu_delta(c0, server_cpu(s3))})
                 dst = Path(tempfile.mkdtemp(prefix="cloudckpt-bench-dl-", dir=args.tmp))
                 try:
-                    down = run_s5cmd(args, runner.env, [f"s3://{BUCKET}/{prefix}*", f"{dst}/"])
+                    c0 = server_cpu(s3)
+                    down, down_cpu = run_s5cmd(args, runner.env, [f"s3://{BUCKET}/{prefix}*", f"{dst}/"])
+                    c1 = server_cpu(s3)
                     got = dir_bytes(dst)
                     if got != nb:
                         raise RuntimeError(f"s5cmd downloaded {got} bytes, expected {nb}")
                 finally:
                     shutil.rmtree(dst, ignore_errors=True)
-                res.add("load", label, "s5cmd", {"seconds": down, "bytes": src_fp["bytes"], "file_bytes": nb})
+                res.add("load", label, "s5cmd", {"seconds": down, "bytes": src_fp["bytes"], "file_bytes": nb,
+                                                  "client_cpu_s": down_cpu, "server_cpu_s": _cpu_delta(c0, c1)})
                 log(f"  rep {rep} s5cmd       up {up:6.2f}s  down {down:6.2f}s")
                 delete_prefix(s3, prefix)
                 continue
@@ -340,7 +367,9 @@ def case_save_load(args, runner: Runner, res: Results, s3, nbytes: int, tools: l
                     continue
             url = f"s3://{BUCKET}/{tool}/{label}/rep{rep}"
             try:
+                c0 = server_cpu(s3)
                 saved = summarize(runner.ranks(tool, "save", url, nbytes, R), "save")
+                saved["server_cpu_s"] = _cpu_delta(c0, server_cpu(s3))
             except Exception as e:  # noqa: BLE001 - reported as the row's error
                 res.fail("save", label, tool, "error", _short(str(e)))
                 res.fail("load", label, tool, "error", "save failed")
@@ -353,7 +382,9 @@ def case_save_load(args, runner: Runner, res: Results, s3, nbytes: int, tools: l
                 loads += [("load_pre", R, {"pre_download": True}), ("load_2to1", 1, {})]
             for case, ranks, extra in loads:
                 try:
+                    c0 = server_cpu(s3)
                     got = summarize(runner.ranks(tool, "load", url, nbytes, ranks, saved_ranks=R, **extra), "load")
+                    got["server_cpu_s"] = _cpu_delta(c0, server_cpu(s3))
                     if not same(got["fingerprint"], saved["fingerprint"]):
                         raise RuntimeError(f"loaded state differs from the saved one (fingerprint {got['fingerprint']} "
                                            f"!= {saved['fingerprint']})")
@@ -597,14 +628,16 @@ def markdown(meta: dict, rows: list[dict], ratios: list[dict], targets: list[dic
     for run in meta.get("runs") or [meta]:
         out += _run_header(run) + [""]
     out += ["MB = 10^6 bytes; throughput = state bytes / wall time of the slowest rank.", ""]
-    out += ["| case | size | tool | median s | MB/s | peak RSS / bytes loaded | HTTP requests | runs | status |",
-            "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    out += ["| case | size | tool | median s | MB/s | peak RSS / bytes loaded | HTTP requests | client CPU s | "
+            "SeaweedFS CPU s | runs | status |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if r["case"] in DISCOVERY_CASES:
             continue
         status = r["status"] if r["status"] == "ok" else f"**{r['status']}**: {r['reason']}"
         out.append(f"| {r['case']} | {r['size']} | {LABELS.get(r['tool'], r['tool'])} | {fmt(r.get('median_seconds'))} | "
-                   f"{fmt(r.get('mb_per_s'), '.0f')} | {fmt(r.get('rss_ratio'))} | {fmt(r.get('requests'), '.0f')} | {r['n']} | {status} |")
+                   f"{fmt(r.get('mb_per_s'), '.0f')} | {fmt(r.get('rss_ratio'))} | {fmt(r.get('requests'), '.0f')} | "
+                   f"{fmt(r.get('client_cpu_s'), '.1f')} | {fmt(r.get('server_cpu_s'), '.1f')} | {r['n']} | {status} |")
     disc = [r for r in rows if r["case"] in DISCOVERY_CASES]
     if disc:
         out += ["", "| discovery | over | tool | median s | HTTP requests | runs | status |", "|---|---|---|---:|---:|---:|---|"]
