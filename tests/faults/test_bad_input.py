@@ -178,7 +178,7 @@ CASES: dict[str, tuple[Callable[[Ctx], object], type, str]] = {
     "missing_train_state": (lambda c: _damaged(c, lambda s: open_store(s).delete(urls.join(s, "train/rank0.pt"))),
                             CorruptCheckpoint, "train/rank0.pt"),
     "load_a_folder_without_marker": (lambda c: _load(c.run + "/step9"), NotACheckpoint, "cloudckpt list"),
-    "load_the_run_folder": (lambda c: _load(c.run), NotACheckpoint, ""),
+    "load_the_run_folder": (lambda c: _load(c.run), NotACheckpoint, "cloudckpt list"),
     "load_keys_not_in_checkpoint": (lambda c: Checkpointer().load(c.step, {"model": {"nope": torch.zeros(2)}}), MissingKeys,
                                     "strict=False"),
     # ---- configuration

@@ -81,6 +81,7 @@ def test_stalled_upload_fails_the_save_on_every_rank_within_the_stall_timeout_an
         assert o["error"] is not None and o["error"].startswith("SaveFailed"), o["error"]
         assert "rank 1" in o["error"] and "stall_timeout" in o["error"], o["error"]
         took = o["failed_at"] - stalled_at
+        print(f"stalled upload ({proxy.flavor}): rank {r} raised {took:.2f}s after the stall began")
         assert 0 < took < STALL_TIMEOUT + MARGIN, f"rank {r} raised {took:.1f}s after the upload stalled"
         assert o["exact"], "the next save committed and loads bit-exactly"
     assert not discovery.dir_is_checkpoint(checks.step_dir(folder, 1))
