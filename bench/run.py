@@ -651,7 +651,7 @@ def markdown(meta: dict, rows: list[dict], ratios: list[dict], targets: list[dic
         out += [f"| {r['what']} | {r['size']} | {fmt(r['ratio'])} |" for r in ratios]
     if targets:
         out += ["", "| target | size | measured | met |", "|---|---|---:|---|"]
-        out += [f"| {t['target']} | {t['size']} | {fmt(t['value'])} | "
+        out += [f"| {t['target']} | {t['size']} | {fmt(t['value'], '.3f')} | "
                 f"{'not judged' if t['met'] is None else ('yes' if t['met'] else '**no**')} |" for t in targets]
     return "\n".join(out) + "\n"
 
