@@ -81,6 +81,19 @@ def verify_step(dir: str) -> list[str]:
     return problems
 
 
+def library_verify(step: str) -> tuple[int, str]:
+    """``cloudckpt verify STEP`` (the CLI, in process): exit code and output."""
+    import contextlib
+    import io
+
+    from cloudckpt import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        rc = cli.main(["verify", step])
+    return rc, out.getvalue()
+
+
 def committed_steps(folder: str) -> list[int]:
     return [s for s, _ in discovery.find_checkpoints(folder)]
 

@@ -70,6 +70,9 @@ def assert_no_partial_step_is_visible(folder: str, work_dir: str, *, world_size:
     for s in committed:
         problems = checks.verify_step(checks.step_dir(folder, s))
         assert problems == [], f"committed step{s} is partial: {problems}"
+    for s in committed[-2:]:  # and the library's own `cloudckpt verify` agrees on the newest ones
+        rc, out = checks.library_verify(checks.step_dir(folder, s))
+        assert rc == 0, out
     if not committed:
         with pytest.raises(NotACheckpoint):
             Checkpointer.latest_checkpoint(folder)

@@ -200,15 +200,6 @@ def test_corrupted_object_is_named_by_load_and_by_verify(backend, damage, reques
 
 
 def _library_verify_names(step: str, url: str) -> None:
-    """The library's own verify (`cloudckpt verify`, issue 5) names the object too."""
-    from cloudckpt import cli
-
-    if not hasattr(cli, "cmd_verify"):
-        return  # not implemented yet: the independent oracle above covered it
-    import contextlib
-    import io
-
-    err, out = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        rc = cli.main(["verify", step])
-    assert rc != 0 and url in err.getvalue() + out.getvalue()
+    """The library's own verify (`cloudckpt verify`) names the object too."""
+    rc, out = checks.library_verify(step)
+    assert rc != 0 and url in out, out
