@@ -379,7 +379,8 @@ def case_save_load(args, runner: Runner, res: Results, s3, nbytes: int, tools: l
             line = f"  rep {rep} {tool:11s} save {saved['seconds']:6.2f}s"
             loads = [("load", R, {})]
             if tool == "cloudckpt":
-                loads += [("load_pre", R, {"pre_download": True}), ("load_2to1", 1, {})]
+                # --smoke skips pre-download (the same rank code with one flag) to stay short
+                loads += ([] if args.smoke else [("load_pre", R, {"pre_download": True})]) + [("load_2to1", 1, {})]
             for case, ranks, extra in loads:
                 try:
                     c0 = server_cpu(s3)
@@ -626,7 +627,7 @@ def _run_header(meta: dict) -> list[str]:
 def markdown(meta: dict, rows: list[dict], ratios: list[dict], targets: list[dict]) -> str:
     out = []
     for run in meta.get("runs") or [meta]:
-        out += _run_header(run) + [""]
+        out += _run_header(run) + ([f"Note: {run['note']}"] if run.get("note") else []) + [""]
     out += ["MB = 10^6 bytes; throughput = state bytes / wall time of the slowest rank.", ""]
     out += ["| case | size | tool | median s | MB/s | peak RSS / bytes loaded | HTTP requests | client CPU s | "
             "SeaweedFS CPU s | runs | status |",
@@ -780,9 +781,11 @@ def main(argv: list[str] | None = None) -> int:
         runner = Runner(args, env)
         copies = LocalCopies(args, runner)
         stack.callback(copies.close)
-        if "save_load" in cases and not args.smoke:
-            log(f"warm-up: {time.perf_counter() - t_start:.0f}s to start; uploading {size_label(min(max(args.sizes), GiB))} once, untimed")
-            log(f"warm-up took {warm_up(s3, min(max(args.sizes), GiB), args.tmp):.1f}s")
+        if "save_load" in cases:
+            if not args.smoke:
+                log(f"warm-up: {time.perf_counter() - t_start:.0f}s to start; uploading "
+                    f"{size_label(min(max(args.sizes), GiB))} once, untimed")
+                log(f"warm-up took {warm_up(s3, min(max(args.sizes), GiB), args.tmp):.1f}s")
             for nbytes in args.sizes:
                 log(f"== save/load, {size_label(nbytes)}")
                 case_save_load(args, runner, res, s3, nbytes, args.tools_list, log, copies)
@@ -812,7 +815,8 @@ def merge(paths: list[str], out_dir: Path, stem: str) -> int:
     for p in paths:
         d = json.loads(Path(p).read_text())
         runs.append({k: d.get(k) for k in ("command", "when", "reps", "ranks", "sizes", "load_before", "load_after",
-                                           "load_1min_during", "wall_seconds", "git", "versions", "machine", "settings")})
+                                           "load_1min_during", "wall_seconds", "git", "versions", "machine", "settings",
+                                           "note")})
         for r in d["rows"]:
             key = (r["case"], r["size"], r["tool"])
             for sample in r["samples"]:

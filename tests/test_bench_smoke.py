@@ -1,6 +1,7 @@
 """The peer benchmark (``bench/run.py``) in its smoke form, so it cannot rot.
 
-Tiny state, one repetition, every case (save, the three loads, GCS, discovery)
+Tiny state, one repetition, every case (save, streaming and 2 -> 1 loads, GCS,
+discovery; ``--smoke`` leaves out the pre-download load to stay under 90 s)
 against real SeaweedFS and fake-gcs-server on 127.0.0.1. The peers' venvs are
 pointed at an empty folder, so this proves they are reported as "not installed"
 rows (not errors, not silent skips) without needing them. No timing assertions:
@@ -29,11 +30,13 @@ def test_smoke_bench_runs_every_case_and_reports_absent_peers_as_not_installed(t
 
     data = json.loads((out / "smoke.json").read_text())
     rows = {(r["case"], r["tool"]): r for r in data["rows"]}
-    for case in ("save", "load", "load_pre", "load_2to1", "gcs_save", "gcs_load", "latest", "list", "list_cli"):
+    for case in ("save", "load", "load_2to1", "gcs_save", "gcs_load", "latest", "list", "list_cli"):
         row = rows[(case, "cloudckpt")]
         assert row["status"] == "ok" and row["n"] == 1, (case, row["status"], row["reason"])
-    # loads verify the loaded state against the saved one (else the row is an error)
-    assert rows[("load_2to1", "cloudckpt")]["samples"][0]["per_rank"][0]["local_bytes"] == rows[("save", "cloudckpt")]["bytes"]
+    # the 2 -> 1 load took the whole state on one rank (replicated step scalars are counted once per rank in
+    # the save's total); every load was checked against the saved state by the bench (else an error row)
+    one_rank = rows[("load_2to1", "cloudckpt")]["samples"][0]["per_rank"]
+    assert len(one_rank) == 1 and abs(one_rank[0]["local_bytes"] - rows[("save", "cloudckpt")]["bytes"]) < 4096
     # discovery counted its HTTP requests: latest reads one marker, list one per step
     assert rows[("latest", "cloudckpt")]["requests"] >= 2
     assert rows[("list", "cloudckpt")]["requests"] >= data["settings"]["discovery_steps"]
