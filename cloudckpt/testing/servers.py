@@ -118,7 +118,10 @@ class _Server:
             self._log.close()
             self._log = None
         if self.tmp:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            if os.environ.get("CLOUDCKPT_KEEP_SERVER_DIRS"):
+                print(f"{self.name}: kept {self.tmp} (CLOUDCKPT_KEEP_SERVER_DIRS)", file=sys.stderr)
+            else:
+                shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
 
     def __enter__(self):
@@ -189,6 +192,9 @@ class SeaweedFS(_Server):
             weed_binary(), f"-logdir={self.tmp}", "mini", f"-dir={data}", f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}",
             "-master.telemetry=false", "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false",
             "-admin.ui=false", f"-s3.config={cfg_path}",
+            # every bucket is a collection with volumes of its own; the auto limit (free
+            # disk / volume size) runs out after ~50 buckets, and tests make one per case
+            "-volume.max=5000", "-master.volumeSizeLimitMB=64",
         ]
         for k, p in ports.items():
             argv += [f"-{k}.port={p}", f"-{k}.port.grpc={grpc[k]}"]
