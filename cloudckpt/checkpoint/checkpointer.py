@@ -51,6 +51,7 @@ from ..errors import (
     MissingKeys,
     NotACheckpoint,
     NotFound,
+    PreconditionFailed,
     SaveFailed,
     SaveInProgress,
 )
@@ -260,6 +261,10 @@ class Checkpointer:
                 # our create landed but its answer was lost; the SDK's retry met our own lock
                 self._check_not_committed_under_lock(store, dir, marker, lock)
                 return
+        try:
+            _, version = store.get_bytes_versioned(lock)  # the exact lock we judge below
+        except NotFound:
+            version = None  # released meanwhile: compete for it again below
         age = self._lock_age(store, lock)
         if not self.save_overwrite and age is not None and age < self.stale_lock_seconds:
             raise SaveInProgress(
@@ -267,12 +272,19 @@ class Checkpointer:
                 f"lock is {self.stale_lock_seconds:.0f}s old, delete {lock}, or pass save_overwrite=True"
             )
         log.warning("taking over %s: clearing an abandoned save (lock %s old)", dir, "of unknown age" if age is None else f"{age:.0f}s")
-        store.delete_prefix(dir)
+        # Take the lock over with a compare-and-swap of the very lock judged stale: of two
+        # jobs that judged it stale, only one wins; the other (which may have been slow
+        # long enough for the winner to commit) gets SaveInProgress and deletes nothing.
         try:
-            store.put_bytes(lock, self._lock_body(save_id), if_absent=True)
-        except AlreadyExists:
-            raise SaveInProgress(f"another save of {dir} took its lock at the same moment; retry later") from None
+            if version is None:
+                store.put_bytes(lock, self._lock_body(save_id), if_absent=True)
+            else:
+                store.put_bytes_if_match(lock, self._lock_body(save_id), version)
+        except (AlreadyExists, PreconditionFailed):
+            raise SaveInProgress(f"another save of {dir} took its lock over first; retry later") from None
         self._check_not_committed_under_lock(store, dir, marker, lock)
+        # clear the abandoned save's objects, keeping the lock we now hold
+        store.delete_many(o.url for o in store.walk(urls.as_prefix(dir)) if o.url != lock)
 
     def _check_not_committed_under_lock(self, store, dir: str, marker: str, lock: str) -> None:
         """Look at the marker again now that we hold the lock. The check before taking it

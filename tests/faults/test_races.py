@@ -108,11 +108,6 @@ def _plant_stale_lock(step: str) -> None:
     open_store(step).put_bytes(urls.join(step, "model_and_optim", "__0_0.distcp"), b"left over by the dead job")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug (design-level): taking over a stale lock is delete_prefix + create-if-absent, not a "
-    "compare-and-swap of the stale lock; a second job that judged the same lock stale a moment later deletes "
-    "the first job's fresh lock and objects (or its committed step) and proceeds too. Needs a conditional "
-    "replace (S3 If-Match on the lock's ETag, GCS if_generation_match, local rename) in ObjectStore."))
 def test_a_slow_second_taker_of_a_stale_lock_does_not_destroy_the_first_takers_commit(tmp_path, secret_scan):
     """Job A and job B both find the stale lock of a crashed save; B is slow between judging it
     stale and clearing it. A's committed step must survive B."""
