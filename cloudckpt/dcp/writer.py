@@ -13,11 +13,17 @@ import threading
 from contextlib import contextmanager
 from typing import Callable
 
+import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem, _item_size, _split_by_size_and_type
+from torch.distributed.checkpoint.filesystem import FileSystem, _split_by_size_and_type
 from torch.distributed.checkpoint.planner import WriteItemType
 
 _MiB = 1024 * 1024
+
+
+def _chunk_bytes(item) -> int:
+    td = item.tensor_data
+    return math.prod(td.chunk.sizes) * torch._utils._element_size(td.properties.dtype)
 
 
 class _NotifyingFileSystem(FileSystem):
@@ -64,7 +70,8 @@ class UploadingWriter(FileSystemWriter):
         # More, smaller files than stock DCP (one per thread) so uploads start while
         # later files are still being written; bounded to keep request counts low.
         items = plan.items
-        total = sum(_item_size(i) for i in items if i.type != WriteItemType.BYTE_IO)
+        # this rank's bytes: DCP's _item_size counts the whole (global) tensor, not the chunk
+        total = sum(_chunk_bytes(i) for i in items if i.type != WriteItemType.BYTE_IO)
         bins = max(self.thread_count, min(self.max_files_per_rank, math.ceil(total / self.target_file_size)))
         bins = max(1, min(bins, len(items)))
         file_queue: queue.Queue = queue.Queue()
