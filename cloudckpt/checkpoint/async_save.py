@@ -38,6 +38,29 @@ def _structure(sd: Any) -> Any:
     return type(sd).__name__
 
 
+def _alloc_like(obj: Any, pin: bool) -> Any:
+    """Empty host buffers shaped like ``obj`` (DTensors keep their spec). Unlike DCP's
+    ``_create_cpu_state_dict`` it does not deep-copy a DTensor first (which holds a
+    second copy of every local shard at the first save)."""
+    from torch.distributed.tensor import DTensor
+
+    def buf(t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(t.size(), dtype=t.dtype, device="cpu")
+        return out.pin_memory() if pin else out
+
+    if isinstance(obj, DTensor):
+        return DTensor.__new__(DTensor, buf(obj.to_local()), obj._spec, requires_grad=False)
+    if isinstance(obj, torch.Tensor):
+        return buf(obj)
+    if isinstance(obj, dict):
+        return {k: _alloc_like(v, pin) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_alloc_like(v, pin) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_alloc_like(v, pin) for v in obj)
+    return obj
+
+
 class AsyncSaver:
     def __init__(self, save_fn: Callable[..., Any], *, max_in_flight: int = 1):
         self._save_fn = save_fn
@@ -53,7 +76,7 @@ class AsyncSaver:
 
     # ------------------------------------------------------------ staging
     def _stage(self, state_dict: dict) -> tuple[dict, bool]:
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+        from torch.distributed._state_dict_utils import _copy_state_dict
         from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
 
         sd = _stateful_to_state_dict(state_dict)
@@ -64,12 +87,12 @@ class AsyncSaver:
             if reuse:
                 if self._cache is None or self._cache_key != key:
                     self._cache = None  # drop the old buffers before allocating new ones
-                    self._cache = _create_cpu_state_dict(sd, pin_memory=pin)
+                    self._cache = _alloc_like(sd, pin)
                     self._cache_key = key
                 self._cache_busy = True
                 target = self._cache
         if not reuse:
-            target = _create_cpu_state_dict(sd, pin_memory=pin)
+            target = _alloc_like(sd, pin)
         staged = _copy_state_dict(sd, target, non_blocking=pin)
         if pin:
             torch.cuda.synchronize()
