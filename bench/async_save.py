@@ -217,6 +217,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--tmp", default=None)
+    ap.add_argument("--stem", default=None, help="output file names (default async_save, or async_save_smoke)")
     a = ap.parse_args(argv)
     from bench.run import loadavg, parse_size
     from cloudckpt.testing.multiprocess import run_ranks
@@ -247,7 +248,7 @@ def main(argv=None) -> int:
             "torch": ranks[0]["torch"], "smoke": a.smoke}
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "async_save_smoke" if a.smoke else "async_save"
+    stem = a.stem or ("async_save_smoke" if a.smoke else "async_save")
     (out_dir / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows, "per_rank": ranks}, indent=1) + "\n")
     md = markdown(meta, rows)
     (out_dir / f"{stem}.md").write_text(md)
