@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tmp", default=None)
     ap.add_argument("--stem", default=None, help="output file names (default async_save, or async_save_smoke)")
     a = ap.parse_args(argv)
-    from bench.run import loadavg, parse_size
+    from bench.run import git_state, loadavg, parse_size
     from cloudckpt.testing.multiprocess import run_ranks
     from cloudckpt.testing.servers import SeaweedFS
 
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     meta = {"command": command, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "ranks": a.ranks,
             "bytes": nbytes, "S_per_rank": max(r["S"] for r in ranks), "reps": reps, "load_before": load_before,
             "load_after": loadavg(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": ranks[0]["torch"], "smoke": a.smoke}
+            "torch": ranks[0]["torch"], "smoke": a.smoke, "git": git_state()}
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = a.stem or ("async_save_smoke" if a.smoke else "async_save")
