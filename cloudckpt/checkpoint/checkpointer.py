@@ -326,11 +326,12 @@ class Checkpointer:
         """Write this rank's files and upload them; returns a callable outcome
         (raises this rank's error when called) so the AGREE step sees it."""
         t0 = time.monotonic()
-        uploads: list = []  # (rel, local_path, future)
+        uploads: list = []  # (rel, local_path, checksums or None, future)
 
-        def on_file(path: str) -> None:
+        def on_file(path: str, sums=None) -> None:
             rel = os.path.relpath(path, work).replace(os.sep, "/")
-            uploads.append((rel, path, self.engine.submit_upload(path, urls.join(dir, rel))))
+            crc = sums.crc32c if sums is not None and self.engine.config.checksum else None
+            uploads.append((rel, path, sums, self.engine.submit_upload(path, urls.join(dir, rel), crc32c=crc)))
 
         writer = UploadingWriter(os.path.join(work, layout.MODEL_DIR), on_file, thread_count=self.thread_count)
         error: BaseException | None = None
@@ -347,15 +348,15 @@ class Checkpointer:
             error = _unwrap_dcp(e)
         entries = []
         try:
-            results = TransferEngine.wait_all([f for _, _, f in uploads])
-            for (rel, path, _), res in zip(uploads, results):
+            results = TransferEngine.wait_all([f for *_, f in uploads])
+            for (rel, path, sums, _), res in zip(uploads, results):
                 name = rel.split("/", 1)[-1]
                 chunks = ()
                 if rel.startswith(layout.MODEL_DIR + "/") and name in writer.ranges:
-                    chunks = tuple((o, n, _crc_range(path, o, n)) for o, n in sorted(writer.ranges[name]))
+                    chunks = tuple((o, n, _item_crc(sums, path, o, n)) for o, n in sorted(writer.ranges[name]))
                 entries.append(ObjectEntry(rel, res.size, res.crc32c, chunks))
         except BaseException as e:  # noqa: BLE001 - carried to every rank by AGREE
-            for _, _, f in uploads:
+            for *_, f in uploads:
                 f.cancel()
             error = error or e
         outcome = _RankOutcome(entries, sum(e.size for e in entries), time.monotonic() - t0)
@@ -601,6 +602,9 @@ class PendingCommit:
             self._ckpt._cleanup_attempt(self.dir, self.marker.save_id)
 
 
+_ITEM_CRC_REREADS = [0]  # item CRCs taken by reading the file back (tests assert the writer path covers all)
+
+
 @contextlib.contextmanager
 def _quiet_dcp():
     """DCP warns that it runs without torch.distributed in single-process jobs; that is intended here."""
@@ -609,7 +613,13 @@ def _quiet_dcp():
         yield
 
 
-def _crc_range(path: str, offset: int, length: int) -> str:
+def _item_crc(sums, path: str, offset: int, length: int) -> str:
+    """An item's CRC32C: from the writer's segments (computed while writing), else
+    by reading the range back (a writer that did not report that exact span)."""
+    crc = sums.range_crc(offset, length) if sums is not None else None
+    if crc is not None:
+        return crc
+    _ITEM_CRC_REREADS[0] += 1
     with open(path, "rb") as f:
         f.seek(offset)
         return crc32c_bytes(f.read(length))

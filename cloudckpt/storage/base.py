@@ -192,8 +192,12 @@ class ObjectStore(ABC):
             return False
 
     def upload_file(self, local_path: str, url: str, *, if_absent: bool = False, progress: Progress = None) -> int:
-        size = os.path.getsize(local_path)
+        """Upload a local file; returns its size. Backends that can read parts straight
+        from the file (S3: s3transfer reads each part from disk as it sends it)
+        override this so that no part is held in memory; the default streams the
+        file through upload_fileobj."""
         with open(local_path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             self.upload_fileobj(f, url, size=size, if_absent=if_absent, progress=progress)
         return size
 

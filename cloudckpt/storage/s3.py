@@ -13,6 +13,8 @@ PreconditionFailed, AccessDenied, Throttled, Transient, InvalidURL.
 
 from __future__ import annotations
 
+import os
+
 import threading
 from datetime import datetime
 from typing import BinaryIO, Iterable, Iterator
@@ -245,6 +247,20 @@ class S3Store(ObjectStore):
             fut.result()
         except Exception as e:  # noqa: BLE001 - translated below
             raise translate(e, url, "upload") from None
+
+    def upload_file(self, local_path: str, url: str, *, if_absent: bool = False, progress: Progress = None) -> int:
+        if if_absent:
+            return super().upload_file(local_path, url, if_absent=True, progress=progress)
+        bucket, key = _split(url)
+        size = os.path.getsize(local_path)
+        try:
+            # by file name, s3transfer opens each part lazily and reads it while sending:
+            # no part buffers in memory (a file object would be read into 16 MiB chunks)
+            fut = self.manager.upload(os.fspath(local_path), bucket, key, subscribers=[_Count(progress)] if progress else None)
+            fut.result()
+        except Exception as e:  # noqa: BLE001 - translated below
+            raise translate(e, url, "upload") from None
+        return size
 
     def download_fileobj(self, url: str, fileobj: BinaryIO, *, progress: Progress = None) -> int:
         bucket, key = _split(url)

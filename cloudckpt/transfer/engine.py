@@ -65,9 +65,10 @@ class _Abandoned(Exception):
 
 class _Task:
     __slots__ = ("kind", "url", "local_path", "start", "end", "if_absent", "size", "future", "attempts",
-                 "t0", "last_exc")
+                 "t0", "last_exc", "crc32c")
 
-    def __init__(self, kind: str, url: str, *, local_path=None, start=None, end=None, if_absent=False, size=0):
+    def __init__(self, kind: str, url: str, *, local_path=None, start=None, end=None, if_absent=False, size=0,
+                 crc32c=None):
         self.kind = kind
         self.url = url
         self.local_path = local_path
@@ -79,6 +80,7 @@ class _Task:
         self.attempts = 0
         self.t0: float | None = None
         self.last_exc: BaseException | None = None
+        self.crc32c: str | None = crc32c  # known in advance (uploads): not computed again
 
     def describe(self) -> str:
         if self.kind == "upload":
@@ -154,10 +156,16 @@ class TransferEngine:
         self._stop = threading.Event()
 
     # ------------------------------------------------------------------ submit
-    def submit_upload(self, local_path: str, url: str, *, if_absent: bool = False) -> "Future[TransferResult]":
+    def submit_upload(self, local_path: str, url: str, *, if_absent: bool = False,
+                      crc32c: str | None = None) -> "Future[TransferResult]":
         """Upload a local file to ``url``. The future's result is a TransferResult
         (size, CRC32C of the bytes read); its exception a cloudckpt error (or the
         OSError of opening the local file). Raises RuntimeError after close().
+
+        ``crc32c``: the file's CRC32C when the caller computed it already (the DCP
+        writer does, while writing): the result carries it, and the file is
+        uploaded by name (``store.upload_file``: S3 reads parts from disk as it
+        sends them, holding none in memory) instead of through a checksumming reader.
 
         ``if_absent`` uploads are conditional creates; after an ambiguous failure
         (e.g. a reset after the store got the object) a retried attempt can see
@@ -167,7 +175,8 @@ class TransferEngine:
             size = os.path.getsize(local_path)
         except OSError:
             size = 0  # the attempt will fail opening it, with the OS's message
-        return self._submit(_Task("upload", url, local_path=local_path, if_absent=if_absent, size=size), size)
+        task = _Task("upload", url, local_path=local_path, if_absent=if_absent, size=size, crc32c=crc32c)
+        return self._submit(task, size)
 
     def submit_download(self, url: str, local_path: str) -> "Future[TransferResult]":
         """Download ``url`` to ``local_path`` (a temporary file renamed into place,
@@ -470,6 +479,9 @@ class TransferEngine:
         checksum = self.config.checksum
         if task.kind == "upload":
             size = os.path.getsize(task.local_path)
+            if task.crc32c is not None or not checksum:
+                store.upload_file(task.local_path, task.url, if_absent=task.if_absent, progress=progress)
+                return TransferResult(task.url, task.local_path, size, task.crc32c, att.number, self._clock() - task.t0)
             with open(task.local_path, "rb") as f:
                 reader = Crc32cReader(f) if checksum else f
                 store.upload_fileobj(reader, task.url, size=size, if_absent=task.if_absent, progress=progress)

@@ -68,15 +68,18 @@ def save_with_failing_rank(rank, world_size, dir, work_dir, bad_rank):
 
     if rank == bad_rank:
         store = open_store(dir)
-        real = store.upload_fileobj
+        real = store.upload_file  # shard files are uploaded by name (their CRC came from the writer)
 
-        def broken(fileobj, url, **kw):
+        def broken(local_path, url, progress=None, **kw):
             if url.endswith(".distcp"):
-                fileobj.read(1024)  # some bytes went out
+                with open(local_path, "rb") as f:
+                    sent = f.read(1024)  # some bytes went out
+                if progress:
+                    progress(len(sent))
                 raise AccessDenied("injected failure mid-upload", url=url)
-            return real(fileobj, url, **kw)
+            return real(local_path, url, progress=progress, **kw)
 
-        store.upload_fileobj = broken
+        store.upload_file = broken
     ck = Checkpointer(work_dir=work_dir)
     try:
         ck.save(dir, sharded_state(world_size), {"rank": rank})
@@ -127,12 +130,12 @@ def async_failure(rank, world_size, dir, work_dir):
     from cloudckpt.storage import open_store
 
     store = open_store(dir)
-    real = store.upload_fileobj
+    real = store.upload_file, store.upload_fileobj
     if rank == 1:
-        def broken(fileobj, url, **kw):
+        def broken(_, url, **kw):
             raise AccessDenied("injected async failure", url=url)
 
-        store.upload_fileobj = broken
+        store.upload_file = store.upload_fileobj = broken
     ck = Checkpointer(work_dir=work_dir)
     fut = ck.save_async(dir, sharded_state(world_size), {"rank": rank})
     exc = fut.exception(timeout=120)
@@ -141,7 +144,7 @@ def async_failure(rank, world_size, dir, work_dir):
         ck.save_async(dir, sharded_state(world_size), {"rank": rank})
     except SaveFailed as e:
         surfaced_on_next = str(e)
-    store.upload_fileobj = real
+    store.upload_file, store.upload_fileobj = real
     # the failure was reported once; a later save succeeds (the step was never committed)
     ck.save_async(dir, sharded_state(world_size), {"rank": rank}).result(timeout=120)
     ck.close()
