@@ -55,6 +55,7 @@ class CheckpointConfig:
     - ``save_overwrite``: allow replacing a committed step.
     - ``max_concurrency``, ``bandwidth_limit`` (bytes/s or '200MB/s'), ``part_size``, ``stall_timeout`` (s): transfer knobs.
     - ``endpoint_url``, ``profile``, ``region``, ``addressing_style``: storage options (None: the SDK's env/config chain).
+    - ``sign_payload``: S3 only: SHA-256 every request body into its SigV4 signature (off: CRC32C checks instead).
     - ``gc_grace_seconds``: uncommitted step folders and multipart uploads older than this are garbage-collected.
     - ``verify_checksums``: check CRC32C of what is loaded.
     - ``pre_download``: download needed files to work_dir before loading instead of streaming ranges.
@@ -80,6 +81,7 @@ class CheckpointConfig:
     profile: Optional[str] = None
     region: Optional[str] = None
     addressing_style: Optional[str] = None
+    sign_payload: bool = False
     gc_grace_seconds: float = 3600.0
     verify_checksums: bool = True
     pre_download: bool = False
@@ -198,7 +200,8 @@ class CheckpointConfig:
     # ------------------------------------------------------------ derived
     def storage_options(self) -> StorageOptions:
         return StorageOptions(endpoint_url=self.endpoint_url, profile=self.profile, region=self.region,
-                              addressing_style=self.addressing_style, part_size=self.part_size)
+                              addressing_style=self.addressing_style, part_size=self.part_size,
+                              sign_payload=self.sign_payload)
 
     def transfer_config(self) -> TransferConfig:
         return TransferConfig(max_concurrency=self.max_concurrency, bandwidth_limit=self.bandwidth_limit,

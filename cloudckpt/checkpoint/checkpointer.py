@@ -490,7 +490,7 @@ class Checkpointer:
                 checksums=checksums,
                 verify=self.verify_checksums,
                 local_dir=local,
-                download=self.engine.download_all,
+                download=lambda u, p: self.engine.submit_download(u, p, checksum=False),
             )
             planner = _KeyCheckingPlanner(strict=strict, optional_prefixes=optional)
             try:

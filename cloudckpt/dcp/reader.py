@@ -6,15 +6,20 @@ concurrently through the transfer engine, and each item is checked against its
 CRC32C from the commit marker before it is deserialised. Memory stays bounded:
 at most ``max_inflight_bytes`` of fetched ranges wait to be consumed.
 
+Memory stays proportional to what the rank loads: the in-flight budget is a
+sixteenth of the rank's planned bytes (at least 32 MiB, at most
+``max_inflight_bytes``), in ranges of a quarter of that budget, and items are
+deserialised straight from the fetched buffer (no intermediate copies).
+
 ``pre_download=True`` instead downloads every needed file into a local folder
-first (in parallel) and reads from there.
+(in parallel) and reads each file's items as soon as that file is complete.
 """
 
 from __future__ import annotations
 
 import io
 import os
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, as_completed, wait
 from typing import Any, Callable
 
 import torch
@@ -60,14 +65,15 @@ class StreamingReader(StorageReader):
         checksums: Checksums | None = None,
         verify: bool = True,
         local_dir: str | None = None,
-        download: Callable[[list[tuple[str, str]]], None] | None = None,
+        download: Callable[[str, str], Future] | None = None,
         max_gap: int = 1 * _MiB,
         max_range_size: int = 64 * _MiB,
         max_inflight_bytes: int = 512 * _MiB,
     ):
         """``fetch(url, start, end)`` returns a Future of bytes; ``get_bytes(url)``
-        reads a whole object; ``download(pairs)`` fetches (url, local_path) pairs
-        when ``local_dir`` (pre-download) is given."""
+        reads a whole object; ``download(url, local_path)`` returns a Future that
+        completes when the file is downloaded (used when ``local_dir`` is given:
+        pre-download)."""
         super().__init__()
         self.remote_dir = remote_dir
         self._fetch = fetch
@@ -140,7 +146,7 @@ class StreamingReader(StorageReader):
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(bytes(data)))
             return
-        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        tensor = torch.load(_BufferReader(data), map_location="cpu", weights_only=True)
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
@@ -161,26 +167,43 @@ class StreamingReader(StorageReader):
         f.set_result(None)
         return f
 
+    def budget(self, planned_bytes: int) -> tuple[int, int]:
+        """(in-flight bytes, range size) for a rank that reads ``planned_bytes``."""
+        inflight = min(self.max_inflight_bytes, max(32 * _MiB, planned_bytes // 16))
+        return inflight, min(self.max_range_size, max(4 * _MiB, inflight // 4))
+
     def _read_local(self, per_file, planner) -> None:
-        pairs = [(urls.join(self.remote_dir, rel), os.path.join(self.local_dir, rel)) for rel in per_file]
+        jobs = {}
         try:
-            self._download(pairs)
-        except NotFound as e:
-            raise _missing(e.url or self.remote_dir) from None
-        for (url, path), (rel, reqs) in zip(pairs, per_file.items()):
-            with open(path, "rb") as f:
-                for off, length, req in sorted(reqs, key=lambda t: t[0]):
-                    f.seek(off)
-                    data = f.read(length)
-                    self._check(rel, off, length, data, url)
-                    self.bytes_read += length
-                    self._consume(req, planner, memoryview(data), url)
+            for rel in per_file:
+                url, path = urls.join(self.remote_dir, rel), os.path.join(self.local_dir, rel)
+                jobs[self._download(url, path)] = (rel, url, path)
+            # each file's items as soon as that file is complete: download and deserialise overlap
+            for fut in as_completed(list(jobs)):
+                rel, url, path = jobs[fut]
+                try:
+                    fut.result()
+                except NotFound as e:
+                    raise _missing(e.url or url) from None
+                with open(path, "rb") as f:
+                    for off, length, req in sorted(per_file[rel], key=lambda t: t[0]):
+                        f.seek(off)
+                        data = f.read(length)
+                        self._check(rel, off, length, data, url)
+                        self.bytes_read += length
+                        self._consume(req, planner, memoryview(data), url)
+                os.remove(path)  # read: the disk copy is not needed any more
+        finally:
+            for fut in jobs:
+                fut.cancel()
 
     def _read_remote(self, per_file, planner) -> None:
+        planned = sum(length for reqs in per_file.values() for _, length, _ in reqs)
+        max_inflight, max_range = self.budget(planned)
         jobs = []  # (url, rel, start, end, [(off, length, req)])
         for rel, reqs in per_file.items():
             url = urls.join(self.remote_dir, rel)
-            for start, end, parts in coalesce(reqs, max_gap=self.max_gap, max_range=self.max_range_size):
+            for start, end, parts in coalesce(reqs, max_gap=self.max_gap, max_range=max_range):
                 jobs.append((url, rel, start, end, parts))
         pending: dict[Future, tuple] = {}
         inflight = 0
@@ -189,31 +212,84 @@ class StreamingReader(StorageReader):
         try:
             while nxt is not None or pending:
                 # keep submitting while under the memory budget (always at least one)
-                while nxt is not None and (not pending or inflight + (nxt[3] - nxt[2]) <= self.max_inflight_bytes):
-                    pending[self._fetch(nxt[0], nxt[2], nxt[3])] = nxt
+                while nxt is not None and (not pending or inflight + (nxt[3] - nxt[2]) <= max_inflight):
+                    pending[self._fetch_checked(*nxt)] = nxt
                     inflight += nxt[3] - nxt[2]
                     nxt = next(it, None)
                 done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
                 for fut in done:
                     url, rel, start, end, parts = pending.pop(fut)
                     inflight -= end - start
-                    try:
-                        buf = memoryview(fut.result())
-                    except NotFound:
-                        raise _missing(url) from None
-                    if len(buf) < end - start:
-                        raise CorruptCheckpoint(
-                            f"{url}: expected bytes [{start}, {end}) but the object ends at {start + len(buf)}; it is truncated"
-                        )
+                    buf = memoryview(fut.result())
                     for off, length, req in parts:
-                        piece = buf[off - start: off - start + length]
-                        self._check(rel, off, length, piece, url)
                         self.bytes_read += length
-                        self._consume(req, planner, piece, url)
+                        self._consume(req, planner, buf[off - start: off - start + length], url)
                     del buf
         finally:
             for fut in pending:
                 fut.cancel()
+
+    def _fetch_checked(self, url: str, rel: str, start: int, end: int, parts: list) -> Future:
+        """Fetch ``[start, end)`` and check every item in it on the thread that
+        completed the fetch (CRC32C releases the GIL: checks overlap with the
+        deserialising of earlier ranges). The Future's result is the bytes."""
+        raw = self._fetch(url, start, end)
+        out: Future = Future()
+
+        def done(f: Future) -> None:
+            if f.cancelled():
+                out.cancel()
+                return
+            try:
+                data = f.result()
+                if len(data) < end - start:
+                    raise CorruptCheckpoint(
+                        f"{url}: expected bytes [{start}, {end}) but the object ends at {start + len(data)}; it is truncated"
+                    )
+                buf = memoryview(data)
+                for off, length, _ in parts:
+                    self._check(rel, off, length, buf[off - start: off - start + length], url)
+            except NotFound:
+                out.set_exception(_missing(url))
+            except BaseException as e:  # noqa: BLE001 - handed to the reading thread
+                out.set_exception(e)
+            else:
+                out.set_result(data)
+
+        raw.add_done_callback(done)
+        return out
+
+
+class _BufferReader(io.RawIOBase):
+    """A read-only file over a memoryview for ``torch.load``: its zip reader asks
+    for ``readinto``, which copies each record once, straight into the tensor's
+    storage (``io.BytesIO(memoryview)`` would copy the whole item first)."""
+
+    def __init__(self, data: memoryview):
+        super().__init__()
+        self._mv = data
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._mv)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        chunk = self._mv[self._pos: self._pos + len(b)]
+        n = len(chunk)
+        memoryview(b).cast("B")[:n] = chunk
+        self._pos += n
+        return n
 
 
 def _missing(url: str) -> CorruptCheckpoint:

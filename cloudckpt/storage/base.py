@@ -45,6 +45,10 @@ class StorageOptions:
     connect_timeout: float = 10.0
     read_timeout: float = 60.0
     min_delete_depth: int = 1  # delete_prefix refuses prefixes shallower than this
+    # S3: SHA-256 every request body for its SigV4 signature (client and server each hash
+    # every byte, ~1 CPU-s/GiB apiece here). Off by default: TLS protects the bytes in
+    # transit and cloudckpt checks its own CRC32C of every item on load and in `verify`.
+    sign_payload: bool = False
 
     def __post_init__(self) -> None:
         from ..errors import ConfigError

@@ -36,7 +36,7 @@ from ..errors import (
     Throttled,
     Transient,
 )
-from .base import ListEntry, ObjectInfo, ObjectStore, PendingUpload, Progress
+from .base import MiB, ListEntry, ObjectInfo, ObjectStore, PendingUpload, Progress
 from .url import parse_url
 
 _THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
@@ -136,12 +136,15 @@ class S3Store(ObjectStore):
             if self._client is None:
                 o = self.options
                 session = boto3.session.Session(profile_name=o.profile) if o.profile else boto3.session.Session()
+                s3cfg: dict = {"payload_signing_enabled": o.sign_payload}
+                if o.addressing_style:
+                    s3cfg["addressing_style"] = o.addressing_style
                 cfg = Config(
                     retries={"mode": "standard", "total_max_attempts": o.max_attempts},
                     max_pool_connections=o.max_pool_connections,
                     connect_timeout=o.connect_timeout,
                     read_timeout=o.read_timeout,
-                    s3={"addressing_style": o.addressing_style} if o.addressing_style else None,
+                    s3=s3cfg,
                     signature_version="s3v4",
                     # cloudckpt records and verifies CRC32C end to end (marker manifest); botocore's own
                     # per-request CRC32 costs ~1.5 CPU-s/GiB here and is skipped unless an API requires it
@@ -167,7 +170,11 @@ class S3Store(ObjectStore):
                         multipart_threshold=o.multipart_threshold,
                         multipart_chunksize=o.part_size,
                         max_request_concurrency=max(1, o.max_pool_connections - 2),
-                        max_io_queue_size=1000,
+                        # downloads hand each io_chunksize piece to a writer thread through
+                        # this queue: 1 MiB pieces (s3transfer's default is 256 KiB: four
+                        # times the tasks) and at most 64 MiB waiting
+                        io_chunksize=1 * MiB,
+                        max_io_queue_size=64,
                         max_in_memory_upload_chunks=max(4, o.max_pool_connections // 2),
                         max_in_memory_download_chunks=max(4, o.max_pool_connections // 2),
                     ),

@@ -23,8 +23,15 @@ def _hex(value: int) -> str:
 
 
 def crc32c_bytes(data: bytes | bytearray | memoryview) -> str:
-    """CRC32C of ``data`` as 8 lowercase hex digits."""
-    return _hex(google_crc32c.value(bytes(data) if isinstance(data, memoryview) else data))
+    """CRC32C of ``data`` as 8 lowercase hex digits. google-crc32c takes ``bytes``
+    only: other buffers are copied in 8 MiB pieces (cache-sized, reused), never whole."""
+    if isinstance(data, bytes):
+        return _hex(google_crc32c.value(data))
+    mv = memoryview(data).cast("B")
+    crc = 0
+    for i in range(0, len(mv), _CHUNK):
+        crc = google_crc32c.extend(crc, bytes(mv[i:i + _CHUNK]))
+    return _hex(crc)
 
 
 def crc32c_file(path: str | os.PathLike, *, chunk_size: int = _CHUNK) -> str:
