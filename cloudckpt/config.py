@@ -53,7 +53,8 @@ class CheckpointConfig:
     - ``async_save``: save in the background after a staging copy to host memory.
     - ``max_in_flight``: async saves in flight at most; a new save waits for the previous one.
     - ``save_overwrite``: allow replacing a committed step.
-    - ``max_concurrency``, ``bandwidth_limit`` (bytes/s or '200MB/s'), ``part_size``, ``stall_timeout`` (s): transfer knobs.
+    - ``max_concurrency``, ``bandwidth_limit`` (bytes/s or '200MB/s'), ``part_size`` (None: the backend's
+      default, S3 64 MiB, GCS 16 MiB), ``stall_timeout`` (s): transfer knobs.
     - ``endpoint_url``, ``profile``, ``region``, ``addressing_style``: storage options (None: the SDK's env/config chain).
     - ``sign_payload``: S3 only: SHA-256 every request body into its SigV4 signature (off: CRC32C checks instead).
     - ``gc_grace_seconds``: uncommitted step folders and multipart uploads older than this are garbage-collected.
@@ -75,7 +76,7 @@ class CheckpointConfig:
     save_overwrite: bool = False
     max_concurrency: int = 8
     bandwidth_limit: Optional[int] = None
-    part_size: int = 16 * _MiB
+    part_size: Optional[int] = None
     stall_timeout: float = 120.0
     endpoint_url: Optional[str] = None
     profile: Optional[str] = None

@@ -38,8 +38,12 @@ class StorageOptions:
     region: str | None = None
     addressing_style: str | None = None  # "path" | "virtual" | "auto" (S3)
     project: str | None = None  # GCS project for bucket-level calls
-    multipart_threshold: int = 64 * MiB
-    part_size: int = 16 * MiB
+    # None: the backend's default (ObjectStore.default_multipart_threshold / default_part_size):
+    # S3 sends objects up to 512 MiB in one PUT and larger ones in 64 MiB parts (fewer,
+    # larger requests: less CPU per byte on both ends, fewer requests against per-prefix
+    # limits); GCS holds one chunk in memory per running upload, so it keeps 64 MiB / 16 MiB.
+    multipart_threshold: int | None = None
+    part_size: int | None = None
     max_pool_connections: int = 64
     max_attempts: int = 8  # SDK-level attempts per request (retries on 5xx/throttling/resets)
     connect_timeout: float = 10.0
@@ -59,9 +63,11 @@ class StorageOptions:
             )
         for name in ("multipart_threshold", "part_size", "max_pool_connections", "max_attempts"):
             v = getattr(self, name)
+            if v is None and name in ("multipart_threshold", "part_size"):
+                continue  # the backend's default
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"storage option {name}={v!r} is not allowed: use a positive integer")
-        if self.part_size < 5 * MiB:
+        if self.part_size is not None and self.part_size < 5 * MiB:
             raise ConfigError(f"storage option part_size={self.part_size} is too small: S3 needs at least 5 MiB (5242880)")
 
 
@@ -100,9 +106,25 @@ class ObjectStore(ABC):
     #: Exceptions (already translated) worth retrying for this backend.
     supports_multipart_listing: ClassVar[bool] = False
 
+    #: Used when StorageOptions leaves multipart_threshold / part_size as None.
+    default_multipart_threshold: ClassVar[int] = 64 * MiB
+    default_part_size: ClassVar[int] = 16 * MiB
+
     def __init__(self, options: StorageOptions | None = None):
         self.options = options or StorageOptions()
         self._retry_listeners: list[Callable[[str], None]] = []
+
+    @property
+    def multipart_threshold(self) -> int:
+        """Objects larger than this are uploaded in parts (the option, or this backend's default)."""
+        v = self.options.multipart_threshold
+        return self.default_multipart_threshold if v is None else v
+
+    @property
+    def part_size(self) -> int:
+        """Size of each part or chunk of a larger upload (the option, or this backend's default)."""
+        v = self.options.part_size
+        return self.default_part_size if v is None else v
 
     def add_retry_listener(self, fn: Callable[[str], None]) -> None:
         """``fn(kind)`` is called for every request the SDK retries; ``kind`` is

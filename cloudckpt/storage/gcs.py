@@ -14,8 +14,8 @@ is reported to the retry listeners (``"throttled"`` for 429/503, ``"transient"``
 otherwise), which is how the transfer engine sees throttling. ``max_attempts=1``
 turns retries off.
 
-Uploads up to ``multipart_threshold`` bytes go in one media request; larger ones
-are resumable uploads sent in chunks of ``part_size`` (rounded down to a multiple
+Uploads up to ``multipart_threshold`` bytes (default 64 MiB) go in one media request;
+larger ones are resumable uploads sent in chunks of ``part_size`` (default 16 MiB, rounded down to a multiple
 of 256 KiB, as GCS requires). The library verifies CRC32C end to end on uploads
 and on whole-object downloads. Memory: one chunk per concurrent upload
 (``max(part_size, multipart_threshold)`` at most).
@@ -283,9 +283,8 @@ class GCSStore(ObjectStore):
 
     # ------------------------------------------------------------ primitives
     def _chunk_size(self, size: int) -> int:
-        o = self.options
-        if size > o.multipart_threshold:
-            return max(_CHUNK_MULTIPLE, o.part_size // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE)
+        if size > self.multipart_threshold:
+            return max(_CHUNK_MULTIPLE, self.part_size // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE)
         # one request: a chunk at least as large as the object
         return max(_CHUNK_MULTIPLE, -(-size // _CHUNK_MULTIPLE) * _CHUNK_MULTIPLE)
 

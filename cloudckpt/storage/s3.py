@@ -102,6 +102,14 @@ def translate(e: BaseException, url: str, op: str) -> BaseException:
 class S3Store(ObjectStore):
     scheme = "s3"
     supports_multipart_listing = True
+    # Checkpoint shard files are ~256 MiB (the DCP writer's target): each goes up in one
+    # PUT, larger ones in 64 MiB parts. Measured against 16 MiB parts on SeaweedFS (1 GiB,
+    # 2 ranks): the store spent ~35 % less CPU per save and saves ran 1.1-1.6x faster;
+    # on S3 it is 4x fewer requests against the per-prefix request rate
+    # (docs/performance.md). Uploads by file name read each part from disk while
+    # sending, so larger parts cost no memory there.
+    default_multipart_threshold = 512 * MiB
+    default_part_size = 64 * MiB
 
     def __init__(self, options=None):
         super().__init__(options)
@@ -167,15 +175,16 @@ class S3Store(ObjectStore):
                 self._manager = TransferManager(
                     client,
                     TransferConfig(
-                        multipart_threshold=o.multipart_threshold,
-                        multipart_chunksize=o.part_size,
+                        multipart_threshold=self.multipart_threshold,
+                        multipart_chunksize=self.part_size,
                         max_request_concurrency=max(1, o.max_pool_connections - 2),
                         # downloads hand each io_chunksize piece to a writer thread through
                         # this queue: 1 MiB pieces (s3transfer's default is 256 KiB: four
                         # times the tasks) and at most 64 MiB waiting
                         io_chunksize=1 * MiB,
                         max_io_queue_size=64,
-                        max_in_memory_upload_chunks=max(4, o.max_pool_connections // 2),
+                        # file-object uploads buffer parts: at most ~256 MiB of them (4 at 64 MiB)
+                        max_in_memory_upload_chunks=max(2, min(o.max_pool_connections // 2, 256 * MiB // self.part_size)),
                         max_in_memory_download_chunks=max(4, o.max_pool_connections // 2),
                     ),
                 )

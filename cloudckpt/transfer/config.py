@@ -39,17 +39,20 @@ class TransferConfig:
     memory at the same time is at most::
 
         M = min(max_bytes_in_flight, sum of in-flight read_all/submit_read ranges)   # range reads return bytes
-          + (S3) s3transfer upload buffers:
+          + (S3) uploads by file name (submit_upload with a known crc32c: checkpoint
+                shard files): none, s3transfer reads each part from disk while sending it
+          + (S3) uploads of a file object: s3transfer part buffers,
                 (max_in_memory_upload_chunks + max_submission_concurrency) * part_size
-                = (max(4, max_pool_connections // 2) + 5) * part_size
-          + (S3) s3transfer download I/O queue: max_io_queue_size * io_chunksize
-                = 1000 * 256 KiB
+                = (max(2, min(max_pool_connections // 2, 256 MiB // part_size)) + 5) * part_size
+          + (S3) s3transfer download I/O queue: max_io_queue_size * io_chunksize = 64 * 1 MiB
+          + (GCS) one chunk per running upload: multipart_threshold for objects up to it,
+                else part_size
 
-    With the default :class:`~cloudckpt.storage.StorageOptions`
-    (``part_size`` 16 MiB, ``max_pool_connections`` 64) the S3 terms are
-    (32 + 5) * 16 MiB + 250 MiB = 842 MiB, shared by every engine of a process
-    (the store, and so its s3transfer manager, is shared). The local backend
-    copies in 8 MiB chunks: 8 MiB per running transfer.
+    With the default :class:`~cloudckpt.storage.StorageOptions` (S3 ``part_size``
+    64 MiB, ``max_pool_connections`` 64) the S3 file-object term is
+    (4 + 5) * 64 MiB = 576 MiB, shared by every engine of a process (the store, and
+    so its s3transfer manager, is shared). The local backend copies in 8 MiB
+    chunks: 8 MiB per running transfer.
 
     Fields:
       max_concurrency: transfers in flight at most; the AIMD ceiling (>= 1).

@@ -185,3 +185,4 @@ def test_config_unknown_fields_yaml_and_env_overrides(tmp_path):
                                      env={"CLOUDCKPT_SAVE_INTERVAL": "50", "CLOUDCKPT_ASYNC_SAVE": "true"})
     assert (cfg.save_interval, cfg.async_save, cfg.bandwidth_limit) == (50, True, 200_000_000)
     assert CheckpointConfig(save_folder="gs://bucket/run", part_size="32MiB").part_size == 32 * 1024 * 1024
+    assert CheckpointConfig(save_folder="gs://bucket/run", part_size="null").part_size is None  # the backend default

@@ -245,22 +245,39 @@ def big_file(tmp_path_factory):
 def test_200_mib_multipart_upload_round_trips_with_identical_checksum(backend, big_file, tmp_path):
     path, digest = big_file
     u = backend.url("big/big.bin")
+    store = backend.store_with(multipart_threshold=64 * MiB, part_size=16 * MiB)  # below BIG_SIZE: multipart
     progress: list[int] = []
-    assert backend.store.upload_file(path, u, progress=progress.append) == BIG_SIZE
+    assert store.upload_file(path, u, progress=progress.append) == BIG_SIZE
     assert sum(progress) == BIG_SIZE
-    assert backend.store.stat(u).size == BIG_SIZE
+    assert store.stat(u).size == BIG_SIZE
     if backend.is_s3:
         # s3transfer went multipart: the ETag of a multipart object ends in -<parts>
-        etag = backend.s3_client().head_object(Bucket=parse_url(u).bucket, Key=parse_url(u).key)["ETag"].strip('"')
-        parts = -(-BIG_SIZE // backend.store.options.part_size)
-        assert etag.endswith(f"-{parts}")
+        assert _etag(backend, u).endswith(f"-{-(-BIG_SIZE // (16 * MiB))}")
     elif backend.name == "gcs":
         # a resumable upload in part_size chunks: progress arrives once per chunk
-        assert len(progress) == -(-BIG_SIZE // backend.store.options.part_size)
+        assert len(progress) == -(-BIG_SIZE // (16 * MiB))
     out = tmp_path / "big-out.bin"
-    assert backend.store.download_file(u, str(out)) == BIG_SIZE
+    assert store.download_file(u, str(out)) == BIG_SIZE
     assert _sha256_file(str(out)) == digest
 
+
+
+def _etag(backend, u: str) -> str:
+    return backend.s3_client().head_object(Bucket=parse_url(u).bucket, Key=parse_url(u).key)["ETag"].strip('"')
+
+
+def test_s3_default_sends_a_checkpoint_sized_file_in_one_put_and_larger_ones_in_64_mib_parts(backend, tmp_path):
+    if not backend.is_s3:
+        pytest.skip(f"{backend.name}: S3's default part sizes only (GCS keeps 64 MiB / 16 MiB: one chunk in memory per upload)")
+    assert (backend.store.multipart_threshold, backend.store.part_size) == (512 * MiB, 64 * MiB)
+    path = tmp_path / "shard.bin"
+    path.write_bytes(_payload(80 * MiB))  # above the old 64 MiB threshold
+    u = backend.url("default/shard.bin")
+    backend.store.upload_file(str(path), u)
+    assert "-" not in _etag(backend, u)  # one PutObject (a multipart ETag ends in -<parts>)
+    small = backend.store_with(multipart_threshold=64 * MiB)  # part_size stays the S3 default
+    small.upload_file(str(path), u)
+    assert _etag(backend, u).endswith("-2")  # 80 MiB in 64 MiB parts
 
 # ---------------------------------------------------------------- conditional create
 def test_conditional_create_raced_by_two_writers_has_exactly_one_winner(backend):
