@@ -783,9 +783,9 @@ def main(argv: list[str] | None = None) -> int:
         stack.callback(copies.close)
         if "save_load" in cases:
             if not args.smoke:
-                # the largest size, not less: SeaweedFS grows volumes on a collection's first
-                # writes, and a 1 GiB warm-up charged the rest of that to the first 4 GiB tool
-                # (bench-4GiB-s3: every tool's second save was faster, the first tool's by 25 %)
+                # the largest size, not less: SeaweedFS grows volumes on its first writes. With
+                # a 1 GiB warm-up the first 4 GiB tool's save took 38.7 s against 29.0 s in its
+                # next slot (bench-4GiB-s3); with a full one, 34.5 against 29.8 (-s3-warm)
                 log(f"warm-up: {time.perf_counter() - t_start:.0f}s to start; uploading "
                     f"{size_label(max(args.sizes))} once, untimed")
                 log(f"warm-up took {warm_up(s3, max(args.sizes), args.tmp):.1f}s")
