@@ -185,17 +185,26 @@ class StreamingReader(StorageReader):
                     fut.result()
                 except NotFound as e:
                     raise _missing(e.url or url) from None
-                with open(path, "rb") as f:
-                    for off, length, req in sorted(per_file[rel], key=lambda t: t[0]):
-                        f.seek(off)
-                        data = f.read(length)
-                        self._check(rel, off, length, data, url)
-                        self.bytes_read += length
-                        self._consume(req, planner, memoryview(data), url)
+                self._read_file(rel, url, path, per_file[rel], planner)
                 os.remove(path)  # read: the disk copy is not needed any more
         finally:
             for fut in jobs:
                 fut.cancel()
+
+    def _read_file(self, rel: str, url: str, path: str, reqs: list, planner) -> None:
+        """Check and consume the items of one downloaded file, read one at a time into
+        one reused buffer (no allocation per item)."""
+        buf = bytearray()
+        with open(path, "rb") as f:
+            for off, length, req in sorted(reqs, key=lambda t: t[0]):
+                if len(buf) < length:
+                    buf = bytearray(length)  # a new one: the old one may still be referenced by a view
+                f.seek(off)
+                n = f.readinto(memoryview(buf)[:length])
+                data = memoryview(buf)[:n]  # shorter than length if the file is truncated: _check says so
+                self._check(rel, off, length, data, url)
+                self.bytes_read += length
+                self._consume(req, planner, data, url)
 
     def _read_remote(self, per_file, planner) -> None:
         planned = sum(length for reqs in per_file.values() for _, length, _ in reqs)

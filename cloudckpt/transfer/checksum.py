@@ -15,7 +15,8 @@ from typing import BinaryIO
 
 import google_crc32c
 
-_CHUNK = 8 * 1024 * 1024
+_CHUNK = 8 * 1024 * 1024  # file reads
+_VIEW_CHUNK = 1024 * 1024  # copies of non-bytes buffers: small, so the allocator reuses them
 
 
 def _hex(value: int) -> str:
@@ -24,13 +25,13 @@ def _hex(value: int) -> str:
 
 def crc32c_bytes(data: bytes | bytearray | memoryview) -> str:
     """CRC32C of ``data`` as 8 lowercase hex digits. google-crc32c takes ``bytes``
-    only: other buffers are copied in 8 MiB pieces (cache-sized, reused), never whole."""
+    only: other buffers are copied in 1 MiB pieces (cache-sized, reused), never whole."""
     if isinstance(data, bytes):
         return _hex(google_crc32c.value(data))
     mv = memoryview(data).cast("B")
     crc = 0
-    for i in range(0, len(mv), _CHUNK):
-        crc = google_crc32c.extend(crc, bytes(mv[i:i + _CHUNK]))
+    for i in range(0, len(mv), _VIEW_CHUNK):
+        crc = google_crc32c.extend(crc, bytes(mv[i:i + _VIEW_CHUNK]))
     return _hex(crc)
 
 

@@ -171,7 +171,8 @@ def test_load_optim_state_false_skips_optimizer_and_none_tolerates_its_absence(t
     assert Checkpointer().load(step, sd, load_optim_state=False, load_trainer_state=False) is None
 
 
-def test_checksum_mismatch_names_the_object_and_can_be_turned_off(any_root, tmp_path):
+@pytest.mark.parametrize("pre_download", [False, True], ids=["streaming", "pre_download"])
+def test_checksum_mismatch_names_the_object_and_can_be_turned_off(any_root, tmp_path, pre_download):
     step = urls.join(any_root, "step1")
     Checkpointer(work_dir=str(tmp_path / "w")).save(step, _plain_state(), {"t": 1})
     m = discovery.read_marker(step)
@@ -183,12 +184,14 @@ def test_checksum_mismatch_names_the_object_and_can_be_turned_off(any_root, tmp_
     data[off] ^= 0xFF
     store.put_bytes(url, bytes(data))
     with pytest.raises(CorruptCheckpoint) as ei:
-        Checkpointer().load(step, _plain_state(0))
+        Checkpointer(work_dir=str(tmp_path / "w"), pre_download=pre_download).load(step, _plain_state(0))
     assert url in str(ei.value) and "CRC32C" in str(ei.value)
-    Checkpointer(verify_checksums=False).load(step, _plain_state(0))  # flipped payload byte loads unchecked
+    # flipped payload byte loads unchecked
+    Checkpointer(work_dir=str(tmp_path / "w"), verify_checksums=False, pre_download=pre_download).load(step, _plain_state(0))
 
 
-def test_truncated_distcp_is_reported_as_corrupt_naming_the_object(s3_bucket, tmp_path):
+@pytest.mark.parametrize("pre_download", [False, True], ids=["streaming", "pre_download"])
+def test_truncated_distcp_is_reported_as_corrupt_naming_the_object(s3_bucket, tmp_path, pre_download):
     step = s3_bucket + "/run/step1"
     Checkpointer(work_dir=str(tmp_path / "w")).save(step, _plain_state(), {"t": 1})
     shard = next(o for o in discovery.read_marker(step).objects if o.path.endswith(".distcp"))
@@ -196,8 +199,10 @@ def test_truncated_distcp_is_reported_as_corrupt_naming_the_object(s3_bucket, tm
     store = open_store(url)
     store.put_bytes(url, store.get_bytes(url)[: shard.size // 2])
     with pytest.raises(CorruptCheckpoint) as ei:
-        Checkpointer().load(step, _plain_state(0))
+        Checkpointer(work_dir=str(tmp_path / "w"), pre_download=pre_download).load(step, _plain_state(0))
     assert url in str(ei.value) and "truncated" in str(ei.value)
+    if pre_download:  # the downloaded copy is removed on failure too
+        assert not [p for p in (tmp_path / "w").rglob("*.distcp")]
 
 
 def test_missing_train_state_file_is_a_typed_error(gcs_bucket, tmp_path):
