@@ -21,8 +21,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem, _split_by_size_and_type
 from torch.distributed.checkpoint.planner import WriteItemType
 
+from ..transfer.checksum import bytes_pieces
+
 _MiB = 1024 * 1024
-_CRC_CHUNK = 1 * _MiB  # per writer thread: a small copy (google-crc32c takes bytes only), fewer resident pages
 
 
 def _chunk_bytes(item) -> int:
@@ -62,11 +63,9 @@ class _ChecksummingStream:
         mv = memoryview(b).cast("B")
         n = self._f.write(mv)
         n = len(mv) if n is None else n
-        # google-crc32c takes bytes only: copy in 1 MiB chunks (~0.2 s/GiB with the CRC)
-        for i in range(0, n, _CRC_CHUNK):
-            chunk = bytes(mv[i:min(n, i + _CRC_CHUNK)])
-            self._crc = google_crc32c.extend(self._crc, chunk)
-            self._seg_crc = google_crc32c.extend(self._seg_crc, chunk)
+        for piece in bytes_pieces(mv[:n]):  # ~0.2 s/GiB with the CRC
+            self._crc = google_crc32c.extend(self._crc, piece)
+            self._seg_crc = google_crc32c.extend(self._seg_crc, piece)
         self._pos += n
         return n
 

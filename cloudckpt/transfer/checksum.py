@@ -11,7 +11,7 @@ the caller falls back to :func:`crc32c_file`.
 from __future__ import annotations
 
 import os
-from typing import BinaryIO
+from typing import BinaryIO, Iterator
 
 import google_crc32c
 
@@ -23,15 +23,23 @@ def _hex(value: int) -> str:
     return f"{value:08x}"
 
 
-def crc32c_bytes(data: bytes | bytearray | memoryview) -> str:
-    """CRC32C of ``data`` as 8 lowercase hex digits. google-crc32c takes ``bytes``
-    only: other buffers are copied in 1 MiB pieces (cache-sized, reused), never whole."""
+def bytes_pieces(data) -> Iterator[bytes]:
+    """``data`` (any buffer) as ``bytes`` for google-crc32c, which takes nothing else:
+    ``bytes`` as they are, other buffers copied in 1 MiB pieces (cache-sized, so the
+    allocator reuses them), never whole."""
     if isinstance(data, bytes):
-        return _hex(google_crc32c.value(data))
+        yield data
+        return
     mv = memoryview(data).cast("B")
-    crc = 0
     for i in range(0, len(mv), _VIEW_CHUNK):
-        crc = google_crc32c.extend(crc, bytes(mv[i:i + _VIEW_CHUNK]))
+        yield bytes(mv[i:i + _VIEW_CHUNK])
+
+
+def crc32c_bytes(data: bytes | bytearray | memoryview) -> str:
+    """CRC32C of ``data`` (any buffer, see :func:`bytes_pieces`) as 8 lowercase hex digits."""
+    crc = 0
+    for piece in bytes_pieces(data):
+        crc = google_crc32c.extend(crc, piece)
     return _hex(crc)
 
 
