@@ -503,7 +503,8 @@ class Checkpointer:
         finally:
             if local:
                 shutil.rmtree(local, ignore_errors=True)
-        self.last_load_info = {"dir": dir, "step": marker.step, "saved_world_size": marker.world_size}
+        self.last_load_info = {"dir": dir, "step": marker.step, "saved_world_size": marker.world_size,
+                               "bytes_read": reader.bytes_read, "direct_items": reader.direct_items}
         if load_trainer_state is False:
             return None
         return self._load_train_state(dir, marker, required=bool(load_trainer_state))

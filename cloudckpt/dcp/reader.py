@@ -3,7 +3,8 @@
 Requests are grouped per shard file, sorted, and coalesced into ranges (never
 splitting an item, pieces of about ``max_range_size``); the ranges are fetched
 concurrently through the transfer engine, and each item is checked against its
-CRC32C from the commit marker before it is deserialised. Memory stays bounded:
+CRC32C from the commit marker before it is deserialised (items.py: straight into
+the target tensor where it can be). Memory stays bounded:
 at most ``max_inflight_bytes`` of fetched ranges wait to be consumed.
 
 Memory stays proportional to what the rank loads: the in-flight budget is a
@@ -26,11 +27,11 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
-from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from ..errors import CorruptCheckpoint, NotFound
 from ..storage import url as urls
 from ..transfer import crc32c_bytes
+from .items import load_tensor_into
 from .safe_pickle import loads_metadata
 
 _MiB = 1024 * 1024
@@ -87,6 +88,7 @@ class StreamingReader(StorageReader):
         self.max_inflight_bytes = max_inflight_bytes
         self.storage_data: dict = {}
         self.bytes_read = 0
+        self.direct_items = 0  # tensor items copied straight from the fetched bytes (items.py)
         self.metadata_error: CorruptCheckpoint | None = None
 
     # ---------------------------------------------------------------- protocol
@@ -146,12 +148,9 @@ class StreamingReader(StorageReader):
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(bytes(data)))
             return
-        tensor = torch.load(_BufferReader(data), map_location="cpu", weights_only=True)
-        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
-        if target.size() != tensor.size():
-            raise CorruptCheckpoint(f"{url}: {req.storage_index.fqn} has shape {tuple(tensor.size())}, expected {tuple(target.size())}")
-        target.copy_(tensor)
+        if load_tensor_into(data, req.storage_offsets, req.lengths, target, url=url, fqn=req.storage_index.fqn):
+            self.direct_items += 1
         planner.commit_tensor(req, target)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
@@ -267,38 +266,6 @@ class StreamingReader(StorageReader):
 
         raw.add_done_callback(done)
         return out
-
-
-class _BufferReader(io.RawIOBase):
-    """A read-only file over a memoryview for ``torch.load``: its zip reader asks
-    for ``readinto``, which copies each record once, straight into the tensor's
-    storage (``io.BytesIO(memoryview)`` would copy the whole item first)."""
-
-    def __init__(self, data: memoryview):
-        super().__init__()
-        self._mv = data
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._mv)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, b) -> int:
-        chunk = self._mv[self._pos: self._pos + len(b)]
-        n = len(chunk)
-        memoryview(b).cast("B")[:n] = chunk
-        self._pos += n
-        return n
 
 
 def _missing(url: str) -> CorruptCheckpoint:

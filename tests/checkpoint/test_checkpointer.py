@@ -61,6 +61,7 @@ def test_two_ranks_save_then_load_is_bitexact_and_leaves_no_temp_dirs(backend, r
     loaded = run_ranks(2, workers.load_sharded, step, work, env=_env())
     for r, out in enumerate(loaded):
         _assert_bitexact(out["tensors"])
+        assert out["direct_items"] > 0
         assert out["step"] == 7
         assert out["train_state"] == {"rank": r, "step": 7, "lr": 0.1}
     assert os.listdir(work) == []
@@ -74,6 +75,7 @@ def test_resharding_4_to_2_to_1_with_streaming_and_pre_download(s3_bucket, tmp_p
     one = run_ranks(1, workers.load_sharded, step, work, True, env=_env())
     for out in two + one:
         _assert_bitexact(out["tensors"])
+        assert out["direct_items"] > 0, "row blocks of Shard(0) tensors are copied straight from the fetched bytes"
         # world size changed: every rank falls back to rank 0's train state
         assert out["train_state"] == {"rank": 0, "step": 7, "lr": 0.1}
 

@@ -57,8 +57,10 @@ def load_sharded(rank, world_size, dir, work_dir, pre_download=False):
     ck = Checkpointer(work_dir=work_dir, pre_download=pre_download)
     sd = sharded_state(world_size, zero=True)
     ts = ck.load(dir, sd)
+    info = ck.last_load_info
     ck.close()
-    return {"tensors": gathered(sd), "step": sd["optim"]["step"], "train_state": ts}
+    return {"tensors": gathered(sd), "step": sd["optim"]["step"], "train_state": ts,
+            "direct_items": info["direct_items"]}
 
 
 def save_with_failing_rank(rank, world_size, dir, work_dir, bad_rank):
