@@ -44,7 +44,7 @@ class TransferConfig:
           + (S3) uploads of a file object: s3transfer part buffers,
                 (max_in_memory_upload_chunks + max_submission_concurrency) * part_size
                 = (max(2, min(max_pool_connections // 2, 256 MiB // part_size)) + 5) * part_size
-          + (S3) s3transfer download I/O queue: max_io_queue_size * io_chunksize = 64 * 1 MiB
+          + (S3) s3transfer download I/O queue: max_io_queue_size * io_chunksize = 16 * 256 KiB
           + (GCS) one chunk per running upload: multipart_threshold for objects up to it,
                 else part_size
 
