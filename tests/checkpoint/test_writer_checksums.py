@@ -4,7 +4,6 @@ by name, so a save reads nothing back and S3 uploads hold no parts in memory."""
 from __future__ import annotations
 
 import os
-import threading
 
 import torch
 
@@ -14,6 +13,7 @@ from cloudckpt.checkpoint import discovery
 from cloudckpt.storage import open_store
 from cloudckpt.storage import url as urls
 from cloudckpt.transfer import TransferEngine, crc32c_bytes, crc32c_file
+from memprobe import PeakRss, write_random
 
 
 def _state() -> dict:
@@ -62,41 +62,21 @@ def test_every_crc_in_the_marker_comes_from_the_writer_and_matches_the_bytes(tmp
     assert target["extra"] == {"name": "run-7", "lrs": [0.1, 0.01]}
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def test_s3_upload_by_name_holds_no_parts_in_memory(s3_bucket, tmp_path):
     """s3transfer reads a file object's parts into memory (16 MiB each, up to
     ``max_in_memory_upload_chunks``); by file name it reads each part as it sends it."""
     path = tmp_path / "shard.distcp"
     size = 256 * 1024 * 1024
-    with open(path, "wb") as f:
-        for _ in range(size // (8 << 20)):
-            f.write(os.urandom(8 << 20))
+    write_random(path, size)
     crc = crc32c_file(path)
-    peak = [0]
-    stop = threading.Event()
-
-    def sample():
-        while not stop.wait(0.005):
-            peak[0] = max(peak[0], _rss())
-
     url = s3_bucket + "/big/shard.distcp"
     with TransferEngine() as eng:
         warm = tmp_path / "warm"
         warm.write_bytes(os.urandom(80 << 20))  # a multipart upload: client, pools and threads exist
         eng.submit_upload(str(warm), s3_bucket + "/warm", crc32c=crc32c_file(warm)).result()
-        base = _rss()
-        t = threading.Thread(target=sample, daemon=True)
-        t.start()
-        try:
+        with PeakRss() as mem:
             res = eng.submit_upload(str(path), url, crc32c=crc).result()
-        finally:
-            stop.set()
-            t.join()
     assert res.crc32c == crc and res.size == size
     assert open_store(url).stat(url).size == size
-    grew = peak[0] - base
+    grew = mem.grew
     assert grew < 96 * 1024 * 1024, f"RSS grew by {grew / 2**20:.0f} MiB uploading a {size >> 20} MiB file by name"

@@ -8,6 +8,7 @@ import sys
 import weakref
 
 from cloudckpt.transfer import TransferEngine
+from memprobe import PeakRss, write_random
 
 
 def test_finished_read_is_freed_without_the_garbage_collector(tmp_path):
@@ -41,46 +42,24 @@ def test_read_all_keeps_no_reference_to_its_results(tmp_path):
             gc.enable()
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def test_s3_download_to_a_file_holds_a_few_mib_of_pieces(s3_bucket, tmp_path):
     """s3transfer hands each received piece to a writer thread through a bounded queue
     (cloudckpt: 16 x 256 KiB); what two downloads in a row hold must stay a few tens of MiB."""
-    import threading
-
     from cloudckpt.transfer import crc32c_file
 
     src = tmp_path / "shard.distcp"
     size = 256 * 1024 * 1024
-    with open(src, "wb") as f:
-        for _ in range(size // (8 << 20)):
-            f.write(os.urandom(8 << 20))
+    write_random(src, size)
     crc = crc32c_file(src)
     url = s3_bucket + "/big/shard.distcp"
-    peak = [0]
-    stop = threading.Event()
-
-    def sample():
-        while not stop.wait(0.002):
-            peak[0] = max(peak[0], _rss())
-
     with TransferEngine() as eng:
         eng.submit_upload(str(src), url, crc32c=crc).result()
         eng.submit_read(url, 0, 1024).result()  # the client and its connection pool exist
-        base = _rss()
-        t = threading.Thread(target=sample, daemon=True)
-        t.start()
-        try:
+        with PeakRss() as mem:
             for name in ("first", "second"):  # the second reuses what the first left behind
                 res = eng.submit_download(url, str(tmp_path / name)).result()
-        finally:
-            stop.set()
-            t.join()
     assert res.crc32c == crc and os.path.getsize(tmp_path / "second") == size
-    grew = peak[0] - base
+    grew = mem.grew
     # measured here: 33-34 MiB (the queue, the transfer threads and their malloc arenas);
     # 76-147 MiB with the earlier 64 x 1 MiB queue
     assert grew < 56 * 1024 * 1024, f"RSS grew by {grew / 2**20:.0f} MiB downloading a {size >> 20} MiB object"
