@@ -12,15 +12,16 @@ sixteenth of the rank's planned bytes (at least 32 MiB, at most
 ``max_inflight_bytes``), in ranges of a quarter of that budget, and items are
 deserialised straight from the fetched buffer (no intermediate copies).
 
-``pre_download=True`` instead downloads every needed file into a local folder
-(in parallel) and reads each file's items as soon as that file is complete.
+``pre_download=True`` instead downloads the needed files into a local folder,
+``download_ahead`` (2) at a time, and reads each file's items as soon as that file
+is complete, then deletes it: the disk holds at most three of the rank's files.
 """
 
 from __future__ import annotations
 
 import io
 import os
-from concurrent.futures import FIRST_COMPLETED, Future, as_completed, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Callable
 
 import torch
@@ -70,6 +71,7 @@ class StreamingReader(StorageReader):
         max_gap: int = 1 * _MiB,
         max_range_size: int = 64 * _MiB,
         max_inflight_bytes: int = 512 * _MiB,
+        download_ahead: int = 2,
     ):
         """``fetch(url, start, end)`` returns a Future of bytes; ``get_bytes(url)``
         reads a whole object; ``download(url, local_path)`` returns a Future that
@@ -86,6 +88,7 @@ class StreamingReader(StorageReader):
         self.max_gap = max_gap
         self.max_range_size = max_range_size
         self.max_inflight_bytes = max_inflight_bytes
+        self.download_ahead = max(1, download_ahead)
         self.storage_data: dict = {}
         self.bytes_read = 0
         self.direct_items = 0  # tensor items copied straight from the fetched bytes (items.py)
@@ -172,20 +175,32 @@ class StreamingReader(StorageReader):
         return inflight, min(self.max_range_size, max(4 * _MiB, inflight // 4))
 
     def _read_local(self, per_file, planner) -> None:
-        jobs = {}
-        try:
-            for rel in per_file:
+        """Download the needed files, at most ``download_ahead`` at a time, and read each
+        file's items as soon as it is complete: download and deserialise overlap, and
+        the disk holds at most that many files plus the one being read."""
+        todo = iter(per_file)
+        jobs: dict[Future, tuple[str, str, str]] = {}
+
+        def submit_next() -> None:
+            rel = next(todo, None)
+            if rel is not None:
                 url, path = urls.join(self.remote_dir, rel), os.path.join(self.local_dir, rel)
                 jobs[self._download(url, path)] = (rel, url, path)
-            # each file's items as soon as that file is complete: download and deserialise overlap
-            for fut in as_completed(list(jobs)):
-                rel, url, path = jobs[fut]
-                try:
-                    fut.result()
-                except NotFound as e:
-                    raise _missing(e.url or url) from None
-                self._read_file(rel, url, path, per_file[rel], planner)
-                os.remove(path)  # read: the disk copy is not needed any more
+
+        try:
+            for _ in range(self.download_ahead):
+                submit_next()
+            while jobs:
+                done, _ = wait(list(jobs), return_when=FIRST_COMPLETED)
+                for fut in done:
+                    rel, url, path = jobs.pop(fut)
+                    try:
+                        fut.result()
+                    except NotFound as e:
+                        raise _missing(e.url or url) from None
+                    submit_next()  # the next download runs while this file is read
+                    self._read_file(rel, url, path, per_file[rel], planner)
+                    os.remove(path)  # read: the disk copy is not needed any more
         finally:
             for fut in jobs:
                 fut.cancel()

@@ -289,3 +289,45 @@ def test_dcp_values_that_would_run_code_on_load_are_refused(tmp_path):
         Checkpointer(verify_checksums=False).load(str(step), {"model": {"w": torch.zeros(2)}, "extra": 0})
     assert "extra" in str(ei.value) and "weights_only" in str(ei.value)
     assert not pwned.exists(), "the pickle's code must not have run"
+
+
+def test_pre_download_keeps_two_files_ahead_of_the_reader_and_loads_everything(s3_bucket, tmp_path, monkeypatch):
+    """Files are downloaded two at a time and each is read (then deleted) as soon as it
+    is complete, so the next download overlaps the reading and the disk holds at most
+    three files, whatever the checkpoint's size."""
+    from cloudckpt.dcp.reader import StreamingReader
+
+    step = s3_bucket + "/run/step1"
+    g = torch.Generator().manual_seed(5)
+    state = {"model": {f"w{i}": torch.randn(64, 32, generator=g) for i in range(12)}}
+    with Checkpointer(work_dir=str(tmp_path / "w"), thread_count=6) as ck:  # six shard files
+        marker = ck.save(step, state, {"t": 1})
+    files = [o.path for o in marker.objects if o.path.endswith(".distcp")]
+    assert len(files) == 6
+    events: list[str] = []
+    real_read = StreamingReader._read_file
+
+    def read_file(self, *a, **kw):
+        events.append("read")
+        return real_read(self, *a, **kw)
+
+    monkeypatch.setattr(StreamingReader, "_read_file", read_file)
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    with Checkpointer(work_dir=str(tmp_path / "w"), pre_download=True) as ck:
+        real_download = ck.engine.submit_download
+
+        def download(url, path, **kw):
+            events.append("download")
+            return real_download(url, path, **kw)
+
+        ck.engine.submit_download = download
+        ck.load(step, target, load_trainer_state=False)
+    assert events.count("download") == events.count("read") == 6
+    downloaded = read = 0
+    for e in events:
+        downloaded, read = downloaded + (e == "download"), read + (e == "read")
+        assert downloaded - read <= 3, events  # two downloading, one being read
+    assert events[:3] == ["download", "download", "download"]  # the third starts before the first is read
+    for k, v in state["model"].items():
+        assert torch.equal(target["model"][k], v), k
+    assert not [p for p in (tmp_path / "w").rglob("*.distcp")]
