@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .. import dist
 from .._version import __version__
 from ..dcp import StreamingReader, UploadingWriter
+from ..dcp.reader import METADATA_NAME
 from ..errors import (
     AlreadyExists,
     CheckpointExists,
@@ -463,7 +464,7 @@ class Checkpointer:
             exclude_from_loading = [k for k in state_dict if k != "model"]
             load_trainer_state = False
         self._async.wait()
-        marker = self.coord.on_coordinator("read marker", lambda: discovery.read_marker(dir, storage_options=self.storage_options))
+        marker, metadata = self.coord.on_coordinator("read marker", lambda: self._read_marker_and_metadata(dir))
         sd = {k: v for k, v in state_dict.items() if k not in exclude_from_loading}
         if load_optim_state is False:
             sd.pop("optim", None)
@@ -491,6 +492,7 @@ class Checkpointer:
                 verify=self.verify_checksums,
                 local_dir=local,
                 download=lambda u, p: self.engine.submit_download(u, p, checksum=False),
+                metadata_bytes=metadata,
             )
             planner = _KeyCheckingPlanner(strict=strict, optional_prefixes=optional)
             try:
@@ -508,6 +510,17 @@ class Checkpointer:
         if load_trainer_state is False:
             return None
         return self._load_train_state(dir, marker, required=bool(load_trainer_state))
+
+    def _read_marker_and_metadata(self, dir: str) -> tuple[Marker, bytes | None]:
+        """Rank 0 reads the marker and DCP's ``.metadata`` once for every rank (DCP
+        would have each rank GET ``.metadata``, whose size grows with ranks x tensors).
+        None if ``.metadata`` is missing: each rank's reader then reports it."""
+        marker = discovery.read_marker(dir, storage_options=self.storage_options)
+        url = urls.join(dir, layout.MODEL_DIR, METADATA_NAME)
+        try:
+            return marker, open_store(url, self.storage_options).get_bytes(url)
+        except NotFound:
+            return marker, None
 
     def _load_train_state(self, dir: str, marker: Marker, *, required: bool) -> Any:
         import io

@@ -72,11 +72,13 @@ class StreamingReader(StorageReader):
         max_range_size: int = 64 * _MiB,
         max_inflight_bytes: int = 512 * _MiB,
         download_ahead: int = 2,
+        metadata_bytes: bytes | None = None,
     ):
         """``fetch(url, start, end)`` returns a Future of bytes; ``get_bytes(url)``
         reads a whole object; ``download(url, local_path)`` returns a Future that
         completes when the file is downloaded (used when ``local_dir`` is given:
-        pre-download)."""
+        pre-download). ``metadata_bytes``: DCP's ``.metadata`` already read (by rank 0,
+        for every rank); it is checked like a fetched object."""
         super().__init__()
         self.remote_dir = remote_dir
         self._fetch = fetch
@@ -89,6 +91,7 @@ class StreamingReader(StorageReader):
         self.max_range_size = max_range_size
         self.max_inflight_bytes = max_inflight_bytes
         self.download_ahead = max(1, download_ahead)
+        self._metadata_bytes = metadata_bytes
         self.storage_data: dict = {}
         self.bytes_read = 0
         self.direct_items = 0  # tensor items copied straight from the fetched bytes (items.py)
@@ -101,7 +104,7 @@ class StreamingReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         url = urls.join(self.remote_dir, METADATA_NAME)
         try:
-            data = self._get_bytes(url)
+            data = self._metadata_bytes if self._metadata_bytes is not None else self._get_bytes(url)
             self._check(METADATA_NAME, 0, len(data), data, url)
             md = loads_metadata(data, url=url)
         except CorruptCheckpoint as e:

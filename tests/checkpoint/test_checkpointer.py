@@ -67,6 +67,18 @@ def test_two_ranks_save_then_load_is_bitexact_and_leaves_no_temp_dirs(backend, r
     assert os.listdir(work) == []
 
 
+def test_rank_0_reads_dcp_metadata_once_for_every_rank(s3_bucket, tmp_path):
+    """DCP has every rank GET ``.metadata`` (its size grows with ranks x tensors);
+    rank 0 reads it with the marker and hands it to the others."""
+    step = s3_bucket + "/run/step7"
+    work = str(tmp_path / "work")
+    run_ranks(2, workers.save_sharded, step, work, env=_env())
+    outs = run_ranks(2, workers.load_counting_metadata_gets, step, work, env=_env())
+    assert [o["metadata_gets"] for o in outs] == [1, 0]
+    for out in outs:
+        _assert_bitexact(out["tensors"])
+
+
 def test_resharding_4_to_2_to_1_with_streaming_and_pre_download(s3_bucket, tmp_path, caplog):
     step = s3_bucket + "/run/step7"
     work = str(tmp_path / "work")

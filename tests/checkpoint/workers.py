@@ -151,3 +151,25 @@ def async_failure(rank, world_size, dir, work_dir):
     ck.save_async(dir, sharded_state(world_size), {"rank": rank}).result(timeout=120)
     ck.close()
     return {"future_error": type(exc).__name__, "message": str(exc), "surfaced_on_next": surfaced_on_next}
+
+
+def load_counting_metadata_gets(rank, world_size, dir, work_dir):
+    """Load, counting this rank's GETs of DCP's ``.metadata`` (any store)."""
+    from cloudckpt.storage import open_store
+
+    store_cls = type(open_store(dir))
+    real = store_cls.get_bytes
+    gets = []
+
+    def get_bytes(self, url, **kw):
+        if url.endswith("/model_and_optim/.metadata"):
+            gets.append(url)
+        return real(self, url, **kw)
+
+    store_cls.get_bytes = get_bytes
+    try:
+        out = load_sharded(rank, world_size, dir, work_dir)
+    finally:
+        store_cls.get_bytes = real
+    out["metadata_gets"] = len(gets)
+    return out
