@@ -120,7 +120,7 @@ def _storage_record(data: memoryview) -> tuple[int, int] | None:
         order = [i for i in infos if i.filename.endswith("/byteorder")]
         # torch.save has written the byte order since 2.1; older files are little-endian
         saved_order = zf.read(order[0]).decode() if order else "little"
-    except (zipfile.BadZipFile, KeyError, UnicodeDecodeError, ValueError):
+    except Exception:  # noqa: BLE001 - a probe: anything unexpected takes the general path, which reports it
         return None
     if len(stored) != 1 or saved_order != sys.byteorder or stored[0].compress_type != zipfile.ZIP_STORED:
         return None

@@ -134,3 +134,18 @@ def test_the_direct_path_finds_the_same_offset_torch_does():
 def test_not_a_zip_goes_to_torch_load_which_says_so():
     with pytest.raises(Exception):
         items.load_tensor_into(memoryview(b"not a tensor at all" * 10), (0,), (3,), torch.zeros(3), url="u", fqn="w")
+
+
+def test_a_byte_order_record_in_an_unknown_compression_takes_the_general_path():
+    data = bytearray(_saved(torch.arange(12, dtype=torch.int32)))
+    zf = zipfile.ZipFile(io.BytesIO(bytes(data)))
+    info = next(i for i in zf.infolist() if i.filename.endswith("/byteorder"))
+    # compression method 99 in its central directory entry: zipfile cannot read the record
+    entry = bytes(data).find(b"PK\x01\x02")
+    while entry != -1:
+        name_len = int.from_bytes(data[entry + 28:entry + 30], "little")
+        if bytes(data[entry + 46:entry + 46 + name_len]).decode() == info.filename:
+            data[entry + 10:entry + 12] = (99).to_bytes(2, "little")
+            break
+        entry = bytes(data).find(b"PK\x01\x02", entry + 4)
+    assert items._storage_record(memoryview(bytes(data))) is None
