@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import NamedTuple
 
 import pytest
 
 from cloudckpt.storage import StorageOptions, clear_cache
 from cloudckpt.testing.servers import FakeGCS, SeaweedFS, free_port
+from cloudckpt.transfer import crc32c_file
+from memprobe import write_random
 
 # Never let a test reach a real cloud: no instance metadata, no default endpoints.
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
@@ -122,3 +125,17 @@ def any_root(request, tmp_path):
 @pytest.fixture
 def storage_options() -> StorageOptions:
     return StorageOptions()
+
+
+class ShardFile(NamedTuple):
+    path: str
+    size: int
+    crc32c: str
+
+
+@pytest.fixture
+def shard_file(tmp_path) -> ShardFile:
+    """A 256 MiB file of random bytes (the size of a DCP shard file) and its CRC32C."""
+    path, size = tmp_path / "shard.distcp", 256 * 1024 * 1024
+    write_random(path, size)
+    return ShardFile(str(path), size, crc32c_file(path))

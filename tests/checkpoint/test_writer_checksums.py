@@ -13,7 +13,7 @@ from cloudckpt.checkpoint import discovery
 from cloudckpt.storage import open_store
 from cloudckpt.storage import url as urls
 from cloudckpt.transfer import TransferEngine, crc32c_bytes, crc32c_file
-from memprobe import PeakRss, write_random
+from memprobe import PeakRss
 
 
 def _state() -> dict:
@@ -62,20 +62,17 @@ def test_every_crc_in_the_marker_comes_from_the_writer_and_matches_the_bytes(tmp
     assert target["extra"] == {"name": "run-7", "lrs": [0.1, 0.01]}
 
 
-def test_s3_upload_by_name_holds_no_parts_in_memory(s3_bucket, tmp_path):
+def test_s3_upload_by_name_holds_no_parts_in_memory(s3_bucket, tmp_path, shard_file):
     """s3transfer reads a file object's parts into memory (16 MiB each, up to
     ``max_in_memory_upload_chunks``); by file name it reads each part as it sends it."""
-    path = tmp_path / "shard.distcp"
-    size = 256 * 1024 * 1024
-    write_random(path, size)
-    crc = crc32c_file(path)
+    path, size, crc = shard_file
     url = s3_bucket + "/big/shard.distcp"
     with TransferEngine() as eng:
         warm = tmp_path / "warm"
         warm.write_bytes(os.urandom(80 << 20))  # a multipart upload: client, pools and threads exist
         eng.submit_upload(str(warm), s3_bucket + "/warm", crc32c=crc32c_file(warm)).result()
         with PeakRss() as mem:
-            res = eng.submit_upload(str(path), url, crc32c=crc).result()
+            res = eng.submit_upload(path, url, crc32c=crc).result()
     assert res.crc32c == crc and res.size == size
     assert open_store(url).stat(url).size == size
     grew = mem.grew

@@ -8,7 +8,7 @@ import sys
 import weakref
 
 from cloudckpt.transfer import TransferEngine
-from memprobe import PeakRss, write_random
+from memprobe import PeakRss
 
 
 def test_finished_read_is_freed_without_the_garbage_collector(tmp_path):
@@ -42,18 +42,13 @@ def test_read_all_keeps_no_reference_to_its_results(tmp_path):
             gc.enable()
 
 
-def test_s3_download_to_a_file_holds_a_few_mib_of_pieces(s3_bucket, tmp_path):
+def test_s3_download_to_a_file_holds_a_few_mib_of_pieces(s3_bucket, tmp_path, shard_file):
     """s3transfer hands each received piece to a writer thread through a bounded queue
     (cloudckpt: 16 x 256 KiB); what two downloads in a row hold must stay a few tens of MiB."""
-    from cloudckpt.transfer import crc32c_file
-
-    src = tmp_path / "shard.distcp"
-    size = 256 * 1024 * 1024
-    write_random(src, size)
-    crc = crc32c_file(src)
+    src, size, crc = shard_file
     url = s3_bucket + "/big/shard.distcp"
     with TransferEngine() as eng:
-        eng.submit_upload(str(src), url, crc32c=crc).result()
+        eng.submit_upload(src, url, crc32c=crc).result()
         eng.submit_read(url, 0, 1024).result()  # the client and its connection pool exist
         with PeakRss() as mem:
             for name in ("first", "second"):  # the second reuses what the first left behind
