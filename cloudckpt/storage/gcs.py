@@ -266,6 +266,9 @@ class GCSStore(ObjectStore):
             return translate(e, url, op)
         return translate(e, url, op, bucket_exists=self._bucket_exists(bucket))
 
+    def connect(self) -> None:
+        self.client  # noqa: B018 (the property builds it)
+
     def close(self) -> None:
         with self._lock:
             client, self._client = self._client, None

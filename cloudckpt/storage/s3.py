@@ -18,6 +18,7 @@ import os
 import threading
 from datetime import datetime
 from typing import BinaryIO, Iterable, Iterator
+from urllib.parse import urlsplit
 
 import boto3
 import botocore.exceptions as bex
@@ -91,12 +92,24 @@ def translate(e: BaseException, url: str, op: str) -> BaseException:
     if isinstance(e, (bex.EndpointConnectionError, bex.ConnectionClosedError, bex.ReadTimeoutError,
                       bex.ConnectTimeoutError, bex.ResponseStreamingError, bex.IncompleteReadError,
                       ConnectionError, TimeoutError)):
-        return Transient(f"{op} {url}: connection problem ({type(e).__name__}); check the endpoint and network", url=url)
+        endpoint = _endpoint_of(e)
+        where = f" reaching {endpoint}" if endpoint else ""
+        return Transient(f"{op} {url}: connection problem{where} ({type(e).__name__}); check the endpoint "
+                         "(AWS_ENDPOINT_URL / endpoint_url) and network", url=url)
     if isinstance(e, bex.ParamValidationError):
         return InvalidURL(f"{op} {url}: invalid request parameter", url=url)
     if isinstance(e, bex.BotoCoreError):
         return StorageError(f"{op} {url}: {type(e).__name__}", url=url)
     return e
+
+
+def _endpoint_of(e: BaseException) -> str | None:
+    """scheme://host[:port] botocore was connecting to, without any user info."""
+    raw = getattr(e, "kwargs", {}).get("endpoint_url")
+    if not raw:
+        return None
+    p = urlsplit(str(raw))
+    return f"{p.scheme}://{p.hostname}{':' + str(p.port) if p.port else ''}" if p.hostname else None
 
 
 class S3Store(ObjectStore):
@@ -191,6 +204,9 @@ class S3Store(ObjectStore):
                     ),
                 )
             return self._manager
+
+    def connect(self) -> None:
+        self.client  # noqa: B018 (the property builds it)
 
     def close(self) -> None:
         with self._lock:

@@ -173,3 +173,36 @@ def load_counting_metadata_gets(rank, world_size, dir, work_dir):
         store_cls.get_bytes = real
     out["metadata_gets"] = len(gets)
     return out
+
+
+def load_waiting_for_connect(rank, world_size, dir, work_dir):
+    """Load; on ranks other than 0, hold back from rank 0's marker broadcast until the
+    store's client has been built (by the checkpointer's warm-up thread). Reports
+    whether it was built in time and on which thread."""
+    import threading
+
+    from cloudckpt import dist
+    from cloudckpt.storage import open_store
+
+    store_cls = type(open_store(dir))
+    real_connect, real_on_coord = store_cls.connect, dist.Coordinator.on_coordinator
+    built = threading.Event()
+    seen = {}
+
+    def connect(self):
+        real_connect(self)
+        seen["thread"] = threading.current_thread().name
+        built.set()
+
+    def on_coordinator(self, step, fn):
+        if step == "read marker" and not self.is_coordinator:
+            seen["before_marker"] = built.wait(30)
+        return real_on_coord(self, step, fn)
+
+    store_cls.connect, dist.Coordinator.on_coordinator = connect, on_coordinator
+    try:
+        out = load_sharded(rank, world_size, dir, work_dir)
+    finally:
+        store_cls.connect, dist.Coordinator.on_coordinator = real_connect, real_on_coord
+    out.update(seen)
+    return out

@@ -26,6 +26,7 @@ from cloudckpt.errors import (
     BucketNotFound,
     InvalidURL,
     NotFound,
+    Transient,
     UnsafeDelete,
 )
 from cloudckpt.storage import ObjectStore, StorageOptions, clear_cache, open_store
@@ -106,6 +107,25 @@ def test_bytes_round_trip_returns_what_was_written(backend):
     assert backend.store.get_bytes(u) == data
     backend.store.put_bytes(u, b"replaced")
     assert backend.store.get_bytes(u) == b"replaced"
+
+
+def test_connect_builds_the_client_ahead_and_sends_no_request(backend):
+    """``connect()`` (the checkpointer's warm-up on ranks waiting for rank 0) is
+    idempotent, leaves the store usable, and does not touch the network: on S3 it
+    succeeds against an endpoint where nothing listens."""
+    store = backend.store_with(connect_timeout=5.0)  # a new store: its client is not built yet
+    store.connect()
+    store.connect()
+    u = backend.url("connected.bin")
+    store.put_bytes(u, b"hello")
+    assert store.get_bytes(u) == b"hello"
+    if backend.is_s3:
+        from cloudckpt.testing.servers import free_port
+
+        dead = open_store(backend.root, StorageOptions(endpoint_url=f"http://127.0.0.1:{free_port()}", max_attempts=1))
+        dead.connect()
+        with pytest.raises(Transient, match=r"reaching http://127\.0\.0\.1:"):  # the first request fails, naming the endpoint
+            dead.get_bytes(u)
 
 
 def test_file_round_trip_reports_progress_and_leaves_no_partial_files(backend, tmp_path):
