@@ -234,6 +234,14 @@ def server_cpu(server) -> float | None:
         return None
 
 
+def _self_cpu() -> float:
+    """CPU seconds of this process (every thread): the tools the bench runs in-process."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _cpu_delta(before, after):
     return None if before is None or after is None else after - before
 
@@ -413,33 +421,39 @@ def case_gcs(args, runner: Runner, res: Results, gcs, nbytes: int, log, copies: 
 
                 bucket = client.bucket(BUCKET)
                 prefix = f"tm/{label}/rep{rep}/"
-                t0 = time.perf_counter()
+                s0, c0, t0 = server_cpu(gcs), _self_cpu(), time.perf_counter()
                 out = tm.upload_many_from_filenames(bucket, files, source_directory=str(src), blob_name_prefix=prefix,
                                                     max_workers=args.gcs_workers, worker_type=tm.THREAD)
                 up = time.perf_counter() - t0
+                up_cpu = {"client_cpu_s": _self_cpu() - c0, "server_cpu_s": _cpu_delta(s0, server_cpu(gcs))}
                 bad = [r for r in out if isinstance(r, Exception)]
                 if bad:
                     res.fail("gcs_save", label, tool, "error", _short(repr(bad[0])))
                     continue
                 dst = Path(tempfile.mkdtemp(prefix="cloudckpt-bench-gdl-", dir=args.tmp))
                 try:
-                    t0 = time.perf_counter()
+                    s0, c0, t0 = server_cpu(gcs), _self_cpu(), time.perf_counter()
                     out = tm.download_many_to_path(bucket, files, destination_directory=str(dst), blob_name_prefix=prefix,
                                                    max_workers=args.gcs_workers, worker_type=tm.THREAD)
                     down = time.perf_counter() - t0
+                    down_cpu = {"client_cpu_s": _self_cpu() - c0, "server_cpu_s": _cpu_delta(s0, server_cpu(gcs))}
                 finally:
                     shutil.rmtree(dst, ignore_errors=True)
-                res.add("gcs_save", label, tool, {"seconds": up, "bytes": src_fp["bytes"]})
-                res.add("gcs_load", label, tool, {"seconds": down, "bytes": src_fp["bytes"]})
+                res.add("gcs_save", label, tool, {"seconds": up, "bytes": src_fp["bytes"], **up_cpu})
+                res.add("gcs_load", label, tool, {"seconds": down, "bytes": src_fp["bytes"], **down_cpu})
                 log(f"  rep {rep} gcs transfer_manager up {up:6.2f}s  down {down:6.2f}s")
                 continue
             url = f"gs://{BUCKET}/cloudckpt/{label}/rep{rep}"
             stage = "gcs_save"
             try:
+                s0 = server_cpu(gcs)
                 saved = summarize(runner.ranks("cloudckpt", "save", url, nbytes, R), "save")
+                saved["server_cpu_s"] = _cpu_delta(s0, server_cpu(gcs))
                 res.add("gcs_save", label, tool, saved)
                 stage = "gcs_load"
+                s0 = server_cpu(gcs)
                 got = summarize(runner.ranks("cloudckpt", "load", url, nbytes, R), "load")
+                got["server_cpu_s"] = _cpu_delta(s0, server_cpu(gcs))
                 if not same(got["fingerprint"], saved["fingerprint"]):
                     raise RuntimeError("loaded state differs from the saved one")
                 res.add("gcs_load", label, tool, got)
@@ -628,9 +642,10 @@ def markdown(meta: dict, rows: list[dict], ratios: list[dict], targets: list[dic
     out = []
     for run in meta.get("runs") or [meta]:
         out += _run_header(run) + ([f"Note: {run['note']}"] if run.get("note") else []) + [""]
-    out += ["MB = 10^6 bytes; throughput = state bytes / wall time of the slowest rank.", ""]
+    out += ["MB = 10^6 bytes; throughput = state bytes / wall time of the slowest rank. Server CPU: SeaweedFS's "
+            "for S3 rows, fake-gcs-server's for GCS rows.", ""]
     out += ["| case | size | tool | median s | MB/s | peak RSS / bytes loaded | HTTP requests | client CPU s | "
-            "SeaweedFS CPU s | runs | status |",
+            "server CPU s | runs | status |",
             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if r["case"] in DISCOVERY_CASES:

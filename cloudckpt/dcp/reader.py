@@ -257,8 +257,10 @@ class StreamingReader(StorageReader):
 
     def _fetch_checked(self, url: str, rel: str, start: int, end: int, parts: list) -> Future:
         """Fetch ``[start, end)`` and check every item in it on the thread that
-        completed the fetch (CRC32C releases the GIL: checks overlap with the
-        deserialising of earlier ranges). The Future's result is the bytes."""
+        completed the fetch, so the reading thread only deserialises. (google-crc32c
+        holds the GIL while it runs, ~1 ms per 8 MiB here; calling libcrc32c in place
+        through ctypes, without the GIL and without copying slices, measured no faster
+        in 1 GiB loads.) The Future's result is the bytes."""
         raw = self._fetch(url, start, end)
         out: Future = Future()
 
