@@ -8,7 +8,8 @@ save, load (streaming, pre-download, resharded), GCS, and discovery.
 
 It starts SeaweedFS (S3) and fake-gcs-server on 127.0.0.1, runs every case
 ``--reps`` times (tools in a rotated order each repetition, so none always goes
-first), and writes to ``--out-dir`` (default ``bench/results/``):
+first; dirty pages flushed to disk, untimed, before every timed operation, so no
+tool pays for the kernel writing back what an earlier one wrote), and writes to ``--out-dir`` (default ``bench/results/``):
 ``bench.json`` (every raw figure, the command, the machine's load), ``bench.md``
 (medians, ratios to the peers of the same run, targets met or missed) and
 ``bench.png`` (the chart). ``--smoke`` writes ``smoke.*`` instead.
@@ -176,6 +177,7 @@ class Runner:
     def ranks(self, tool: str, op: str, url: str, nbytes: int, ranks: int, saved_ranks: int | None = None,
               **extra) -> list[dict]:
         args = {"tool": tool, "op": op, "url": url, "bytes": nbytes, "saved_ranks": saved_ranks or ranks, **extra}
+        settle()
         if tool in ("cloudckpt", "dcp_local"):
             from bench.ranks import cloudckpt_case
             from cloudckpt.testing.multiprocess import RankFailed, run_ranks
@@ -272,6 +274,7 @@ def run_s5cmd(args, env, argv_tail: list[str]) -> tuple[float, float]:
     import resource
 
     exe = s5cmd_binary()
+    settle()
     argv = [exe, "--endpoint-url", env["AWS_ENDPOINT_URL"], "--numworkers", str(args.s5cmd_numworkers), "cp",
             "--concurrency", str(args.s5cmd_concurrency), *argv_tail]
     r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -285,6 +288,15 @@ def run_s5cmd(args, env, argv_tail: list[str]) -> tuple[float, float]:
 
 
 # ============================================================ cases
+def settle() -> None:
+    """Flush dirty pages to disk before a timed operation (untimed). What SeaweedFS
+    (or a tool downloading to disk) writes sits in the page cache and the kernel
+    writes it back ~30 s later (``vm.dirty_expire_centisecs``), during whatever runs
+    then: before this, the first tool after the warm-up paid for the warm-up's
+    gigabytes (its 4 GiB saves were 15-30 % slower than its next ones)."""
+    os.sync()
+
+
 def warm_up(s3, nbytes: int, tmp: str | None) -> float:
     """Upload and delete ``nbytes`` once, untimed: a fresh SeaweedFS allocates its
     volumes on the first writes, which would otherwise be charged to whichever tool
@@ -421,6 +433,7 @@ def case_gcs(args, runner: Runner, res: Results, gcs, nbytes: int, log, copies: 
 
                 bucket = client.bucket(BUCKET)
                 prefix = f"tm/{label}/rep{rep}/"
+                settle()
                 s0, c0, t0 = server_cpu(gcs), _self_cpu(), time.perf_counter()
                 out = tm.upload_many_from_filenames(bucket, files, source_directory=str(src), blob_name_prefix=prefix,
                                                     max_workers=args.gcs_workers, worker_type=tm.THREAD)
@@ -432,6 +445,7 @@ def case_gcs(args, runner: Runner, res: Results, gcs, nbytes: int, log, copies: 
                     continue
                 dst = Path(tempfile.mkdtemp(prefix="cloudckpt-bench-gdl-", dir=args.tmp))
                 try:
+                    settle()
                     s0, c0, t0 = server_cpu(gcs), _self_cpu(), time.perf_counter()
                     out = tm.download_many_to_path(bucket, files, destination_directory=str(dst), blob_name_prefix=prefix,
                                                    max_workers=args.gcs_workers, worker_type=tm.THREAD)
