@@ -108,8 +108,12 @@ def _endpoint_of(e: BaseException) -> str | None:
     raw = getattr(e, "kwargs", {}).get("endpoint_url")
     if not raw:
         return None
-    p = urlsplit(str(raw))
-    return f"{p.scheme}://{p.hostname}{':' + str(p.port) if p.port else ''}" if p.hostname else None
+    try:
+        p = urlsplit(str(raw))
+        port = p.port
+    except ValueError:  # a malformed endpoint: the message names the URL only
+        return None
+    return f"{p.scheme}://{p.hostname}{':' + str(port) if port else ''}" if p.hostname else None
 
 
 class S3Store(ObjectStore):

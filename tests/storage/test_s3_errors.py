@@ -20,3 +20,8 @@ def test_a_connection_error_names_the_endpoint_without_user_info():
 def test_a_connection_error_without_an_endpoint_still_names_the_url():
     out = translate(bex.ConnectionClosedError(endpoint_url=""), "s3://bucket/key", "put")
     assert isinstance(out, Transient) and "s3://bucket/key" in str(out) and "reaching" not in str(out)
+
+
+def test_a_malformed_endpoint_in_a_connection_error_is_left_out():
+    out = translate(bex.EndpointConnectionError(endpoint_url="http://host:notaport/"), "s3://bucket/key", "get")
+    assert isinstance(out, Transient) and "reaching" not in str(out) and "s3://bucket/key" in str(out)
