@@ -34,15 +34,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
-from bench.run import BUCKET, s5cmd_binary, server_cpu
+from bench.run import BUCKET, s5cmd_binary, self_cpu, server_cpu
 
 MiB = 1024 * 1024
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _cpu_self() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def _ranges(size: int, step: int, skew: int = 0) -> list[tuple[int, int]]:
@@ -138,10 +133,10 @@ def main() -> None:
             names = list(tools)
             for rep in range(args.reps):
                 for name in names[rep % len(names):] + names[:rep % len(names)]:
-                    s0, c0, t0 = server_cpu(s3), _cpu_self(), time.perf_counter()
+                    s0, c0, t0 = server_cpu(s3), self_cpu(), time.perf_counter()
                     out = tools[name]()
                     dt = time.perf_counter() - t0
-                    got, client_cpu = out if isinstance(out, tuple) else (out, _cpu_self() - c0)
+                    got, client_cpu = out if isinstance(out, tuple) else (out, self_cpu() - c0)
                     assert got == 2 * size, f"{name}: read {got} bytes, expected {2 * size}"
                     samples.setdefault(name, []).append(
                         {"seconds": dt, "client_cpu_s": client_cpu, "server_cpu_s": server_cpu(s3) - s0})

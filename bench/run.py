@@ -9,7 +9,8 @@ save, load (streaming, pre-download, resharded), GCS, and discovery.
 It starts SeaweedFS (S3) and fake-gcs-server on 127.0.0.1, runs every case
 ``--reps`` times (tools in a rotated order each repetition, so none always goes
 first; dirty pages flushed to disk, untimed, before every timed operation, so no
-tool pays for the kernel writing back what an earlier one wrote), and writes to ``--out-dir`` (default ``bench/results/``):
+tool pays for the kernel writing back what an earlier one wrote), and writes to
+``--out-dir`` (default ``bench/results/``):
 ``bench.json`` (every raw figure, the command, the machine's load), ``bench.md``
 (medians, ratios to the peers of the same run, targets met or missed) and
 ``bench.png`` (the chart). ``--smoke`` writes ``smoke.*`` instead.
@@ -236,7 +237,7 @@ def server_cpu(server) -> float | None:
         return None
 
 
-def _self_cpu() -> float:
+def self_cpu() -> float:
     """CPU seconds of this process (every thread): the tools the bench runs in-process."""
     import resource
 
@@ -434,11 +435,11 @@ def case_gcs(args, runner: Runner, res: Results, gcs, nbytes: int, log, copies: 
                 bucket = client.bucket(BUCKET)
                 prefix = f"tm/{label}/rep{rep}/"
                 settle()
-                s0, c0, t0 = server_cpu(gcs), _self_cpu(), time.perf_counter()
+                s0, c0, t0 = server_cpu(gcs), self_cpu(), time.perf_counter()
                 out = tm.upload_many_from_filenames(bucket, files, source_directory=str(src), blob_name_prefix=prefix,
                                                     max_workers=args.gcs_workers, worker_type=tm.THREAD)
                 up = time.perf_counter() - t0
-                up_cpu = {"client_cpu_s": _self_cpu() - c0, "server_cpu_s": _cpu_delta(s0, server_cpu(gcs))}
+                up_cpu = {"client_cpu_s": self_cpu() - c0, "server_cpu_s": _cpu_delta(s0, server_cpu(gcs))}
                 bad = [r for r in out if isinstance(r, Exception)]
                 if bad:
                     res.fail("gcs_save", label, tool, "error", _short(repr(bad[0])))
@@ -446,11 +447,11 @@ def case_gcs(args, runner: Runner, res: Results, gcs, nbytes: int, log, copies: 
                 dst = Path(tempfile.mkdtemp(prefix="cloudckpt-bench-gdl-", dir=args.tmp))
                 try:
                     settle()
-                    s0, c0, t0 = server_cpu(gcs), _self_cpu(), time.perf_counter()
+                    s0, c0, t0 = server_cpu(gcs), self_cpu(), time.perf_counter()
                     out = tm.download_many_to_path(bucket, files, destination_directory=str(dst), blob_name_prefix=prefix,
                                                    max_workers=args.gcs_workers, worker_type=tm.THREAD)
                     down = time.perf_counter() - t0
-                    down_cpu = {"client_cpu_s": _self_cpu() - c0, "server_cpu_s": _cpu_delta(s0, server_cpu(gcs))}
+                    down_cpu = {"client_cpu_s": self_cpu() - c0, "server_cpu_s": _cpu_delta(s0, server_cpu(gcs))}
                 finally:
                     shutil.rmtree(dst, ignore_errors=True)
                 res.add("gcs_save", label, tool, {"seconds": up, "bytes": src_fp["bytes"], **up_cpu})
