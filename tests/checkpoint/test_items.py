@@ -5,6 +5,7 @@ step aside for everything it does not handle."""
 from __future__ import annotations
 
 import io
+import pickle
 import sys
 import zipfile
 
@@ -132,7 +133,7 @@ def test_the_direct_path_finds_the_same_offset_torch_does():
 
 
 def test_not_a_zip_goes_to_torch_load_which_says_so():
-    with pytest.raises(Exception):
+    with pytest.raises(pickle.UnpicklingError):
         items.load_tensor_into(memoryview(b"not a tensor at all" * 10), (0,), (3,), torch.zeros(3), url="u", fqn="w")
 
 
