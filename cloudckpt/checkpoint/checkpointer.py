@@ -62,6 +62,7 @@ from ..storage import url as urls
 from ..transfer import TransferConfig, TransferEngine, crc32c_bytes
 from . import discovery, layout, pointer
 from .async_save import AsyncSaver
+from .gcpause import gc_paused
 from .marker import Marker, ObjectEntry
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,8 @@ class Checkpointer:
              step: int | None = None, commit: bool = True) -> "Marker | PendingCommit":
         """Save synchronously (after any in-flight async saves finish). See ``_save_now``."""
         self._async.wait()
-        return self._save_now(dir, state_dict, train_state, ephemeral=ephemeral, step=step, commit=commit)
+        with gc_paused():  # blocking: training waits anyway (async saves do not pause it)
+            return self._save_now(dir, state_dict, train_state, ephemeral=ephemeral, step=step, commit=commit)
 
     def _save_now(self, dir: str, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False,
                   step: int | None = None, commit: bool = True) -> "Marker | PendingCommit":
@@ -466,6 +468,12 @@ class Checkpointer:
             exclude_from_loading = [k for k in state_dict if k != "model"]
             load_trainer_state = False
         self._async.wait()
+        with gc_paused():
+            return self._load_now(dir, state_dict, load_optim_state=load_optim_state, load_trainer_state=load_trainer_state,
+                                  strict=strict, pre_download=pre_download, exclude_from_loading=exclude_from_loading)
+
+    def _load_now(self, dir: str, state_dict: dict, *, load_optim_state: bool | None, load_trainer_state: bool | None,
+                  strict: bool, pre_download: bool | None, exclude_from_loading: Sequence[str]) -> Any:
         self._connect_in_background(dir)
         marker, metadata = self.coord.on_coordinator("read marker", lambda: self._read_marker_and_metadata(dir))
         sd = {k: v for k, v in state_dict.items() if k not in exclude_from_loading}
