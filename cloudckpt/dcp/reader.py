@@ -9,7 +9,8 @@ at most ``max_inflight_bytes`` of fetched ranges wait to be consumed.
 
 Memory stays proportional to what the rank loads: the in-flight budget is a
 sixteenth of the rank's planned bytes (at least 32 MiB, at most
-``max_inflight_bytes``), in ranges of a quarter of that budget, and items are
+``max_inflight_bytes``), in ranges of a quarter of that budget (an eighth from
+128 MiB of budget on), and items are
 deserialised straight from the fetched buffer (no intermediate copies).
 
 ``pre_download=True`` instead downloads the needed files into a local folder,
@@ -173,9 +174,14 @@ class StreamingReader(StorageReader):
         return f
 
     def budget(self, planned_bytes: int) -> tuple[int, int]:
-        """(in-flight bytes, range size) for a rank that reads ``planned_bytes``."""
+        """(in-flight bytes, range size) for a rank that reads ``planned_bytes``: a
+        sixteenth of them in flight (32 MiB to ``max_inflight_bytes``), in ranges of a
+        quarter of that, or of an eighth once those are still 16 MiB or more (more
+        requests in flight; 2 GiB per rank: 8 x 16 MiB instead of 4 x 32 MiB loaded
+        ~5-10 % faster; 4 x 8 MiB stays at 1 GiB, where 8 x 4 MiB was slower)."""
         inflight = min(self.max_inflight_bytes, max(32 * _MiB, planned_bytes // 16))
-        return inflight, min(self.max_range_size, max(4 * _MiB, inflight // 4))
+        size = min(inflight // 4, max(16 * _MiB, inflight // 8))
+        return inflight, min(self.max_range_size, max(4 * _MiB, size))
 
     def _read_local(self, per_file, planner) -> None:
         """Download the needed files, at most ``download_ahead`` at a time, and read each
