@@ -180,7 +180,7 @@ class StreamingReader(StorageReader):
         requests in flight; 2 GiB per rank: 8 x 16 MiB instead of 4 x 32 MiB loaded
         ~5-10 % faster; 4 x 8 MiB stays at 1 GiB, where 8 x 4 MiB was slower)."""
         inflight = min(self.max_inflight_bytes, max(32 * _MiB, planned_bytes // 16))
-        size = min(inflight // 4, max(16 * _MiB, inflight // 8))
+        size = inflight // 8 if inflight // 8 >= 16 * _MiB else inflight // 4
         return inflight, min(self.max_range_size, max(4 * _MiB, size))
 
     def _read_local(self, per_file, planner) -> None:
