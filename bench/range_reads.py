@@ -34,7 +34,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
-from bench.run import BUCKET, s5cmd_binary, self_cpu, server_cpu
+from bench.ranks import self_cpu
+from bench.run import BUCKET, s5cmd_binary, server_cpu
 
 MiB = 1024 * 1024
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -34,8 +34,10 @@ import resource
 from bench import state as S
 
 
-def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this rank's process
+def self_cpu() -> float:
+    """CPU seconds (user + system) of this process, every thread: a rank, or the bench
+    itself for the tools it runs in-process."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
 TOOLS = {
@@ -107,23 +109,23 @@ def run_case(rank: int, world_size: int, args: dict) -> dict:
         staged = S.rss()
         S.barrier()
         S.reset_peak()
-        n0, c0 = counter.n, _cpu()
+        n0, c0 = counter.n, self_cpu()
         t0 = time.perf_counter()
         info = tool.save(url, sd, ctx) or {}
         S.barrier()
         out["seconds"] = time.perf_counter() - t0
-        out["cpu_s"] = _cpu() - c0
+        out["cpu_s"] = self_cpu() - c0
         out["peak_rss_above_state"] = S.peak_rss() - staged
     elif op == "load":
         sd = S.build_state(world_size, nbytes, zero=True)
         out["local_bytes"] = S.local_bytes(sd)
         S.barrier()
-        n0, c0 = counter.n, _cpu()
+        n0, c0 = counter.n, self_cpu()
         t0 = time.perf_counter()
         info = tool.load(url, sd, ctx) or {}
         S.barrier()
         out["seconds"] = time.perf_counter() - t0
-        out["cpu_s"] = _cpu() - c0
+        out["cpu_s"] = self_cpu() - c0
         out["peak_rss_above_baseline"] = S.peak_rss() - baseline
         out["fingerprint"] = S.full_fingerprint(sd)
     else:

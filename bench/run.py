@@ -237,14 +237,6 @@ def server_cpu(server) -> float | None:
         return None
 
 
-def self_cpu() -> float:
-    """CPU seconds of this process (every thread): the tools the bench runs in-process."""
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def _cpu_delta(before, after):
     return None if before is None or after is None else after - before
 
@@ -422,6 +414,8 @@ def case_save_load(args, runner: Runner, res: Results, s3, nbytes: int, tools: l
 
 
 def case_gcs(args, runner: Runner, res: Results, gcs, nbytes: int, log, copies: LocalCopies) -> None:
+    from bench.ranks import self_cpu  # torch, like every case (bench.run itself imports only the stdlib)
+
     label = size_label(nbytes)
     R = args.ranks
     client = gcs.client()
