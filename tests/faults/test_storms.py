@@ -22,8 +22,9 @@ def test_throttle_storm_10pct_503_and_2pct_resets_save_commits_and_loads_bitexac
     """10% of requests answered 503 SlowDown (S3) / 503 (GCS), 1% reset before reaching
     the store and 1% reset after it (answer lost), during two saves and their loads."""
     # which requests draw a fault depends on how many requests there are (retries, threads), so one reset of
-    # each kind is forced on top of the rates: every run sees both kinds
-    proxy.add(Rule("reset", nth=5), Rule("reset", nth=9, when="response"),
+    # each kind, and one throttle on the first request for a shard file (its upload, which the save stats
+    # count), are forced on top of the rates: every run sees all three
+    proxy.add(Rule("reset", nth=5), Rule("reset", nth=9, when="response"), Rule("slowdown", key=r"\.distcp", times=1),
               Rule("slowdown", rate=0.10), Rule("reset", rate=0.01), Rule("reset", rate=0.01, when="response"))
     folder = proxy.bucket + "/run"
     outs = run_ranks(2, workers.save_and_load, folder, str(tmp_path / "work"), [1, 2], STORAGE, TRANSFER,
