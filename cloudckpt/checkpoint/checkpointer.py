@@ -497,7 +497,7 @@ class Checkpointer:
             store = open_store(model_url, self.storage_options)
             reader = StreamingReader(
                 model_url,
-                lambda u, s, e: self.engine.submit_read(u, s, e),
+                self.engine.submit_stream,
                 get_bytes=store.get_bytes,
                 checksums=checksums,
                 verify=self.verify_checksums,

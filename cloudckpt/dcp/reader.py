@@ -1,17 +1,22 @@
 """A DCP StorageReader that reads byte ranges straight from the store.
 
-Requests are grouped per shard file, sorted, and coalesced into ranges (never
-splitting an item, pieces of about ``max_range_size``); the ranges are fetched
-concurrently through the transfer engine, and each item is checked against its
-CRC32C from the commit marker before it is deserialised (items.py: straight into
-the target tensor where it can be). Memory stays bounded:
-at most ``max_inflight_bytes`` of fetched ranges wait to be consumed.
+Requests are grouped per shard file, sorted, and coalesced into streams (never
+splitting an item; neighbours closer than ``max_gap`` join; streams of about
+``budget()[1]`` bytes). Each stream is one ranged read (``store.open_range``: one
+GET on S3) run by the transfer engine, which reads its items one at a time, checks
+each against its CRC32C from the commit marker on the reading thread and hands it
+to the thread running ``read_data``, which deserialises it (items.py: straight
+into the target tensor where it can be). Memory stays bounded: items read but not
+yet deserialised, and the ones being read, hold at most ``max_inflight_bytes``
+(one item at least); a stream waits for room before it reads its next item.
 
 Memory stays proportional to what the rank loads: the in-flight budget is a
 sixteenth of the rank's planned bytes (at least 32 MiB, at most
-``max_inflight_bytes``), in ranges of a quarter of that budget (an eighth from
-128 MiB of budget on), and items are
-deserialised straight from the fetched buffer (no intermediate copies).
+``max_inflight_bytes``), and streams are a quarter of the planned bytes (16 MiB
+to ``max_stream_size``), so a rank reads through about four requests at once
+whatever it loads. A stream that fails part-way (a reset, a timeout, a stall) is
+retried by the engine from its first item not yet handed over: no item is
+delivered twice.
 
 ``pre_download=True`` instead downloads the needed files into a local folder,
 ``download_ahead`` (2) at a time, and reads each file's items as soon as that file
@@ -20,8 +25,10 @@ is complete, then deletes it: the disk holds at most three of the rank's files.
 
 from __future__ import annotations
 
+import collections
 import io
 import os
+import threading
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Callable
 
@@ -62,7 +69,7 @@ class StreamingReader(StorageReader):
     def __init__(
         self,
         remote_dir: str,
-        fetch: Callable[[str, int, int], Future],
+        stream: Callable[[str, int, int, Callable], Future],
         *,
         get_bytes: Callable[[str], bytes],
         checksums: Checksums | None = None,
@@ -70,26 +77,27 @@ class StreamingReader(StorageReader):
         local_dir: str | None = None,
         download: Callable[[str, str], Future] | None = None,
         max_gap: int = 1 * _MiB,
-        max_range_size: int = 64 * _MiB,
+        max_stream_size: int = 512 * _MiB,
         max_inflight_bytes: int = 512 * _MiB,
         download_ahead: int = 2,
         metadata_bytes: bytes | None = None,
     ):
-        """``fetch(url, start, end)`` returns a Future of bytes; ``get_bytes(url)``
-        reads a whole object; ``download(url, local_path)`` returns a Future that
+        """``stream(url, start, end, job)`` runs ``job(open_from, progress)`` on a
+        transfer thread and returns its Future (``TransferEngine.submit_stream``);
+        ``get_bytes(url)`` reads a whole object; ``download(url, local_path)`` returns a Future that
         completes when the file is downloaded (used when ``local_dir`` is given:
         pre-download). ``metadata_bytes``: DCP's ``.metadata`` already read (by rank 0,
         for every rank); it is checked like a fetched object."""
         super().__init__()
         self.remote_dir = remote_dir
-        self._fetch = fetch
+        self._stream = stream
         self._get_bytes = get_bytes
         self.checksums = checksums or {}
         self.verify = verify
         self.local_dir = local_dir
         self._download = download
         self.max_gap = max_gap
-        self.max_range_size = max_range_size
+        self.max_stream_size = max_stream_size
         self.max_inflight_bytes = max_inflight_bytes
         self.download_ahead = max(1, download_ahead)
         self._metadata_bytes = metadata_bytes
@@ -174,14 +182,15 @@ class StreamingReader(StorageReader):
         return f
 
     def budget(self, planned_bytes: int) -> tuple[int, int]:
-        """(in-flight bytes, range size) for a rank that reads ``planned_bytes``: a
-        sixteenth of them in flight (32 MiB to ``max_inflight_bytes``), in ranges of a
-        quarter of that, or of an eighth once those are still 16 MiB or more (more
-        requests in flight; 2 GiB per rank: 8 x 16 MiB instead of 4 x 32 MiB loaded
-        ~5-10 % faster; 4 x 8 MiB stays at 1 GiB, where 8 x 4 MiB was slower)."""
+        """(in-flight bytes, stream size) for a rank that reads ``planned_bytes``: a
+        sixteenth of them in flight (32 MiB to ``max_inflight_bytes``), in streams of a
+        quarter of them (16 MiB to ``max_stream_size``), so about four requests at once
+        (one more per shard file a stream cannot span). Ranges fetched whole, before
+        streams, took 70 requests per 512 MiB, and botocore spends ~2.5 ms of CPU on
+        each; eight streams were no faster than four, and each reading thread keeps
+        its own malloc arena, so more of them raised the peak RSS."""
         inflight = min(self.max_inflight_bytes, max(32 * _MiB, planned_bytes // 16))
-        size = inflight // 8 if inflight // 8 >= 16 * _MiB else inflight // 4
-        return inflight, min(self.max_range_size, max(4 * _MiB, size))
+        return inflight, min(self.max_stream_size, max(16 * _MiB, planned_bytes // 4))
 
     def _read_local(self, per_file, planner) -> None:
         """Download the needed files, at most ``download_ahead`` at a time, and read each
@@ -213,6 +222,9 @@ class StreamingReader(StorageReader):
         finally:
             for fut in jobs:
                 fut.cancel()
+            # a download that already started would finish in the background: its file
+            # could land after the caller removed local_dir; wait for it first
+            wait(list(jobs))
 
     def _read_file(self, rel: str, url: str, path: str, reqs: list, planner) -> None:
         """Check and consume the items of one downloaded file, read one at a time into
@@ -231,67 +243,184 @@ class StreamingReader(StorageReader):
 
     def _read_remote(self, per_file, planner) -> None:
         planned = sum(length for reqs in per_file.values() for _, length, _ in reqs)
-        max_inflight, max_range = self.budget(planned)
-        jobs = []  # (url, rel, start, end, [(off, length, req)])
+        max_inflight, stream_size = self.budget(planned)
+        inbox = _Inbox(max_inflight)
+        streams = []
         for rel, reqs in per_file.items():
             url = urls.join(self.remote_dir, rel)
-            for start, end, parts in coalesce(reqs, max_gap=self.max_gap, max_range=max_range):
-                jobs.append((url, rel, start, end, parts))
-        pending: dict[Future, tuple] = {}
-        inflight = 0
-        it = iter(jobs)
-        nxt = next(it, None)
+            for start, end, parts in coalesce(reqs, max_gap=self.max_gap, max_range=stream_size):
+                streams.append(_ItemStream(self, inbox, url, rel, start, end, parts))
+        futures: list[Future] = []
         try:
-            while nxt is not None or pending:
-                # keep submitting while under the memory budget (always at least one)
-                while nxt is not None and (not pending or inflight + (nxt[3] - nxt[2]) <= max_inflight):
-                    pending[self._fetch_checked(*nxt)] = nxt
-                    inflight += nxt[3] - nxt[2]
-                    nxt = next(it, None)
-                done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-                for fut in done:
-                    url, rel, start, end, parts = pending.pop(fut)
-                    inflight -= end - start
-                    buf = memoryview(fut.result())
-                    for off, length, req in parts:
-                        self.bytes_read += length
-                        self._consume(req, planner, buf[off - start: off - start + length], url)
-                    del buf
+            for st in streams:
+                fut = self._stream(st.url, st.start, st.end, st)
+                fut.add_done_callback(st.finished)
+                futures.append(fut)
+            for _ in range(sum(len(st.parts) for st in streams)):
+                url, req, data, length = inbox.get()
+                self.bytes_read += length
+                self._consume(req, planner, memoryview(data), url)
+                del data
+                inbox.release(length)
         finally:
-            for fut in pending:
+            inbox.close()  # streams still running stop before their next item
+            for fut in futures:
                 fut.cancel()
 
-    def _fetch_checked(self, url: str, rel: str, start: int, end: int, parts: list) -> Future:
-        """Fetch ``[start, end)`` and check every item in it on the thread that
-        completed the fetch, so the reading thread only deserialises. (google-crc32c
-        holds the GIL while it runs, ~1 ms per 8 MiB here; calling libcrc32c in place
-        through ctypes, without the GIL and without copying slices, measured no faster
-        in 1 GiB loads.) The Future's result is the bytes."""
-        raw = self._fetch(url, start, end)
-        out: Future = Future()
 
-        def done(f: Future) -> None:
-            if f.cancelled():
-                out.cancel()
-                return
-            try:
-                data = f.result()
-                if len(data) < end - start:
-                    raise CorruptCheckpoint(
-                        f"{url}: expected bytes [{start}, {end}) but the object ends at {start + len(data)}; it is truncated"
-                    )
-                buf = memoryview(data)
-                for off, length, _ in parts:
-                    self._check(rel, off, length, buf[off - start: off - start + length], url)
-            except NotFound:
-                out.set_exception(_missing(url))
-            except BaseException as e:  # noqa: BLE001 - handed to the reading thread
-                out.set_exception(e)
-            else:
-                out.set_result(data)
+class _Inbox:
+    """Items read by the streams, waiting for the thread running ``read_data``, and
+    the byte budget for them (items being read count too). The first error of any
+    stream is raised by ``get``."""
 
-        raw.add_done_callback(done)
-        return out
+    def __init__(self, budget: int):
+        self._cv = threading.Condition()
+        self._items: collections.deque = collections.deque()
+        self._held = 0
+        self._budget = budget
+        self._error: BaseException | None = None
+        self._closed = False
+
+    def reserve(self, n: int, alive: Callable[[int], None]) -> None:
+        """Wait until ``n`` more bytes fit the budget (always, when nothing is held),
+        calling ``alive(0)`` every second meanwhile (the engine's stall watchdog: a
+        stream waiting for room is not stalled; an abandoned attempt's call raises)."""
+        while True:
+            with self._cv:
+                if self._closed:
+                    raise _Stopped()
+                if not self._held or self._held + n <= self._budget:
+                    self._held += n
+                    return
+                self._cv.wait(1.0)
+            alive(0)
+
+    def release(self, n: int) -> None:
+        with self._cv:
+            self._held -= n
+            self._cv.notify_all()
+
+    def put(self, item) -> None:
+        with self._cv:
+            self._items.append(item)
+            self._cv.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cv:
+            if self._error is None:
+                self._error = exc
+            self._cv.notify_all()
+
+    def get(self):
+        with self._cv:
+            while not self._items and self._error is None:
+                self._cv.wait()
+            if self._error is not None:
+                raise self._error
+            return self._items.popleft()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._items.clear()
+            self._cv.notify_all()
+
+
+class _Stopped(Exception):
+    """The load is over (it failed elsewhere): a stream stops before its next item."""
+
+
+class _ItemStream:
+    """The job of one stream (``TransferEngine.submit_stream``): read ``parts`` (sorted
+    ``(offset, length, ReadItem)`` within ``[start, end)`` of one shard file) in
+    order, check each and hand it to the inbox. Each attempt starts at the first item
+    not handed over yet; an attempt that was superseded (the engine gave up on it as
+    stalled and started another) hands over nothing more."""
+
+    def __init__(self, reader: StreamingReader, inbox: _Inbox, url: str, rel: str, start: int, end: int, parts: list):
+        self.reader, self.inbox = reader, inbox
+        self.url, self.rel, self.start, self.end = url, rel, start, end
+        self.parts = parts
+        self._next = 0  # index of the first item not handed over
+        self._attempt = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, open_from: Callable, progress: Callable[[int], None]) -> int:
+        with self._lock:
+            self._attempt += 1
+            attempt, i = self._attempt, self._next
+        if i >= len(self.parts):
+            return 0
+        pos = self.parts[i][0]
+        done = 0
+        with open_from(pos) as body:
+            while True:
+                with self._lock:
+                    if attempt != self._attempt:
+                        return done  # superseded: the current attempt goes on from self._next
+                    i = self._next
+                if i >= len(self.parts):
+                    return done
+                off, length, req = self.parts[i]
+                if off > pos:
+                    gap = len(_read_exact(body, off - pos))  # bytes between items: not needed
+                    progress(gap)
+                    if gap < off - pos:
+                        raise self._truncated(pos + gap)
+                    pos = off
+                self.inbox.reserve(length, progress)
+                try:
+                    data = _read_exact(body, length)
+                    progress(len(data))
+                    if len(data) < length:
+                        raise self._truncated(off + len(data))
+                    self.reader._check(self.rel, off, length, data, self.url)
+                    with self._lock:
+                        if attempt != self._attempt:
+                            raise _Stopped()
+                        self._next = i + 1
+                        self.inbox.put((self.url, req, data, length))
+                    del data  # handed over: holding it while reading the next item would double the budget
+                except BaseException:
+                    self.inbox.release(length)
+                    raise
+                pos = off + length
+                done += length
+
+    def _truncated(self, at: int) -> CorruptCheckpoint:
+        return CorruptCheckpoint(
+            f"{self.url}: expected bytes [{self.start}, {self.end}) but the object ends at {at}; it is truncated"
+        )
+
+    def finished(self, fut: Future) -> None:
+        """Done callback of the stream's Future: its error goes to the reading thread."""
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if isinstance(exc, _Stopped):
+            return
+        if isinstance(exc, NotFound):
+            exc = _missing(self.url)
+        if exc is not None:
+            self.inbox.fail(exc)
+        elif self._next < len(self.parts):  # cannot happen: a job returns only when done or superseded
+            self.inbox.fail(RuntimeError(f"{self.url}: a stream ended with items left"))
+
+
+def _read_exact(body, n: int):
+    """``n`` bytes from ``body`` (fewer only where it ends)."""
+    data = body.read(n)
+    if len(data) >= n or not data:
+        return data
+    pieces = [bytes(data)]
+    got = len(data)
+    while got < n:
+        more = body.read(n - got)
+        if not more:
+            break
+        pieces.append(bytes(more))
+        got += len(more)
+    return b"".join(pieces)
 
 
 def _missing(url: str) -> CorruptCheckpoint:

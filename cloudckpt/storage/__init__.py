@@ -1,6 +1,6 @@
 """Object stores behind one interface: local folders, S3 (and S3-compatible), GCS."""
 
-from .base import ListEntry, ObjectInfo, ObjectStore, PendingUpload, StorageOptions
+from .base import ListEntry, ObjectInfo, ObjectStore, PendingUpload, RangeReader, StorageOptions
 from .registry import clear_cache, known_schemes, open_store, register_backend
 from . import url
 
@@ -9,6 +9,7 @@ __all__ = [
     "ObjectInfo",
     "ObjectStore",
     "PendingUpload",
+    "RangeReader",
     "StorageOptions",
     "clear_cache",
     "known_schemes",

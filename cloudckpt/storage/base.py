@@ -99,6 +99,63 @@ class PendingUpload:
     extra: dict = field(default_factory=dict, compare=False)
 
 
+class RangeReader:
+    """Sequential reads of the byte range ``[start, end)`` of one object, from
+    :meth:`ObjectStore.open_range`. ``read(n)`` returns up to ``n`` bytes (a
+    bytes-like object), fewer only where the range or the object ends. Errors are
+    the store's typed ones. Use it as a context manager (``close`` frees the
+    connection or file)."""
+
+    def read(self, n: int):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the connection or file (also when not everything was read)."""
+
+    def __enter__(self) -> "RangeReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ChunkedRangeReader(RangeReader):
+    """The default :class:`RangeReader`: ``get_bytes`` of ``chunk``-byte pieces (or
+    of the whole read, when it is larger), served from a memoryview, so a small
+    read does not become a request and a large one is one request."""
+
+    def __init__(self, store: "ObjectStore", url: str, start: int, end: int, chunk: int):
+        self._store, self._url, self._chunk = store, url, max(1, chunk)
+        self._next, self._end = start, end  # what to fetch next
+        self._buf = memoryview(b"")
+        self._eof = end <= start
+
+    def read(self, n: int):
+        pieces = []
+        want = n
+        while want > 0:
+            if not len(self._buf):
+                if self._eof:
+                    break
+                size = min(max(want, self._chunk), self._end - self._next)
+                data = self._store.get_bytes(self._url, start=self._next, end=self._next + size)
+                self._next += len(data)
+                self._eof = len(data) < size or self._next >= self._end  # the object (or the range) ends here
+                self._buf = memoryview(data)
+                if not data:
+                    break
+            piece, self._buf = self._buf[:want], self._buf[want:]
+            pieces.append(piece)
+            want -= len(piece)
+        if len(pieces) == 1:
+            return pieces[0]
+        return b"".join(pieces)
+
+    def close(self) -> None:
+        self._buf = memoryview(b"")
+        self._eof = True
+
+
 class ObjectStore(ABC):
     """One backend. Subclasses set ``scheme`` and implement the abstract primitives."""
 
@@ -151,6 +208,12 @@ class ObjectStore(ABC):
     @abstractmethod
     def get_bytes(self, url: str, *, start: int | None = None, end: int | None = None) -> bytes:
         """Read an object, or the byte range ``[start, end)`` of it. Raises NotFound."""
+
+    def open_range(self, url: str, start: int, end: int) -> RangeReader:
+        """Read ``[start, end)`` of ``url`` front to back, in pieces the caller chooses
+        (:class:`RangeReader`). This default fetches ``part_size`` pieces with
+        ``get_bytes``; S3 streams one GET. Raises NotFound (here or on the first read)."""
+        return ChunkedRangeReader(self, url, start, end, self.part_size)
 
     @abstractmethod
     def upload_fileobj(

@@ -14,7 +14,7 @@ import tempfile
 from typing import BinaryIO, Iterator
 
 from ..errors import AccessDenied, AlreadyExists, InvalidURL, NotFound, PreconditionFailed, StorageError, Transient
-from .base import MiB, ListEntry, ObjectInfo, ObjectStore, Progress
+from .base import MiB, ListEntry, ObjectInfo, ObjectStore, Progress, RangeReader
 from .url import parse_url
 
 _CHUNK = 8 * MiB
@@ -85,6 +85,15 @@ class LocalStore(ObjectStore):
             raise NotFound(f"read: {url} is a folder, not an object", url=url) from None
         except OSError as e:
             raise self._err(e, url, "read") from e
+
+    def open_range(self, url: str, start: int, end: int) -> RangeReader:
+        try:
+            f = open(self._path(url), "rb")
+        except IsADirectoryError:
+            raise NotFound(f"read: {url} is a folder, not an object", url=url) from None
+        except OSError as e:
+            raise self._err(e, url, "read") from e
+        return _FileRange(self, f, url, start, end)
 
     @staticmethod
     def _version(path: str) -> str:
@@ -207,3 +216,23 @@ class LocalStore(ObjectStore):
         # object stores have no folders: drop the emptied folder tree and temp files too
         shutil.rmtree(path, ignore_errors=True)
         return n
+
+
+class _FileRange(RangeReader):
+    """``[start, end)`` of a local file, read with ``read(n)``."""
+
+    def __init__(self, store: LocalStore, f: BinaryIO, url: str, start: int, end: int):
+        self._store, self._f, self._url = store, f, url
+        self._left = max(0, end - start)
+        f.seek(start)
+
+    def read(self, n: int) -> bytes:
+        try:
+            data = self._f.read(min(n, self._left))
+        except OSError as e:
+            raise self._store._err(e, self._url, "read") from e
+        self._left -= len(data)
+        return data
+
+    def close(self) -> None:
+        self._f.close()

@@ -37,7 +37,7 @@ from ..errors import (
     Throttled,
     Transient,
 )
-from .base import MiB, ListEntry, ObjectInfo, ObjectStore, PendingUpload, Progress
+from .base import MiB, ListEntry, ObjectInfo, ObjectStore, PendingUpload, Progress, RangeReader
 from .url import parse_url
 
 _THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
@@ -253,6 +253,22 @@ class S3Store(ObjectStore):
         except Exception as e:  # noqa: BLE001 - translated below
             raise translate(e, url, "get") from None
 
+    def open_range(self, url: str, start: int, end: int) -> RangeReader:
+        """One ranged GET whose body is read as the caller goes (``StreamingBody.read``):
+        a long range costs one request and holds only what the caller keeps."""
+        if end <= start:
+            return _S3Range(None, url)
+        bucket, key = _split(url)
+        try:
+            body = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"]
+        except bex.ClientError as e:
+            if e.response.get("Error", {}).get("Code") == "InvalidRange":
+                return _S3Range(None, url)  # the range starts at or after the end: nothing to read
+            raise translate(e, url, "get") from None
+        except Exception as e:  # noqa: BLE001 - translated below
+            raise translate(e, url, "get") from None
+        return _S3Range(body, url)
+
     def get_bytes_versioned(self, url: str) -> tuple[bytes, str]:
         bucket, key = _split(url)
         try:
@@ -410,3 +426,23 @@ class _Count(BaseSubscriber):
 
 def _ts(v) -> float | None:
     return v.timestamp() if isinstance(v, datetime) else None
+
+
+class _S3Range(RangeReader):
+    """The body of one ranged GET (None: an empty range)."""
+
+    def __init__(self, body, url: str):
+        self._body, self._url = body, url
+
+    def read(self, n: int) -> bytes:
+        if self._body is None:
+            return b""
+        try:
+            return self._body.read(n)
+        except Exception as e:  # noqa: BLE001 - a reset or timeout mid-body: Transient
+            raise translate(e, self._url, "get") from None
+
+    def close(self) -> None:
+        if self._body is not None:
+            self._body.close()  # a body not read to its end drops its connection instead of reusing it
+            self._body = None

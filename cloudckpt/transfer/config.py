@@ -47,6 +47,10 @@ class TransferConfig:
           + (S3) s3transfer download I/O queue: max_io_queue_size * io_chunksize = 16 * 256 KiB
           + (GCS) one chunk per running upload: multipart_threshold for objects up to it,
                 else part_size
+          + streams (submit_stream, what loads read through): what their jobs hold (the DCP
+                reader bounds it by its in-flight budget), plus, on stores without a
+                streamed GET (GCS, the default open_range), up to two part_size chunks per
+                stream (the one being read, and the previous one while items cut from it wait)
 
     With the default :class:`~cloudckpt.storage.StorageOptions` (S3 ``part_size``
     64 MiB, ``max_pool_connections`` 64) the S3 file-object term is

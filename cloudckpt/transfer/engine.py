@@ -21,7 +21,8 @@ CRC starts over). Everything else fails the transfer at once: AccessDenied,
 NotFound, PreconditionFailed, AlreadyExists, InvalidURL, local OSErrors.
 
 Stalls: one watchdog thread fails an attempt that reported no progress for
-``stall_timeout`` seconds (a range read reports none: the whole request counts)
+``stall_timeout`` seconds (a range read reports none: the whole request counts; a
+stream reports every item its job reads, and ``progress(0)`` while it waits)
 with TransferStalled naming the URL and the timeout, even if its thread is still
 blocked in a socket. That thread's late outcome is ignored, and if it makes
 progress again its progress callback raises, so the backend aborts it. A stall is
@@ -43,7 +44,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import Throttled, TransferStalled, Transient
-from ..storage.base import ObjectStore, StorageOptions
+from ..storage.base import ObjectStore, RangeReader, StorageOptions
 from ..storage.registry import open_store
 from .bandwidth import TokenBucket
 from .checksum import Crc32cReader, crc32c_file
@@ -65,10 +66,10 @@ class _Abandoned(Exception):
 
 class _Task:
     __slots__ = ("kind", "url", "local_path", "start", "end", "if_absent", "size", "future", "attempts",
-                 "t0", "last_exc", "crc32c", "checksum")
+                 "t0", "last_exc", "crc32c", "checksum", "job")
 
     def __init__(self, kind: str, url: str, *, local_path=None, start=None, end=None, if_absent=False, size=0,
-                 crc32c=None, checksum=True):
+                 crc32c=None, checksum=True, job=None):
         self.kind = kind
         self.url = url
         self.local_path = local_path
@@ -82,6 +83,7 @@ class _Task:
         self.last_exc: BaseException | None = None
         self.crc32c: str | None = crc32c  # known in advance (uploads): not computed again
         self.checksum = checksum  # False: the caller checks the bytes itself (downloads)
+        self.job = job  # streams: job(reader, progress), called once per attempt
 
     def describe(self) -> str:
         if self.kind == "upload":
@@ -193,6 +195,22 @@ class TransferEngine:
         size = (end - (start or 0)) if end is not None else None
         t = _Task("read", url, start=start, end=end, size=max(size or 0, 0))
         return self._submit(t, size)
+
+    def submit_stream(self, url: str, start: int, end: int,
+                      job: Callable[[Callable[[int], RangeReader], Callable[[int], None]], int]) -> "Future[int]":
+        """Read ``[start, end)`` of ``url`` as one stream: each attempt calls
+        ``job(open_from, progress)``; ``open_from(pos)`` opens ``[pos, end)``
+        (``store.open_range``, one GET on S3), so a retried job can resume after what
+        earlier attempts handled. The job reads front to back and returns how many
+        bytes it handled (the future's result).
+
+        The job calls ``progress(n)`` for every ``n`` bytes it reads (the stall
+        watchdog, the bandwidth cap and progress subscribers see them; ``n=0`` only
+        says it is alive); once the attempt was abandoned, that call raises, so the
+        job stops. Errors are handled as for any transfer: Transient ones retry the
+        whole job. The engine counts no bytes in flight for a stream (its job holds
+        what it reads and bounds that itself)."""
+        return self._submit(_Task("stream", url, start=start, end=end, size=0, job=job), end - start)
 
     def _submit(self, task: _Task, size: int | None) -> Future:
         with self._cv:
@@ -371,7 +389,7 @@ class TransferEngine:
                 self._throttle_locked()
             if exc is None:
                 s.transfers += 1
-                n = len(result) if isinstance(result, (bytes, bytearray)) else result.size
+                n = len(result) if isinstance(result, (bytes, bytearray)) else result if isinstance(result, int) else result.size
                 if task.kind == "upload":
                     s.bytes_uploaded += n
                 else:
@@ -496,6 +514,9 @@ class TransferEngine:
             size = store.download_file(task.url, task.local_path, progress=progress)
             crc = crc32c_file(task.local_path) if checksum and task.checksum else None
             return TransferResult(task.url, task.local_path, size, crc, att.number, self._clock() - task.t0)
+        if task.kind == "stream":
+            url, lo, hi = task.url, task.start, task.end
+            return task.job(lambda start: store.open_range(url, max(start, lo), hi), progress)
         data = store.get_bytes(task.url, start=task.start, end=task.end)
         progress(len(data))
         return data

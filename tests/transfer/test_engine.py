@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import io
+import os
 import random
 import threading
 import time
@@ -216,6 +217,61 @@ def test_stalled_attempt_is_retried_and_the_stuck_attempt_is_ignored(faulty, mak
     assert result.attempts == 2 and result.crc32c == g_crc(data)
     assert faulty.objects[url] == data
     assert (stats.stalls, stats.retries, stats.transfers) == (1, 1, 1)
+
+
+def test_a_stream_job_gets_an_opener_of_its_range_and_is_retried_whole_on_a_transient_error(faulty):
+    url = "faulty://bucket/stream"
+    data = os.urandom(10_000)
+    faulty.objects[url] = data
+    calls = []
+
+    def job(open_from, progress):
+        calls.append(len(calls))
+        with open_from(1000 + 500 * (len(calls) - 1)) as r:  # a retry resumes further on
+            got = bytes(r.read(100_000))
+            progress(len(got))
+        if len(calls) == 1:
+            raise Transient(f"get {url}: connection problem (reset)", url=url)
+        return len(got)
+
+    rec = Recorder()
+    with TransferEngine(TransferConfig(max_attempts=3, backoff_base=0.01), progress=rec) as engine:
+        assert engine.submit_stream(url, 1000, 9000, job).result(timeout=5) == 7500
+        stats = engine.stats()
+    assert calls == [0, 1]
+    assert (stats.retries, stats.transfers, stats.bytes_downloaded) == (1, 1, 7500)
+    assert rec.progress[url] == 7500, "the failed attempt's bytes were taken back"
+
+
+def test_a_stream_that_says_it_is_alive_is_not_stalled_and_one_that_is_silent_is(faulty):
+    url = "faulty://bucket/stream-alive"
+    faulty.objects[url] = b"x" * 100
+
+    def alive(open_from, progress):
+        for _ in range(8):  # 0.8 s with stall_timeout=0.3, reporting progress(0)
+            time.sleep(0.1)
+            progress(0)
+        return 0
+
+    abandoned = []
+
+    def silent(open_from, progress):
+        time.sleep(0.8)
+        try:
+            progress(0)
+        except Exception as e:  # noqa: BLE001 - the engine's signal to an abandoned attempt
+            abandoned.append(type(e).__name__)
+            raise
+        return 0
+
+    with TransferEngine(TransferConfig(stall_timeout=0.3, max_attempts=1)) as engine:
+        assert engine.submit_stream(url, 0, 100, alive).result(timeout=5) == 0
+        with pytest.raises(TransferStalled, match="stream-alive"):
+            engine.submit_stream(url, 0, 100, silent).result(timeout=5)
+        deadline = time.monotonic() + 5
+        while not abandoned and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert abandoned == ["_Abandoned"], "the stalled attempt's next progress call stops it"
 
 
 def test_stall_watchdog_counts_a_whole_range_read_as_one_request(faulty):
