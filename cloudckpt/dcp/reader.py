@@ -2,21 +2,22 @@
 
 Requests are grouped per shard file, sorted, and coalesced into streams (never
 splitting an item; neighbours closer than ``max_gap`` join; streams of about
-``budget()[1]`` bytes). Each stream is one ranged read (``store.open_range``: one
-GET on S3) run by the transfer engine, which reads its items one at a time, checks
-each against its CRC32C from the commit marker on the reading thread and hands it
-to the thread running ``read_data``, which deserialises it (items.py: straight
-into the target tensor where it can be). Memory stays bounded: items read but not
-yet deserialised, and the ones being read, hold at most ``max_inflight_bytes``
-(one item at least); a stream waits for room before it reads its next item.
+``budget()[1]`` bytes, within one file). Each stream is one ranged read
+(``store.open_range``: one GET on S3) run by the transfer engine; on the stream's
+thread, each item is read, checked against its CRC32C from the commit marker and
+put into its target (items.py: straight into the target tensor where it can be),
+then the next one is read. The thread running ``read_data`` waits for them all.
 
-Memory stays proportional to what the rank loads: the in-flight budget is a
-sixteenth of the rank's planned bytes (at least 32 MiB, at most
-``max_inflight_bytes``), and streams are a quarter of the planned bytes (16 MiB
-to ``max_stream_size``), so a rank reads through about four requests at once
-whatever it loads. A stream that fails part-way (a reset, a timeout, a stall) is
-retried by the engine from its first item not yet handed over: no item is
-delivered twice.
+Memory stays bounded and proportional to what the rank loads: items being read or
+put in place hold at most a sixteenth of the rank's planned bytes (32 MiB to
+``max_inflight_bytes``; one item at least), and a stream waits for room before it
+reads its next item. Streams are a quarter of the planned bytes (16 MiB to
+``max_stream_size``), so a rank reads through about four requests at once.
+
+A stream that fails part-way (a reset, a timeout, a stall) is retried by the engine
+from its first item not taken yet; an attempt the engine gave up on takes nothing
+more, so no item is put in place twice; once the load has failed, no stream starts
+another item, and ``read_data`` returns only when none is being put in place.
 
 ``pre_download=True`` instead downloads the needed files into a local folder,
 ``download_ahead`` (2) at a time, and reads each file's items as soon as that file
@@ -25,7 +26,6 @@ is complete, then deletes it: the disk holds at most three of the rank's files.
 
 from __future__ import annotations
 
-import collections
 import io
 import os
 import threading
@@ -105,6 +105,7 @@ class StreamingReader(StorageReader):
         self.bytes_read = 0
         self.direct_items = 0  # tensor items copied straight from the fetched bytes (items.py)
         self.metadata_error: CorruptCheckpoint | None = None
+        self._values_lock = threading.Lock()
 
     # ---------------------------------------------------------------- protocol
     def reset(self, checkpoint_id=None) -> None:
@@ -156,17 +157,21 @@ class StreamingReader(StorageReader):
                 "the object is corrupt: restore it or load an older step"
             )
 
-    def _consume(self, req: ReadItem, planner: LoadPlanner, data: memoryview, url: str) -> None:
+    def _consume(self, req: ReadItem, planner: LoadPlanner, data: memoryview, url: str) -> bool:
+        """Put one item into place; True if it was copied straight into its target."""
         sinfo = self.storage_data[req.storage_index]
         if getattr(sinfo, "transform_descriptors", None):
             raise CorruptCheckpoint(f"{url}: stream transforms {sinfo.transform_descriptors} are not supported by cloudckpt")
         if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(bytes(data)))
-            return
+            # streams put items in place concurrently; setting a value can create the
+            # containers on its path (DCP's set_element), so values go one at a time
+            with self._values_lock:
+                planner.load_bytes(req, io.BytesIO(bytes(data)))
+            return False
         target = planner.resolve_tensor(req).detach()
-        if load_tensor_into(data, req.storage_offsets, req.lengths, target, url=url, fqn=req.storage_index.fqn):
-            self.direct_items += 1
+        direct = load_tensor_into(data, req.storage_offsets, req.lengths, target, url=url, fqn=req.storage_index.fqn)
         planner.commit_tensor(req, target)
+        return direct
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         per_file: dict[str, list[tuple[int, int, ReadItem]]] = {}
@@ -239,47 +244,47 @@ class StreamingReader(StorageReader):
                 data = memoryview(buf)[:n]  # shorter than length if the file is truncated: _check says so
                 self._check(rel, off, length, data, url)
                 self.bytes_read += length
-                self._consume(req, planner, data, url)
+                self.direct_items += self._consume(req, planner, data, url)
 
     def _read_remote(self, per_file, planner) -> None:
         planned = sum(length for reqs in per_file.values() for _, length, _ in reqs)
         max_inflight, stream_size = self.budget(planned)
-        inbox = _Inbox(max_inflight)
+        tally = _Tally(max_inflight)
         streams = []
         for rel, reqs in per_file.items():
             url = urls.join(self.remote_dir, rel)
             for start, end, parts in coalesce(reqs, max_gap=self.max_gap, max_range=stream_size):
-                streams.append(_ItemStream(self, inbox, url, rel, start, end, parts))
+                streams.append(_ItemStream(self, planner, tally, url, rel, start, end, parts))
         futures: list[Future] = []
         try:
             for st in streams:
                 fut = self._stream(st.url, st.start, st.end, st)
                 fut.add_done_callback(st.finished)
                 futures.append(fut)
-            for _ in range(sum(len(st.parts) for st in streams)):
-                url, req, data, length = inbox.get()
-                self.bytes_read += length
-                self._consume(req, planner, memoryview(data), url)
-                del data
-                inbox.release(length)
+            tally.wait(sum(len(st.parts) for st in streams))
         finally:
-            inbox.close()  # streams still running stop before their next item
+            tally.close()  # streams still running stop before their next item; waits for items being put in place
             for fut in futures:
                 fut.cancel()
+        self.bytes_read += tally.bytes
+        self.direct_items += tally.direct
 
 
-class _Inbox:
-    """Items read by the streams, waiting for the thread running ``read_data``, and
-    the byte budget for them (items being read count too). The first error of any
-    stream is raised by ``get``."""
+class _Tally:
+    """What the streams share: the byte budget (items being read or put into their
+    targets), how many items are in place, and the first error of any stream,
+    raised by ``wait``."""
 
     def __init__(self, budget: int):
         self._cv = threading.Condition()
-        self._items: collections.deque = collections.deque()
         self._held = 0
         self._budget = budget
         self._error: BaseException | None = None
         self._closed = False
+        self._busy = 0  # items being put into their targets
+        self.items = 0
+        self.bytes = 0
+        self.direct = 0
 
     def reserve(self, n: int, alive: Callable[[int], None]) -> None:
         """Wait until ``n`` more bytes fit the budget (always, when nothing is held),
@@ -300,9 +305,25 @@ class _Inbox:
             self._held -= n
             self._cv.notify_all()
 
-    def put(self, item) -> None:
+    def claim(self) -> None:
+        """An item is about to be put into its target (refused once closed)."""
         with self._cv:
-            self._items.append(item)
+            if self._closed:
+                raise _Stopped()
+            self._busy += 1
+
+    def placed(self, n: int, direct: bool) -> None:
+        with self._cv:
+            self._busy -= 1
+            self._held -= n
+            self.items += 1
+            self.bytes += n
+            self.direct += direct
+            self._cv.notify_all()
+
+    def unclaim(self) -> None:
+        with self._cv:
+            self._busy -= 1
             self._cv.notify_all()
 
     def fail(self, exc: BaseException) -> None:
@@ -311,19 +332,21 @@ class _Inbox:
                 self._error = exc
             self._cv.notify_all()
 
-    def get(self):
+    def wait(self, total: int) -> None:
         with self._cv:
-            while not self._items and self._error is None:
+            while self.items < total and self._error is None:
                 self._cv.wait()
             if self._error is not None:
                 raise self._error
-            return self._items.popleft()
 
     def close(self) -> None:
+        """No stream starts another item; returns once none is being put in place,
+        so no target is written after the load returned (or raised)."""
         with self._cv:
             self._closed = True
-            self._items.clear()
             self._cv.notify_all()
+            while self._busy:
+                self._cv.wait()
 
 
 class _Stopped(Exception):
@@ -333,15 +356,17 @@ class _Stopped(Exception):
 class _ItemStream:
     """The job of one stream (``TransferEngine.submit_stream``): read ``parts`` (sorted
     ``(offset, length, ReadItem)`` within ``[start, end)`` of one shard file) in
-    order, check each and hand it to the inbox. Each attempt starts at the first item
-    not handed over yet; an attempt that was superseded (the engine gave up on it as
-    stalled and started another) hands over nothing more."""
+    order, check each and put it into its target, on the stream's thread. Each attempt
+    starts at the first item not taken yet; an attempt that was superseded (the engine
+    gave up on it as stalled and started another) takes nothing more, so every item
+    is put in place once."""
 
-    def __init__(self, reader: StreamingReader, inbox: _Inbox, url: str, rel: str, start: int, end: int, parts: list):
-        self.reader, self.inbox = reader, inbox
+    def __init__(self, reader: StreamingReader, planner: LoadPlanner, tally: _Tally, url: str, rel: str,
+                 start: int, end: int, parts: list):
+        self.reader, self.planner, self.tally = reader, planner, tally
         self.url, self.rel, self.start, self.end = url, rel, start, end
         self.parts = parts
-        self._next = 0  # index of the first item not handed over
+        self._next = 0  # index of the first item not taken
         self._attempt = 0
         self._lock = threading.Lock()
 
@@ -368,7 +393,7 @@ class _ItemStream:
                     if gap < off - pos:
                         raise self._truncated(pos + gap)
                     pos = off
-                self.inbox.reserve(length, progress)
+                self.tally.reserve(length, progress)
                 try:
                     data = _read_exact(body, length)
                     progress(len(data))
@@ -378,12 +403,19 @@ class _ItemStream:
                     with self._lock:
                         if attempt != self._attempt:
                             raise _Stopped()
+                        self.tally.claim()
                         self._next = i + 1
-                        self.inbox.put((self.url, req, data, length))
-                    del data  # handed over: holding it while reading the next item would double the budget
                 except BaseException:
-                    self.inbox.release(length)
+                    self.tally.release(length)
                     raise
+                try:
+                    direct = self.reader._consume(req, self.planner, memoryview(data), self.url)
+                except BaseException:
+                    self.tally.unclaim()
+                    self.tally.release(length)
+                    raise
+                del data
+                self.tally.placed(length, direct)
                 pos = off + length
                 done += length
 
@@ -393,7 +425,7 @@ class _ItemStream:
         )
 
     def finished(self, fut: Future) -> None:
-        """Done callback of the stream's Future: its error goes to the reading thread."""
+        """Done callback of the stream's Future: its error goes to the thread waiting in ``read_data``."""
         if fut.cancelled():
             return
         exc = fut.exception()
@@ -402,9 +434,9 @@ class _ItemStream:
         if isinstance(exc, NotFound):
             exc = _missing(self.url)
         if exc is not None:
-            self.inbox.fail(exc)
+            self.tally.fail(exc)
         elif self._next < len(self.parts):  # cannot happen: a job returns only when done or superseded
-            self.inbox.fail(RuntimeError(f"{self.url}: a stream ended with items left"))
+            self.tally.fail(RuntimeError(f"{self.url}: a stream ended with items left"))
 
 
 def _read_exact(body, n: int):

@@ -1,6 +1,7 @@
-"""The streaming reader's streams: one ranged read per run of items, items handed
-over one at a time under a byte budget, resumed after a failure from the first item
-not handed over, never delivered twice (also when a stalled attempt wakes up)."""
+"""The streaming reader's streams: one ranged read per run of items, each item read,
+checked and put into its target on the stream's thread under a shared byte budget,
+resumed after a failure from the first item not taken, never put in place twice (also
+when a stalled attempt wakes up), and no target written after the load returned."""
 
 from __future__ import annotations
 
@@ -63,26 +64,38 @@ def _items(n=5, size=1000, gap=24):
     return bytes(data), parts, sums
 
 
-def _stream(data, parts, sums, budget=1 << 30):
+class Placed:
+    """Stands in for ``StreamingReader._consume``: records what was put in place;
+    ``hold`` (an item name) makes putting that item wait for ``gate``; ``fail`` makes
+    putting that item raise."""
+
+    def __init__(self, hold: str | None = None, fail: str | None = None):
+        self.items: list[tuple[str, bytes]] = []
+        self.hold, self.fail = hold, fail
+        self.gate, self.holding = threading.Event(), threading.Event()
+
+    def __call__(self, req, planner, data, url):
+        if req == self.fail:
+            raise CorruptCheckpoint(f"{url}: {req} has shape (3,), expected (4,)")
+        if req == self.hold:
+            self.holding.set()
+            self.gate.wait(10)
+        self.items.append((req, bytes(data)))
+        return True
+
+
+def _stream(data, parts, sums, tally=None, placed=None):
     reader = R.StreamingReader("s3://b/ck/model_and_optim", lambda *a: None, get_bytes=lambda u: b"",
                                checksums={"__0_0.distcp": sums})
-    inbox = R._Inbox(budget)
-    st = R._ItemStream(reader, inbox, URL, "__0_0.distcp", parts[0][0], parts[-1][0] + parts[-1][1], parts)
-    return st, inbox
+    reader._consume = placed if placed is not None else Placed()
+    tally = tally or R._Tally(1 << 30)
+    st = R._ItemStream(reader, None, tally, URL, "__0_0.distcp", parts[0][0], parts[-1][0] + parts[-1][1], parts)
+    return st, tally, reader._consume
 
 
-def _drain(inbox, n):
-    got = []
-    for _ in range(n):
-        url, req, data, length = inbox.get()
-        got.append((req, bytes(data)))
-        inbox.release(length)
-    return got
-
-
-def test_a_stream_resumes_after_a_failure_at_the_first_item_not_handed_over():
+def test_a_stream_resumes_after_a_failure_at_the_first_item_not_taken():
     data, parts, sums = _items()
-    st, inbox = _stream(data, parts, sums)
+    st, tally, placed = _stream(data, parts, sums)
     opened = []
 
     def open_from(fail_after):
@@ -96,16 +109,17 @@ def test_a_stream_resumes_after_a_failure_at_the_first_item_not_handed_over():
         st(open_from(4), lambda n: None)
     assert st(open_from(None), lambda n: None) == 3 * 1000
     assert opened == [parts[0][0], parts[2][0]], "the retry starts at the third item, not at the range's start"
-    got = _drain(inbox, 5)
-    assert [r for r, _ in got] == [f"item{i}" for i in range(5)]
-    assert all(d == data[off:off + n] for (_, d), (off, n, _) in zip(got, parts))
+    assert [r for r, _ in placed.items] == [f"item{i}" for i in range(5)]
+    assert all(d == data[off:off + n] for (_, d), (off, n, _) in zip(placed.items, parts))
+    assert (tally.items, tally.bytes, tally.direct) == (5, 5000, 5)
+    tally.wait(5)
 
 
-def test_a_superseded_attempt_that_wakes_up_hands_over_nothing():
+def test_a_superseded_attempt_that_wakes_up_puts_nothing_in_place():
     """The engine gave up on a stalled attempt and started another; when the first
-    one's socket delivers after all, its item is dropped: each item arrives once."""
+    one's socket delivers after all, it stops: each item is put in place once."""
     data, parts, sums = _items()
-    st, inbox = _stream(data, parts, sums)
+    st, tally, placed = _stream(data, parts, sums)
     gate = threading.Event()
     errors = []
 
@@ -118,78 +132,90 @@ def test_a_superseded_attempt_that_wakes_up_hands_over_nothing():
     t = threading.Thread(target=first)
     t.start()
     deadline = time.monotonic() + 5
-    while st._next < 1 and time.monotonic() < deadline:  # item0 handed over, item1 blocked
+    while st._next < 1 and time.monotonic() < deadline:  # item0 in place, item1 blocked in the socket
         time.sleep(0.01)
     assert st(lambda pos: Body(data, pos), lambda n: None) == 4 * 1000  # the second attempt does the rest
     gate.set()
     t.join(5)
     assert errors == ["stopped"]
-    got = _drain(inbox, 5)
-    assert [r for r, _ in got] == [f"item{i}" for i in range(5)]
-    with pytest.raises(TimeoutError):  # nothing more arrives
-        _get_within(inbox, 0.2)
+    assert [r for r, _ in placed.items] == [f"item{i}" for i in range(5)]
+    assert tally.items == 5
 
 
-def _get_within(inbox, seconds):
-    out = []
-
-    def get():
-        try:
-            out.append(inbox.get())
-        except RuntimeError:  # the fail() below: nothing arrived
-            pass
-
-    t = threading.Thread(target=get, daemon=True)
-    t.start()
-    t.join(seconds)
-    if not out:
-        inbox.fail(RuntimeError("stop waiting"))
-        t.join(1)
-        raise TimeoutError
-    return out[0]
-
-
-def test_a_stream_waits_for_room_in_the_budget_and_says_it_is_alive_meanwhile():
-    data, parts, sums = _items(n=3, size=1000)
-    st, inbox = _stream(data, parts, sums, budget=1500)  # one item at a time
+def test_streams_share_the_byte_budget_and_a_waiting_one_says_it_is_alive():
+    """Two streams, a budget of one item: while stream A puts an item in place
+    (held), stream B waits before reading, reporting progress(0) to the watchdog."""
+    data, parts, sums = _items(n=2, size=1000)
+    tally = R._Tally(1500)
+    placed = Placed(hold="item0")
+    a, _, _ = _stream(data, parts[:1], sums, tally, placed)
+    b, _, _ = _stream(data, parts[1:], sums, tally, placed)
     alive = []
-    t = threading.Thread(target=lambda: st(lambda pos: Body(data, pos), alive.append))
-    t.start()
-    first = _get_within(inbox, 5)  # item0 is handed over; item1 does not fit until it is released
+    ta = threading.Thread(target=lambda: a(lambda pos: Body(data, pos), lambda n: None))
+    ta.start()
+    assert placed.holding.wait(5)
+    tb = threading.Thread(target=lambda: b(lambda pos: Body(data, pos), alive.append))
+    tb.start()
     time.sleep(1.3)
-    assert st._next == 1 and 0 in alive, "waiting for room, it reported progress(0) (the stall watchdog)"
-    inbox.release(first[3])
-    second = _get_within(inbox, 5)
-    assert second[1] == "item1"
-    inbox.release(second[3])
-    assert _get_within(inbox, 5)[1] == "item2"
-    t.join(5)
+    assert placed.items == [] and 0 in alive, "B waited for room, saying it is alive"
+    placed.gate.set()
+    ta.join(5)
+    tb.join(5)
+    assert [r for r, _ in placed.items] == ["item0", "item1"]
+    tally.wait(2)
 
 
 def test_a_truncated_object_or_a_corrupt_item_is_a_corrupt_checkpoint_naming_the_object():
     data, parts, sums = _items()
-    st, _ = _stream(data[: parts[3][0] + 10], parts, sums)
+    st, _, _ = _stream(data, parts, sums)
     with pytest.raises(CorruptCheckpoint, match="truncated") as ei:
         st(lambda pos: Body(data[: parts[3][0] + 10], pos), lambda n: None)
     assert URL in str(ei.value)
     bad = bytearray(data)
     bad[parts[1][0] + 5] ^= 1
-    st, _ = _stream(bytes(bad), parts, sums)
+    st, _, placed = _stream(bytes(bad), parts, sums)
     with pytest.raises(CorruptCheckpoint, match="CRC32C mismatch") as ei:
         st(lambda pos: Body(bytes(bad), pos), lambda n: None)
     assert URL in str(ei.value)
+    assert [r for r, _ in placed.items] == ["item0"], "the corrupt item never reached its target"
 
 
-def test_a_closed_inbox_stops_a_stream_before_its_next_item():
+def test_an_error_putting_an_item_in_place_fails_the_stream_and_frees_its_budget():
     data, parts, sums = _items()
-    st, inbox = _stream(data, parts, sums)
-    inbox.close()
-    with pytest.raises(R._Stopped):
+    st, tally, placed = _stream(data, parts, sums, R._Tally(1500), Placed(fail="item2"))
+    with pytest.raises(CorruptCheckpoint, match="item2"):
         st(lambda pos: Body(data, pos), lambda n: None)
+    assert tally._held == 0 and tally._busy == 0
+    tally.close()  # returns at once: nothing is being put in place
+
+
+def test_closing_stops_streams_before_their_next_item_and_waits_for_the_one_being_put_in_place():
+    """After a load fails, no stream may write a target once ``read_data`` has returned."""
+    data, parts, sums = _items()
+    st, tally, placed = _stream(data, parts, sums, placed=Placed(hold="item1"))
+    stopped = []
+
+    def run():
+        try:
+            st(lambda pos: Body(data, pos), lambda n: None)
+        except R._Stopped:
+            stopped.append(True)
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert placed.holding.wait(5)
+    closed = threading.Event()
+    tc = threading.Thread(target=lambda: (tally.close(), closed.set()))
+    tc.start()
+    assert not closed.wait(0.3), "close waits while item1 is being put in place"
+    placed.gate.set()
+    assert closed.wait(5)
+    t.join(5)
+    assert stopped == [True] and [r for r, _ in placed.items] == ["item0", "item1"]
 
 
 def test_a_streaming_load_reads_each_run_of_items_through_one_request(s3_bucket, tmp_path, monkeypatch):
-    """The load opens one stream per run of items (about eight per rank), not one
+    """The load opens one stream per run of items (about four per rank), not one
     request per few MiB, and is bit-exact."""
     step = s3_bucket + "/run/step1"
     sd = {"model": {f"w{i}": torch.randn(256, 1024) for i in range(24)}}  # 24 MiB in 24 items
