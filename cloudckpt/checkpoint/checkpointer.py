@@ -504,6 +504,7 @@ class Checkpointer:
                 local_dir=local,
                 download=lambda u, p: self.engine.submit_download(u, p, checksum=False),
                 metadata_bytes=metadata,
+                streamed=store.streams_ranges,
             )
             planner = _KeyCheckingPlanner(strict=strict, optional_prefixes=optional)
             try:

@@ -79,12 +79,16 @@ class StreamingReader(StorageReader):
         max_gap: int = 1 * _MiB,
         max_stream_size: int = 512 * _MiB,
         max_inflight_bytes: int = 512 * _MiB,
+        streamed: bool = True,
         download_ahead: int = 2,
         metadata_bytes: bytes | None = None,
     ):
         """``stream(url, start, end, job)`` runs ``job(open_from, progress)`` on a
         transfer thread and returns its Future (``TransferEngine.submit_stream``);
-        ``get_bytes(url)`` reads a whole object; ``download(url, local_path)`` returns a Future that
+        ``get_bytes(url)`` reads a whole object; ``streamed``: the store reads a range
+        as one streamed request (``ObjectStore.streams_ranges``); if not, streams are
+        kept to a quarter of the in-flight budget (each is then one request, held
+        whole); ``download(url, local_path)`` returns a Future that
         completes when the file is downloaded (used when ``local_dir`` is given:
         pre-download). ``metadata_bytes``: DCP's ``.metadata`` already read (by rank 0,
         for every rank); it is checked like a fetched object."""
@@ -98,6 +102,7 @@ class StreamingReader(StorageReader):
         self._download = download
         self.max_gap = max_gap
         self.max_stream_size = max_stream_size
+        self.streamed = streamed
         self.max_inflight_bytes = max_inflight_bytes
         self.download_ahead = max(1, download_ahead)
         self._metadata_bytes = metadata_bytes
@@ -192,9 +197,12 @@ class StreamingReader(StorageReader):
         quarter of them (16 MiB to ``max_stream_size``), so about four requests at once
         (one more per shard file a stream cannot span). Ranges fetched whole, before
         streams, took 70 requests per 512 MiB, and botocore spends ~2.5 ms of CPU on
-        each; eight streams were no faster than four, and each reading thread keeps
-        its own malloc arena, so more of them raised the peak RSS."""
+        each; eight streams were no faster than four and kept more memory. Stores that fetch a
+        range in pieces (``streamed=False``: GCS) get streams of a quarter of the
+        in-flight budget instead, one request each, as ranges were before."""
         inflight = min(self.max_inflight_bytes, max(32 * _MiB, planned_bytes // 16))
+        if not self.streamed:  # each stream is fetched whole (store.streams_ranges is False)
+            return inflight, min(self.max_stream_size, inflight // 4)
         return inflight, min(self.max_stream_size, max(16 * _MiB, planned_bytes // 4))
 
     def _read_local(self, per_file, planner) -> None:
@@ -314,7 +322,6 @@ class _Tally:
 
     def placed(self, n: int, direct: bool) -> None:
         with self._cv:
-            self._busy -= 1
             self._held -= n
             self.items += 1
             self.bytes += n
@@ -377,24 +384,31 @@ class _ItemStream:
         if i >= len(self.parts):
             return 0
         pos = self.parts[i][0]
+        # a store that fetches the range whole (not streamed) holds it all from the first
+        # read: reserve all of it up front; a streamed one holds one item at a time
+        held = sum(n for _, n, _ in self.parts[i:]) if not self.reader.streamed else 0
+        if held:
+            self.tally.reserve(held, progress)
         done = 0
-        with open_from(pos) as body:
-            while True:
-                with self._lock:
-                    if attempt != self._attempt:
-                        return done  # superseded: the current attempt goes on from self._next
-                    i = self._next
-                if i >= len(self.parts):
-                    return done
-                off, length, req = self.parts[i]
-                if off > pos:
-                    gap = len(_read_exact(body, off - pos))  # bytes between items: not needed
-                    progress(gap)
-                    if gap < off - pos:
-                        raise self._truncated(pos + gap)
-                    pos = off
-                self.tally.reserve(length, progress)
-                try:
+        try:
+            with open_from(pos) as body:
+                while True:
+                    with self._lock:
+                        if attempt != self._attempt:
+                            return done  # superseded: the current attempt goes on from self._next
+                        i = self._next
+                    if i >= len(self.parts):
+                        return done
+                    off, length, req = self.parts[i]
+                    if off > pos:
+                        gap = len(_read_exact(body, off - pos))  # bytes between items: not needed
+                        progress(gap)
+                        if gap < off - pos:
+                            raise self._truncated(pos + gap)
+                        pos = off
+                    if not held:
+                        self.tally.reserve(length, progress)
+                        held = length
                     data = _read_exact(body, length)
                     progress(len(data))
                     if len(data) < length:
@@ -405,19 +419,18 @@ class _ItemStream:
                             raise _Stopped()
                         self.tally.claim()
                         self._next = i + 1
-                except BaseException:
-                    self.tally.release(length)
-                    raise
-                try:
-                    direct = self.reader._consume(req, self.planner, memoryview(data), self.url)
-                except BaseException:
-                    self.tally.unclaim()
-                    self.tally.release(length)
-                    raise
-                del data
-                self.tally.placed(length, direct)
-                pos = off + length
-                done += length
+                    try:
+                        direct = self.reader._consume(req, self.planner, memoryview(data), self.url)
+                    finally:
+                        self.tally.unclaim()
+                    del data
+                    held -= length
+                    self.tally.placed(length, direct)  # gives back its bytes
+                    pos = off + length
+                    done += length
+        finally:
+            if held:
+                self.tally.release(held)  # what this attempt reserved and did not place
 
     def _truncated(self, at: int) -> CorruptCheckpoint:
         return CorruptCheckpoint(

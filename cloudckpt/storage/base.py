@@ -162,6 +162,10 @@ class ObjectStore(ABC):
     scheme: ClassVar[str]
     #: Exceptions (already translated) worth retrying for this backend.
     supports_multipart_listing: ClassVar[bool] = False
+    #: ``open_range`` streams one request (S3: one GET read as the caller goes; local:
+    #: the file). False (the default, GCS): it fetches ``part_size`` pieces, so a caller
+    #: reading long ranges should keep them short (the DCP reader does).
+    streams_ranges: ClassVar[bool] = False
 
     #: Used when StorageOptions leaves multipart_threshold / part_size as None.
     default_multipart_threshold: ClassVar[int] = 64 * MiB

@@ -22,6 +22,7 @@ _CHUNK = 8 * MiB
 
 class LocalStore(ObjectStore):
     scheme = "file"
+    streams_ranges = True
 
     @staticmethod
     def _path(url: str) -> str:

@@ -29,6 +29,13 @@ def test_budget_is_a_sixteenth_of_the_rank_in_flight_in_streams_of_a_quarter(pla
     assert _reader().budget(planned) == (inflight, stream)
 
 
+@pytest.mark.parametrize("planned, inflight, stream", [(512 * MiB, 32 * MiB, 8 * MiB), (2048 * MiB, 128 * MiB, 32 * MiB)])
+def test_stores_without_a_streamed_get_read_streams_of_a_quarter_of_the_budget(planned, inflight, stream):
+    """GCS fetches a range in part_size pieces: a long stream would be held whole (or
+    copied across pieces), so its streams stay short, one request each."""
+    assert _reader(streamed=False).budget(planned) == (inflight, stream)
+
+
 def test_budget_respects_the_configured_caps():
     r = _reader(max_inflight_bytes=64 * MiB, max_stream_size=4 * MiB)
     assert r.budget(16 * 1024 * MiB) == (64 * MiB, 4 * MiB)

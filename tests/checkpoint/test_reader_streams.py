@@ -165,6 +165,22 @@ def test_streams_share_the_byte_budget_and_a_waiting_one_says_it_is_alive():
     tally.wait(2)
 
 
+def test_a_stream_from_a_store_that_fetches_it_whole_reserves_all_of_it_first():
+    """GCS (``streams_ranges`` False) fetches the range at the first read: the
+    stream holds all of it from then on, so it reserves all of it before opening."""
+    data, parts, sums = _items(n=3, size=1000)
+    placed = Placed(hold="item0")
+    st, tally, _ = _stream(data, parts, sums, R._Tally(1500), placed)
+    st.reader.streamed = False
+    t = threading.Thread(target=lambda: st(lambda pos: Body(data, pos), lambda n: None))
+    t.start()
+    assert placed.holding.wait(5)
+    assert tally._held == 3000, "all three items reserved (alone, it may exceed the budget)"
+    placed.gate.set()
+    t.join(5)
+    assert tally._held == 0 and tally.items == 3
+
+
 def test_a_truncated_object_or_a_corrupt_item_is_a_corrupt_checkpoint_naming_the_object():
     data, parts, sums = _items()
     st, _, _ = _stream(data, parts, sums)
