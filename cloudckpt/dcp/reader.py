@@ -196,7 +196,7 @@ class StreamingReader(StorageReader):
         sixteenth of them in flight (32 MiB to ``max_inflight_bytes``), in streams of a
         quarter of them (16 MiB to ``max_stream_size``), so about four requests at once
         (one more per shard file a stream cannot span). Ranges fetched whole, before
-        streams, took 70 requests per 512 MiB, and botocore spends ~2.5 ms of CPU on
+        streams, took 70 requests per 512 MiB, and botocore spends ~2.6 ms of CPU on
         each; eight streams were no faster than four and kept more memory. Stores that fetch a
         range in pieces (``streamed=False``: GCS) get streams of a quarter of the
         in-flight budget instead, one request each, as ranges were before."""

@@ -74,27 +74,27 @@ class LocalStore(ObjectStore):
     def put_bytes(self, url: str, data: bytes, *, if_absent: bool = False) -> None:
         self._write(url, lambda f: f.write(data), if_absent=if_absent)
 
-    def get_bytes(self, url: str, *, start: int | None = None, end: int | None = None) -> bytes:
-        if end is not None and end <= (start or 0):
-            return b""
+    def _open(self, url: str) -> BinaryIO:
         try:
-            with open(self._path(url), "rb") as f:
-                if start:
-                    f.seek(start)
-                return f.read() if end is None else f.read(end - (start or 0))
+            return open(self._path(url), "rb")
         except IsADirectoryError:
             raise NotFound(f"read: {url} is a folder, not an object", url=url) from None
         except OSError as e:
             raise self._err(e, url, "read") from e
 
+    def get_bytes(self, url: str, *, start: int | None = None, end: int | None = None) -> bytes:
+        if end is not None and end <= (start or 0):
+            return b""
+        with self._open(url) as f:
+            try:
+                if start:
+                    f.seek(start)
+                return f.read() if end is None else f.read(end - (start or 0))
+            except OSError as e:
+                raise self._err(e, url, "read") from e
+
     def open_range(self, url: str, start: int, end: int) -> RangeReader:
-        try:
-            f = open(self._path(url), "rb")
-        except IsADirectoryError:
-            raise NotFound(f"read: {url} is a folder, not an object", url=url) from None
-        except OSError as e:
-            raise self._err(e, url, "read") from e
-        return _FileRange(self, f, url, start, end)
+        return _FileRange(self, self._open(url), url, start, end)
 
     @staticmethod
     def _version(path: str) -> str:

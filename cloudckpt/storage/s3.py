@@ -238,37 +238,31 @@ class S3Store(ObjectStore):
                 raise AlreadyExists(f"{url} already exists", url=url) from None
             raise err from None
 
-    def get_bytes(self, url: str, *, start: int | None = None, end: int | None = None) -> bytes:
+    def _get_body(self, url: str, start: int | None, end: int | None):
+        """The body of a GET of ``url``, or of ``[start, end)`` of it; None when there
+        is nothing to read (an empty range, or one starting at or after the end)."""
         bucket, key = _split(url)
         kw = {}
         if start is not None or end is not None:
             if end is not None and end <= (start or 0):
-                return b""
+                return None
             kw["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
         try:
-            return self.client.get_object(Bucket=bucket, Key=key, **kw)["Body"].read()
+            return self.client.get_object(Bucket=bucket, Key=key, **kw)["Body"]
         except bex.ClientError as e:
             if kw and e.response.get("Error", {}).get("Code") == "InvalidRange":
-                return b""  # the range starts at or after the end (or the object is empty): like slicing
+                return None  # the range starts at or after the end (or the object is empty): like slicing
             raise translate(e, url, "get") from None
         except Exception as e:  # noqa: BLE001 - translated below
             raise translate(e, url, "get") from None
 
+    def get_bytes(self, url: str, *, start: int | None = None, end: int | None = None) -> bytes:
+        return _S3Range(self._get_body(url, start, end), url).read(-1)
+
     def open_range(self, url: str, start: int, end: int) -> RangeReader:
         """One ranged GET whose body is read as the caller goes (``StreamingBody.read``):
         a long range costs one request and holds only what the caller keeps."""
-        if end <= start:
-            return _S3Range(None, url)
-        bucket, key = _split(url)
-        try:
-            body = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"]
-        except bex.ClientError as e:
-            if e.response.get("Error", {}).get("Code") == "InvalidRange":
-                return _S3Range(None, url)  # the range starts at or after the end: nothing to read
-            raise translate(e, url, "get") from None
-        except Exception as e:  # noqa: BLE001 - translated below
-            raise translate(e, url, "get") from None
-        return _S3Range(body, url)
+        return _S3Range(self._get_body(url, start, end), url)
 
     def get_bytes_versioned(self, url: str) -> tuple[bytes, str]:
         bucket, key = _split(url)
@@ -436,10 +430,11 @@ class _S3Range(RangeReader):
         self._body, self._url = body, url
 
     def read(self, n: int) -> bytes:
+        """Up to ``n`` bytes (``n < 0``: all that is left)."""
         if self._body is None:
             return b""
         try:
-            return self._body.read(n)
+            return self._body.read(None if n < 0 else n)
         except Exception as e:  # noqa: BLE001 - a reset or timeout mid-body: Transient
             raise translate(e, self._url, "get") from None
 
