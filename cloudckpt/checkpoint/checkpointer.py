@@ -502,7 +502,6 @@ class Checkpointer:
                 checksums=checksums,
                 verify=self.verify_checksums,
                 local_dir=local,
-                download=lambda u, p: self.engine.submit_download(u, p, checksum=False),
                 metadata_bytes=metadata,
                 streamed=store.streams_ranges,
             )

@@ -19,9 +19,11 @@ from its first item not taken yet; an attempt the engine gave up on takes nothin
 more, so no item is put in place twice; once the load has failed, no stream starts
 another item, and ``read_data`` returns only when none is being put in place.
 
-``pre_download=True`` instead downloads the needed files into a local folder,
-``download_ahead`` (2) at a time, and reads each file's items as soon as that file
-is complete, then deletes it: the disk holds at most three of the rank's files.
+``pre_download=True`` instead downloads, into a local folder, the span of each
+needed file that holds its items: one stream per file, ``download_ahead`` (2) at a
+time, written to disk as it arrives. Each item is read back as soon as its bytes
+have landed, and a file is deleted once read: the disk holds at most three of the
+rank's files.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from __future__ import annotations
 import io
 import os
 import threading
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future, wait
 from typing import Any, Callable
 
 import torch
@@ -75,7 +77,6 @@ class StreamingReader(StorageReader):
         checksums: Checksums | None = None,
         verify: bool = True,
         local_dir: str | None = None,
-        download: Callable[[str, str], Future] | None = None,
         max_gap: int = 1 * _MiB,
         max_stream_size: int = 512 * _MiB,
         max_inflight_bytes: int = 512 * _MiB,
@@ -88,9 +89,8 @@ class StreamingReader(StorageReader):
         ``get_bytes(url)`` reads a whole object; ``streamed``: the store reads a range
         as one streamed request (``ObjectStore.streams_ranges``); if not, streams are
         kept to a quarter of the in-flight budget (each is then one request, held
-        whole); ``download(url, local_path)`` returns a Future that
-        completes when the file is downloaded (used when ``local_dir`` is given:
-        pre-download). ``metadata_bytes``: DCP's ``.metadata`` already read (by rank 0,
+        whole). ``local_dir``: pre-download into this folder (streams too: one per
+        file, written to disk). ``metadata_bytes``: DCP's ``.metadata`` already read (by rank 0,
         for every rank); it is checked like a fetched object."""
         super().__init__()
         self.remote_dir = remote_dir
@@ -99,7 +99,6 @@ class StreamingReader(StorageReader):
         self.checksums = checksums or {}
         self.verify = verify
         self.local_dir = local_dir
-        self._download = download
         self.max_gap = max_gap
         self.max_stream_size = max_stream_size
         self.streamed = streamed
@@ -206,53 +205,65 @@ class StreamingReader(StorageReader):
         return inflight, min(self.max_stream_size, max(16 * _MiB, planned_bytes // 4))
 
     def _read_local(self, per_file, planner) -> None:
-        """Download the needed files, at most ``download_ahead`` at a time, and read each
-        file's items as soon as it is complete: download and deserialise overlap, and
-        the disk holds at most that many files plus the one being read."""
-        todo = iter(per_file)
-        jobs: dict[Future, tuple[str, str, str]] = {}
+        """Download into ``local_dir`` the span of each needed file that holds its items,
+        ``download_ahead`` files at a time (one streamed request each, written to disk as
+        it arrives), and read each item from disk as soon as its bytes have landed: the
+        downloads run at the store's pace whatever the loading does, reading overlaps
+        them, and a file is deleted once read, so the disk holds at most
+        ``download_ahead`` + 1 of the rank's files."""
+        files = [sorted(reqs, key=lambda t: t[0]) for reqs in per_file.values()]
+        shared = threading.Condition()  # pieces landing, downloads ending
+        todo = iter(zip(per_file, files))
+        started: list[_FileDownload] = []  # in file order; on disk: started[done_files:]
+        done_files = 0
 
-        def submit_next() -> None:
-            rel = next(todo, None)
-            if rel is not None:
-                url, path = urls.join(self.remote_dir, rel), os.path.join(self.local_dir, rel)
-                jobs[self._download(url, path)] = (rel, url, path)
+        def start_more() -> None:
+            # (not under ``shared``: the engine may run done callbacks, which take it,
+            # while holding its own lock) a download starts while fewer than
+            # download_ahead run and the disk holds at most download_ahead files
+            while (sum(not d.finished for d in started[done_files:]) < self.download_ahead
+                   and len(started) - done_files <= self.download_ahead):
+                nxt = next(todo, None)
+                if nxt is None:
+                    return
+                rel, reqs = nxt
+                dl = _FileDownload(shared, urls.join(self.remote_dir, rel), os.path.join(self.local_dir, rel),
+                                   reqs[0][0], max(off + n for off, n, _ in reqs))
+                started.append(dl)
+                dl.future = self._stream(dl.url, dl.start, dl.end, dl)
+                dl.future.add_done_callback(dl.on_done)
 
         try:
-            for _ in range(self.download_ahead):
-                submit_next()
-            while jobs:
-                done, _ = wait(list(jobs), return_when=FIRST_COMPLETED)
-                for fut in done:
-                    rel, url, path = jobs.pop(fut)
-                    try:
-                        fut.result()
-                    except NotFound as e:
-                        raise _missing(e.url or url) from None
-                    submit_next()  # the next download runs while this file is read
-                    self._read_file(rel, url, path, per_file[rel], planner)
-                    os.remove(path)  # read: the disk copy is not needed any more
+            for (rel, _), reqs in zip(per_file.items(), files):
+                start_more()
+                dl = started[done_files]
+                buf = bytearray(max(n for _, n, _ in reqs))  # one buffer per file, reused for its items
+                for off, length, req in reqs:
+                    while True:
+                        ended = sum(d.finished for d in started)
+                        start_more()
+                        with shared:
+                            if dl.landed >= off + length or dl.finished:
+                                break
+                            if ended == sum(d.finished for d in started):
+                                shared.wait()  # for a piece to land or a download to end
+                    if dl.landed < off + length:  # the download failed
+                        dl.result()
+                        raise dl.truncated(dl.landed)
+                    data = memoryview(buf)[:length]
+                    n = os.preadv(dl.fd, [data], off)
+                    self._check(rel, off, length, data[:n], dl.url)
+                    self.bytes_read += length
+                    self.direct_items += self._consume(req, planner, data, dl.url)
+                dl.result()  # its last bytes were read: it is done or about to be
+                dl.remove()
+                done_files += 1
         finally:
-            for fut in jobs:
-                fut.cancel()
-            # a download that already started would finish in the background: its file
-            # could land after the caller removed local_dir; wait for it first
-            wait(list(jobs))
-
-    def _read_file(self, rel: str, url: str, path: str, reqs: list, planner) -> None:
-        """Check and consume the items of one downloaded file, read one at a time into
-        one reused buffer (no allocation per item)."""
-        buf = bytearray()
-        with open(path, "rb") as f:
-            for off, length, req in sorted(reqs, key=lambda t: t[0]):
-                if len(buf) < length:
-                    buf = bytearray(length)  # a new one: the old one may still be referenced by a view
-                f.seek(off)
-                n = f.readinto(memoryview(buf)[:length])
-                data = memoryview(buf)[:n]  # shorter than length if the file is truncated: _check says so
-                self._check(rel, off, length, data, url)
-                self.bytes_read += length
-                self.direct_items += self._consume(req, planner, data, url)
+            for dl in started:  # after a failure: those not started never will, running ones stop
+                dl.future.cancel()
+                dl.remove()
+            # and none may still be writing when the caller removes local_dir
+            wait([dl.future for dl in started])
 
     def _read_remote(self, per_file, planner) -> None:
         planned = sum(length for reqs in per_file.values() for _, length, _ in reqs)
@@ -450,6 +461,81 @@ class _ItemStream:
             self.tally.fail(exc)
         elif self._next < len(self.parts):  # cannot happen: a job returns only when done or superseded
             self.tally.fail(RuntimeError(f"{self.url}: a stream ended with items left"))
+
+
+class _FileDownload:
+    """The job of one pre-download (``TransferEngine.submit_stream``): write bytes
+    ``[start, end)`` of ``url`` at their offsets in a local file as they arrive;
+    ``[start, landed)`` is on disk, and whoever waits on ``shared`` hears of each
+    piece. A retried attempt resumes at ``landed``; an attempt the engine gave up on,
+    or one still running once the file was removed, writes nothing more."""
+
+    PIECE = 1 * _MiB
+
+    def __init__(self, shared: threading.Condition, url: str, path: str, start: int, end: int):
+        self.shared, self.url, self.path, self.start, self.end = shared, url, path, start, end
+        self.landed = start
+        self.finished = False  # the future is done (set under ``shared``)
+        self.future: Future | None = None
+        self._attempt = 0
+        self._io = threading.Lock()  # a write, or closing the file
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+
+    def __call__(self, open_from: Callable, progress: Callable[[int], None]) -> int:
+        with self.shared:
+            self._attempt += 1
+            attempt, pos = self._attempt, self.landed
+        got = 0
+        if pos >= self.end:
+            return got
+        with open_from(pos) as body:
+            while pos < self.end:
+                piece = body.read(min(self.PIECE, self.end - pos))
+                if not piece:
+                    raise self.truncated(pos)
+                progress(len(piece))  # raises once the engine gave up on this attempt
+                with self._io:
+                    if attempt != self._attempt or self.fd < 0:
+                        return got
+                    view = memoryview(piece)
+                    while view:
+                        view = view[os.pwrite(self.fd, view, pos + len(piece) - len(view)):]
+                pos += len(piece)
+                got += len(piece)
+                with self.shared:
+                    if attempt == self._attempt:
+                        self.landed = pos
+                        self.shared.notify_all()
+        return got
+
+    def on_done(self, fut: Future) -> None:
+        with self.shared:
+            self.finished = True
+            self.shared.notify_all()
+
+    def result(self) -> None:
+        """Raise the download's error, if any (a missing object: the step is damaged)."""
+        try:
+            self.future.result()
+        except NotFound:
+            raise _missing(self.url) from None
+
+    def truncated(self, at: int) -> CorruptCheckpoint:
+        return CorruptCheckpoint(
+            f"{self.url}: expected bytes [{self.start}, {self.end}) but the object ends at {at}; it is truncated"
+        )
+
+    def remove(self) -> None:
+        """Close and delete the file (again: nothing)."""
+        with self._io:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass  # removed before
 
 
 def _read_exact(body, n: int):
