@@ -28,6 +28,7 @@ rank's files.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import mmap
@@ -209,58 +210,60 @@ class StreamingReader(StorageReader):
     def _read_local(self, per_file, planner) -> None:
         """Download into ``local_dir`` the span of each needed file that holds its items,
         ``download_ahead`` files at a time (one streamed request each, written to disk as
-        it arrives), and read each item from disk as soon as its bytes have landed: the
-        downloads run at the store's pace whatever the loading does, reading overlaps
-        them, and a file is deleted once read, so the disk holds at most
-        ``download_ahead`` + 1 of the rank's files."""
-        files = [sorted(reqs, key=lambda t: t[0]) for reqs in per_file.values()]
+        it arrives), and read each item from disk as soon as its bytes have landed,
+        from whichever file they land in: the downloads run at the store's pace whatever
+        the loading does, and reading keeps up with all of them. A file is deleted once
+        its items are read, so the disk holds at most ``download_ahead`` + 1 of the
+        rank's files."""
         shared = threading.Condition()  # pieces landing, downloads ending
-        todo = iter(zip(per_file, files))
-        started: list[_FileDownload] = []  # in file order; on disk: started[done_files:]
-        done_files = 0
+        todo = iter(per_file.items())
+        started: list[_FileDownload] = []
+        on_disk: list[_FileDownload] = []  # started, items left to read; in the order started
 
         def start_more() -> None:
             # (not under ``shared``: the engine may run done callbacks, which take it,
             # while holding its own lock) a download starts while fewer than
             # download_ahead run and the disk holds at most download_ahead files
-            while (sum(not d.finished for d in started[done_files:]) < self.download_ahead
-                   and len(started) - done_files <= self.download_ahead):
+            while sum(not d.finished for d in on_disk) < self.download_ahead and len(on_disk) <= self.download_ahead:
                 nxt = next(todo, None)
                 if nxt is None:
                     return
                 rel, reqs = nxt
-                dl = _FileDownload(shared, urls.join(self.remote_dir, rel), os.path.join(self.local_dir, rel),
-                                   reqs[0][0], max(off + n for off, n, _ in reqs))
+                dl = _FileDownload(shared, rel, urls.join(self.remote_dir, rel), os.path.join(self.local_dir, rel),
+                                   sorted(reqs, key=lambda t: t[0]))
                 started.append(dl)
+                on_disk.append(dl)
                 dl.future = self._stream(dl.url, dl.start, dl.end, dl)
                 dl.future.add_done_callback(dl.on_done)
 
         try:
-            for (rel, _), reqs in zip(per_file.items(), files):
+            while True:
                 start_more()
-                dl = started[done_files]
-                for off, length, req in reqs:
-                    while True:
-                        ended = sum(d.finished for d in started)
-                        start_more()
-                        with shared:
-                            if dl.landed >= off + length or dl.finished:
-                                break
-                            if ended == sum(d.finished for d in started):
-                                shared.wait()  # for a piece to land or a download to end
-                    if dl.landed < off + length:  # the download failed
-                        dl.result()
-                        raise dl.truncated(dl.landed)
-                    mapping, data = _map(dl.fd, off, length)  # the page cache's bytes, not a copy
-                    try:
-                        self._check(rel, off, length, data, dl.url)
-                        self.direct_items += self._consume(req, planner, data, dl.url)
-                    finally:
-                        _unmap(mapping, data)
-                    self.bytes_read += length
-                dl.result()  # its last bytes were read: it is done or about to be
-                dl.remove()
-                done_files += 1
+                with shared:
+                    # a file whose next item has landed (or whose download ended); if none,
+                    # wait: a running download will land a piece or end
+                    dl = next((d for d in on_disk if d.ready()), None)
+                    if dl is None:
+                        if not on_disk:
+                            break
+                        shared.wait()
+                        continue
+                off, length, req = dl.items[0]
+                if dl.landed < off + length:  # the download failed
+                    dl.result()
+                    raise dl.truncated(dl.landed)
+                dl.items.popleft()
+                mapping, data = _map(dl.fd, off, length)  # the page cache's bytes, not a copy
+                try:
+                    self._check(dl.rel, off, length, data, dl.url)
+                    self.direct_items += self._consume(req, planner, data, dl.url)
+                finally:
+                    _unmap(mapping, data)
+                self.bytes_read += length
+                if not dl.items:
+                    dl.result()  # its last bytes were read: it is done or about to be
+                    dl.remove()
+                    on_disk.remove(dl)
         finally:
             for dl in started:  # after a failure: those not started never will, running ones stop
                 dl.future.cancel()
@@ -468,16 +471,19 @@ class _ItemStream:
 
 class _FileDownload:
     """The job of one pre-download (``TransferEngine.submit_stream``): write bytes
-    ``[start, end)`` of ``url`` at their offsets in a local file as they arrive;
+    ``[start, end)`` of ``url`` (the span of ``items``, the file's items to load) at
+    their offsets in a local file as they arrive;
     ``[start, landed)`` is on disk, and whoever waits on ``shared`` hears of each
     piece. A retried attempt resumes at ``landed``; an attempt the engine gave up on,
     or one still running once the file was removed, writes nothing more."""
 
     PIECE = 1 * _MiB
 
-    def __init__(self, shared: threading.Condition, url: str, path: str, start: int, end: int):
-        self.shared, self.url, self.path, self.start, self.end = shared, url, path, start, end
-        self.landed = start
+    def __init__(self, shared: threading.Condition, rel: str, url: str, path: str, items: list):
+        self.shared, self.rel, self.url, self.path = shared, rel, url, path
+        self.items = collections.deque(items)  # sorted (offset, length, ReadItem) not read yet
+        self.start, self.end = items[0][0], max(off + n for off, n, _ in items)
+        self.landed = self.start
         self.finished = False  # the future is done (set under ``shared``)
         self.future: Future | None = None
         self._attempt = 0
@@ -511,6 +517,10 @@ class _FileDownload:
                         self.landed = pos
                         self.shared.notify_all()
         return got
+
+    def ready(self) -> bool:
+        """The next item has landed, or the download ended (call under ``shared``)."""
+        return bool(self.items) and (self.finished or self.landed >= self.items[0][0] + self.items[0][1])
 
     def on_done(self, fut: Future) -> None:
         with self.shared:

@@ -23,7 +23,8 @@ from .test_reader_streams import URL, Body, _items
 
 def _download(tmp_path, data, start, end):
     shared = threading.Condition()
-    return R._FileDownload(shared, URL, str(tmp_path / "dl" / "__0_0.distcp"), start, end)
+    return R._FileDownload(shared, "__0_0.distcp", URL, str(tmp_path / "dl" / "__0_0.distcp"),
+                           [(start, end - start, "all")])
 
 
 def _on_disk(dl) -> bytes:
