@@ -28,10 +28,7 @@ rank's files.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import io
-import mmap
 import os
 import threading
 from concurrent.futures import Future, wait
@@ -46,6 +43,7 @@ from ..errors import CorruptCheckpoint, NotFound
 from ..storage import url as urls
 from ..transfer import crc32c_bytes
 from .items import load_tensor_into
+from .predownload import FileDownload, map_bytes, unmap
 from .safe_pickle import loads_metadata
 
 _MiB = 1024 * 1024
@@ -217,8 +215,8 @@ class StreamingReader(StorageReader):
         rank's files."""
         shared = threading.Condition()  # pieces landing, downloads ending
         todo = iter(per_file.items())
-        started: list[_FileDownload] = []
-        on_disk: list[_FileDownload] = []  # started, items left to read; in the order started
+        started: list[FileDownload] = []
+        on_disk: list[FileDownload] = []  # started, items left to read; in the order started
 
         def start_more() -> None:
             # (not under ``shared``: the engine may run done callbacks, which take it,
@@ -229,7 +227,7 @@ class StreamingReader(StorageReader):
                 if nxt is None:
                     return
                 rel, reqs = nxt
-                dl = _FileDownload(shared, rel, urls.join(self.remote_dir, rel), os.path.join(self.local_dir, rel),
+                dl = FileDownload(shared, rel, urls.join(self.remote_dir, rel), os.path.join(self.local_dir, rel),
                                    sorted(reqs, key=lambda t: t[0]))
                 started.append(dl)
                 on_disk.append(dl)
@@ -250,18 +248,20 @@ class StreamingReader(StorageReader):
                         continue
                 off, length, req = dl.items[0]
                 if dl.landed < off + length:  # the download failed
-                    dl.result()
+                    _raise_for(dl)
                     raise dl.truncated(dl.landed)
                 dl.items.popleft()
-                mapping, data = _map(dl.fd, off, length)  # the page cache's bytes, not a copy
+                mapping, data = map_bytes(dl.fd, off, length)  # the page cache's bytes, not a copy
                 try:
                     self._check(dl.rel, off, length, data, dl.url)
                     self.direct_items += self._consume(req, planner, data, dl.url)
                 finally:
-                    _unmap(mapping, data)
+                    unmap(mapping, data)
                 self.bytes_read += length
+                if dl.items:
+                    dl.discard_below(dl.items[0][0])
                 if not dl.items:
-                    dl.result()  # its last bytes were read: it is done or about to be
+                    _raise_for(dl)  # its last bytes were read: it is done or about to be
                     dl.remove()
                     on_disk.remove(dl)
         finally:
@@ -469,108 +469,6 @@ class _ItemStream:
             self.tally.fail(RuntimeError(f"{self.url}: a stream ended with items left"))
 
 
-class _FileDownload:
-    """The job of one pre-download (``TransferEngine.submit_stream``): write bytes
-    ``[start, end)`` of ``url`` (the span of ``items``, the file's items to load) at
-    their offsets in a local file as they arrive;
-    ``[start, landed)`` is on disk, and whoever waits on ``shared`` hears of each
-    piece. A retried attempt resumes at ``landed``; an attempt the engine gave up on,
-    or one still running once the file was removed, writes nothing more."""
-
-    PIECE = 1 * _MiB
-
-    def __init__(self, shared: threading.Condition, rel: str, url: str, path: str, items: list):
-        self.shared, self.rel, self.url, self.path = shared, rel, url, path
-        self.items = collections.deque(items)  # sorted (offset, length, ReadItem) not read yet
-        self.start, self.end = items[0][0], max(off + n for off, n, _ in items)
-        self.landed = self.start
-        self.finished = False  # the future is done (set under ``shared``)
-        self.future: Future | None = None
-        self._attempt = 0
-        self._io = threading.Lock()  # a write, or closing the file
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-
-    def __call__(self, open_from: Callable, progress: Callable[[int], None]) -> int:
-        with self.shared:
-            self._attempt += 1
-            attempt, pos = self._attempt, self.landed
-        got = 0
-        if pos >= self.end:
-            return got
-        with open_from(pos) as body:
-            while pos < self.end:
-                piece = body.read(min(self.PIECE, self.end - pos))
-                if not piece:
-                    raise self.truncated(pos)
-                progress(len(piece))  # raises once the engine gave up on this attempt
-                with self._io:
-                    if attempt != self._attempt or self.fd < 0:
-                        return got
-                    view = memoryview(piece)
-                    while view:
-                        view = view[os.pwrite(self.fd, view, pos + len(piece) - len(view)):]
-                pos += len(piece)
-                got += len(piece)
-                with self.shared:
-                    if attempt == self._attempt:
-                        self.landed = pos
-                        self.shared.notify_all()
-        return got
-
-    def ready(self) -> bool:
-        """The next item has landed, or the download ended (call under ``shared``)."""
-        return bool(self.items) and (self.finished or self.landed >= self.items[0][0] + self.items[0][1])
-
-    def on_done(self, fut: Future) -> None:
-        with self.shared:
-            self.finished = True
-            self.shared.notify_all()
-
-    def result(self) -> None:
-        """Raise the download's error, if any (a missing object: the step is damaged)."""
-        try:
-            self.future.result()
-        except NotFound:
-            raise _missing(self.url) from None
-
-    def truncated(self, at: int) -> CorruptCheckpoint:
-        return CorruptCheckpoint(
-            f"{self.url}: expected bytes [{self.start}, {self.end}) but the object ends at {at}; it is truncated"
-        )
-
-    def remove(self) -> None:
-        """Close and delete the file (again: nothing)."""
-        with self._io:
-            if self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass  # removed before
-
-
-def _map(fd: int, off: int, length: int) -> tuple[mmap.mmap | None, memoryview]:
-    """Bytes ``[off, off + length)`` of a file, mapped read-only: reading an item
-    through its mapping skips the copy a read into a buffer makes (0.06-0.13 CPU-s
-    less per 512 MiB here). One mapping per item, unmapped once it is in place, so
-    the file's pages do not add up in the process's RSS."""
-    if not length:
-        return None, memoryview(b"")
-    base = off - off % mmap.ALLOCATIONGRANULARITY
-    mapping = mmap.mmap(fd, off + length - base, prot=mmap.PROT_READ, offset=base)
-    return mapping, memoryview(mapping)[off - base:]
-
-
-def _unmap(mapping: mmap.mmap | None, view: memoryview) -> None:
-    # a view still held elsewhere (it should not be) keeps the mapping until it goes
-    with contextlib.suppress(BufferError):
-        view.release()
-        if mapping is not None:
-            mapping.close()
-
-
 def _read_exact(body, n: int):
     """``n`` bytes from ``body`` (fewer only where it ends)."""
     data = body.read(n)
@@ -585,6 +483,14 @@ def _read_exact(body, n: int):
         pieces.append(bytes(more))
         got += len(more)
     return b"".join(pieces)
+
+
+def _raise_for(dl: FileDownload) -> None:
+    """Wait for a download; raise its error (a missing object: the step is damaged)."""
+    try:
+        dl.result()
+    except NotFound:
+        raise _missing(dl.url) from None
 
 
 def _missing(url: str) -> CorruptCheckpoint:

@@ -6,6 +6,7 @@ nothing is left behind, whether the load succeeds or fails."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from cloudckpt import Checkpointer
+from cloudckpt.dcp import predownload as P
 from cloudckpt.dcp import reader as R
 from cloudckpt.errors import CorruptCheckpoint, Transient
 from cloudckpt.storage import open_store
@@ -23,7 +25,7 @@ from .test_reader_streams import URL, Body, _items
 
 def _download(tmp_path, data, start, end):
     shared = threading.Condition()
-    return R._FileDownload(shared, "__0_0.distcp", URL, str(tmp_path / "dl" / "__0_0.distcp"),
+    return P.FileDownload(shared, "__0_0.distcp", URL, str(tmp_path / "dl" / "__0_0.distcp"),
                            [(start, end - start, "all")])
 
 
@@ -34,7 +36,7 @@ def _on_disk(dl) -> bytes:
 
 def test_a_download_resumes_where_the_disk_copy_ends(tmp_path, monkeypatch):
     data, parts, _ = _items(n=6, size=3000)
-    monkeypatch.setattr(R._FileDownload, "PIECE", 1000)
+    monkeypatch.setattr(P.FileDownload, "PIECE", 1000)
     start, end = parts[1][0], parts[-1][0] + 3000  # the span of the needed items, not the whole object
     dl = _download(tmp_path, data, start, end)
     opened, reported = [], []
@@ -57,11 +59,27 @@ def test_a_download_resumes_where_the_disk_copy_ends(tmp_path, monkeypatch):
     dl.remove()  # again: nothing
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="holes are punched with Linux's fallocate only")
+def test_pages_below_what_was_read_are_freed_and_the_rest_kept(tmp_path):
+    data = os.urandom(64 * 4096)
+    dl = _download(tmp_path, data, 0, len(data))
+    assert dl(lambda pos: Body(data, pos), lambda n: None) == len(data)
+    os.fsync(dl.fd)  # blocks are allocated at writeback: count them after it
+    before = os.fstat(dl.fd).st_blocks
+    dl.discard_below(20 * 4096 + 100)  # the next item starts inside page 20: it is kept
+    freed = (before - os.fstat(dl.fd).st_blocks) * 512
+    assert freed == 20 * 4096, (before, freed)
+    on_disk = _on_disk(dl)
+    assert on_disk[:20 * 4096] == bytes(20 * 4096) and on_disk[20 * 4096:] == data[20 * 4096:]
+    dl.discard_below(10 * 4096)  # below what was freed: nothing
+    assert (before - os.fstat(dl.fd).st_blocks) * 512 == freed
+
+
 def test_a_superseded_download_writes_nothing_more(tmp_path, monkeypatch):
     """The engine gave up on a stalled attempt and started another; when the first one's
     socket delivers after all, it stops without writing."""
     data, parts, _ = _items(n=4, size=3000)
-    monkeypatch.setattr(R._FileDownload, "PIECE", 1000)
+    monkeypatch.setattr(P.FileDownload, "PIECE", 1000)
     start, end = parts[0][0], len(data)
     dl = _download(tmp_path, data, start, end)
     gate, results = threading.Event(), []
@@ -128,9 +146,9 @@ def test_pre_download_reads_an_item_as_soon_as_its_bytes_have_landed(s3_bucket, 
     """The first file's download is held after its first item until that item has been
     put in place: reading does not wait for the whole file."""
     step, state = _save_six_files(s3_bucket, tmp_path)
-    monkeypatch.setattr(R._FileDownload, "PIECE", 4096)
+    monkeypatch.setattr(P.FileDownload, "PIECE", 4096)
     first_placed = threading.Event()
-    real_call, real_consume = R._FileDownload.__call__, R.StreamingReader._consume
+    real_call, real_consume = P.FileDownload.__call__, R.StreamingReader._consume
     first_url = []
 
     def call(self, open_from, progress):
@@ -161,7 +179,7 @@ def test_pre_download_reads_an_item_as_soon_as_its_bytes_have_landed(s3_bucket, 
             first_placed.set()
         return out
 
-    monkeypatch.setattr(R._FileDownload, "__call__", call)
+    monkeypatch.setattr(P.FileDownload, "__call__", call)
     monkeypatch.setattr(R.StreamingReader, "_consume", consume)
     target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
     with Checkpointer(work_dir=str(tmp_path / "w2"), pre_download=True) as ck:
