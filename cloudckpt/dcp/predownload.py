@@ -24,10 +24,10 @@ _MiB = 1024 * 1024
 class FileDownload:
     """The job of one pre-download (``TransferEngine.submit_stream``): write bytes
     ``[start, end)`` of ``url`` (the span of ``items``, the file's items to load) at
-    their offsets in a local file as they arrive;
-    ``[start, landed)`` is on disk, and whoever waits on ``shared`` hears of each
-    piece. A retried attempt resumes at ``landed``; an attempt the engine gave up on,
-    or one still running once the file was removed, writes nothing more."""
+    their offsets in a local file as they arrive: ``[start, landed)`` is on disk, and
+    whoever waits on ``shared`` hears of each piece. A retried attempt resumes at
+    ``landed``; an attempt the engine gave up on, or one still running once the file
+    was closed (``remove``), writes nothing more."""
 
     PIECE = 1 * _MiB
 

@@ -210,9 +210,10 @@ class StreamingReader(StorageReader):
         ``download_ahead`` files at a time (one streamed request each, written to disk as
         it arrives), and read each item from disk as soon as its bytes have landed,
         from whichever file they land in: the downloads run at the store's pace whatever
-        the loading does, and reading keeps up with all of them. A file is deleted once
-        its items are read, so the disk holds at most ``download_ahead`` + 1 of the
-        rank's files."""
+        the loading does, and reading keeps up with all of them. Each item's pages are
+        freed once it is read (``FileDownload.discard_below``) and a file is deleted
+        once all its items are, so the disk holds at most ``download_ahead`` + 1 of
+        the rank's files, mostly holes."""
         shared = threading.Condition()  # pieces landing, downloads ending
         todo = iter(per_file.items())
         started: list[FileDownload] = []
