@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import errno
 import mmap
 import os
 import sys
@@ -16,9 +17,10 @@ import threading
 from concurrent.futures import Future
 from typing import Callable
 
-from ..errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint, StorageError
 
 _MiB = 1024 * 1024
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class FileDownload:
@@ -41,8 +43,11 @@ class FileDownload:
         self._attempt = 0
         self._discarded = 0  # bytes below this were freed (discard_below)
         self._io = threading.Lock()  # a write, or closing the file
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as e:
+            raise self._no_space(e) if e.errno in _FULL else e
 
     def __call__(self, open_from: Callable, progress: Callable[[int], None]) -> int:
         with self.shared:
@@ -61,8 +66,11 @@ class FileDownload:
                     if attempt != self._attempt or self.fd < 0:
                         return got
                     view = memoryview(piece)
-                    while view:
-                        view = view[os.pwrite(self.fd, view, pos + len(piece) - len(view)):]
+                    try:
+                        while view:
+                            view = view[os.pwrite(self.fd, view, pos + len(piece) - len(view)):]
+                    except OSError as e:
+                        raise self._no_space(e) if e.errno in _FULL else e
                 pos += len(piece)
                 got += len(piece)
                 with self.shared:
@@ -80,9 +88,8 @@ class FileDownload:
         the pieces landing next reuse the memory just freed. Writing into memory the
         machine has not written lately costs more than the copy here (the page cache's
         pages of a new file: 0.13-0.29 CPU-s per 512 MiB against 0.06 over pages just
-        used); with files freed whole once read, a 1 GiB pre-download load took 2.3-2.6 s
-        and 2.5-3.1 client CPU-s, with pages freed behind the reader 1.7-2.1 s and
-        1.6-2.1 CPU-s."""
+        used); with files freed whole once read, a 1 GiB pre-download load took 2.2-2.6 s,
+        with pages freed behind the reader 1.7-2.5 s (docs/performance.md)."""
         upto = pos - pos % _PAGE
         if upto > self._discarded and self.fd >= 0 and _punch_hole(self.fd, self._discarded, upto - self._discarded):
             self._discarded = upto
@@ -95,6 +102,13 @@ class FileDownload:
     def result(self) -> None:
         """Raise the download's error, if any."""
         self.future.result()
+
+    def _no_space(self, e: OSError) -> StorageError:
+        return StorageError(
+            f"pre-download of {self.url}: no space left in {os.path.dirname(self.path)} (under work_dir; "
+            f"{e.strerror}; this file needs up "
+            f"to {self.end - self.start} bytes, two or three files at a time); free space there, set work_dir to a "
+            "larger folder, or load with pre_download=False (streaming needs no disk)", url=self.url)
 
     def truncated(self, at: int) -> CorruptCheckpoint:
         return CorruptCheckpoint(
@@ -128,7 +142,7 @@ def _libc_fallocate():
 
 _fallocate = _libc_fallocate()
 _PUNCH_HOLE_KEEP_SIZE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE
 
 
 def _punch_hole(fd: int, off: int, n: int) -> bool:

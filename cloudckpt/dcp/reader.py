@@ -229,7 +229,7 @@ class StreamingReader(StorageReader):
                     return
                 rel, reqs = nxt
                 dl = FileDownload(shared, rel, urls.join(self.remote_dir, rel), os.path.join(self.local_dir, rel),
-                                   sorted(reqs, key=lambda t: t[0]))
+                                  sorted(reqs, key=lambda t: t[0]))
                 started.append(dl)
                 on_disk.append(dl)
                 dl.future = self._stream(dl.url, dl.start, dl.end, dl)

@@ -31,6 +31,7 @@ from cloudckpt.errors import (
     NotACheckpoint,
     SaveFailed,
     SaveInProgress,
+    StorageError,
     UnsafeDelete,
 )
 from cloudckpt.storage import StorageOptions, clear_cache, open_store
@@ -127,6 +128,21 @@ def _full_disk(c: Ctx) -> None:
         assert left == [], f"the work dir is cleaned on the failure path: {left}"
 
 
+def _full_disk_pre_download(c: Ctx) -> None:
+    """A load with pre_download=True into a work dir too small for the shard: typed, names
+    the way out, leaves the work dir empty (the committed step is untouched)."""
+    step = urls.join(c.run, "step4")
+    ck = c.ck()
+    ck.save(step, {"model": {"w": torch.randn(1024 * 1024)}}, {"step": 4})  # a 4 MiB shard
+    ck.close()
+    with small_disk(os.path.join(c.tmp, "small-load")) as work:
+        try:
+            Checkpointer(work_dir=work, pre_download=True).load(step, {"model": {"w": torch.zeros(1024 * 1024)}})
+        finally:
+            left = os.listdir(work)
+            assert left == [], f"the work dir is cleaned on the failure path: {left}"
+
+
 def _plant_fresh_lock(c: Ctx) -> None:
     step = urls.join(c.run, "step5")
     open_store(step).put_bytes(urls.join(step, layout.LOCK), json.dumps({"save_id": "other", "created_unix": __import__("time").time()}).encode())
@@ -203,6 +219,7 @@ CASES: dict[str, tuple[Callable[[Ctx], object], type, str]] = {
     "transfer_zero_concurrency": (lambda c: TransferConfig(max_concurrency=0), ConfigError, "max_concurrency"),
     # ---- the machine
     "full_disk_in_work_dir": (_full_disk, SaveFailed, "No space left"),
+    "full_disk_in_pre_download_work_dir": (lambda c: _full_disk_pre_download(c), StorageError, "pre_download=False"),
 }
 
 
