@@ -66,10 +66,10 @@ class _Abandoned(Exception):
 
 class _Task:
     __slots__ = ("kind", "url", "local_path", "start", "end", "if_absent", "size", "future", "attempts",
-                 "t0", "last_exc", "crc32c", "checksum", "job")
+                 "t0", "last_exc", "crc32c", "job")
 
     def __init__(self, kind: str, url: str, *, local_path=None, start=None, end=None, if_absent=False, size=0,
-                 crc32c=None, checksum=True, job=None):
+                 crc32c=None, job=None):
         self.kind = kind
         self.url = url
         self.local_path = local_path
@@ -82,7 +82,6 @@ class _Task:
         self.t0: float | None = None
         self.last_exc: BaseException | None = None
         self.crc32c: str | None = crc32c  # known in advance (uploads): not computed again
-        self.checksum = checksum  # False: the caller checks the bytes itself (downloads)
         self.job = job  # streams: job(reader, progress), called once per attempt
 
     def describe(self) -> str:
@@ -181,13 +180,13 @@ class TransferEngine:
         task = _Task("upload", url, local_path=local_path, if_absent=if_absent, size=size, crc32c=crc32c)
         return self._submit(task, size)
 
-    def submit_download(self, url: str, local_path: str, *, checksum: bool = True) -> "Future[TransferResult]":
+    def submit_download(self, url: str, local_path: str) -> "Future[TransferResult]":
         """Download ``url`` to ``local_path`` (a temporary file renamed into place,
         ``store.download_file``). The CRC32C is computed by re-reading the
         downloaded file once it is complete (S3 downloads write ranges out of
-        order, so it cannot be taken on the way); ``checksum=False`` skips that
-        (the result's crc32c is None) for callers that check the bytes themselves."""
-        return self._submit(_Task("download", url, local_path=os.fspath(local_path), checksum=checksum), None)
+        order, so it cannot be taken on the way), unless ``TransferConfig.checksum``
+        is off."""
+        return self._submit(_Task("download", url, local_path=os.fspath(local_path)), None)
 
     def submit_read(self, url: str, start: int | None, end: int | None) -> "Future[bytes]":
         """Read the byte range ``[start, end)`` of ``url`` (None: from the start /
@@ -512,7 +511,7 @@ class TransferEngine:
             return TransferResult(task.url, task.local_path, size, crc, att.number, self._clock() - task.t0)
         if task.kind == "download":
             size = store.download_file(task.url, task.local_path, progress=progress)
-            crc = crc32c_file(task.local_path) if checksum and task.checksum else None
+            crc = crc32c_file(task.local_path) if checksum else None
             return TransferResult(task.url, task.local_path, size, crc, att.number, self._clock() - task.t0)
         if task.kind == "stream":
             url, lo, hi = task.url, task.start, task.end

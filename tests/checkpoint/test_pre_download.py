@@ -20,7 +20,7 @@ from cloudckpt.errors import CorruptCheckpoint, Transient
 from cloudckpt.storage import open_store
 from cloudckpt.storage.s3 import S3Store
 
-from .test_reader_streams import URL, Body, _items
+from .test_reader_streams import URL, Body, _items, opener
 
 
 def _download(tmp_path, data, start, end):
@@ -40,13 +40,7 @@ def test_a_download_resumes_where_the_disk_copy_ends(tmp_path, monkeypatch):
     start, end = parts[1][0], parts[-1][0] + 3000  # the span of the needed items, not the whole object
     dl = _download(tmp_path, data, start, end)
     opened, reported = [], []
-
-    def open_from(fail_after):
-        def op(pos):
-            opened.append(pos)
-            return Body(data, pos, fail_after=fail_after)
-        return op
-
+    open_from = opener(data, opened)
     with pytest.raises(Transient):
         dl(open_from(5), reported.append)
     assert dl.landed == start + 5000

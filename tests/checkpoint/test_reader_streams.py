@@ -84,6 +84,17 @@ class Placed:
         return True
 
 
+def opener(data, opened):
+    """``open_from(fail_after)``: an ``open_from`` that records where each attempt opens
+    and whose Body raises Transient after ``fail_after`` reads (None: never)."""
+    def open_from(fail_after):
+        def op(pos):
+            opened.append(pos)
+            return Body(data, pos, fail_after=fail_after)
+        return op
+    return open_from
+
+
 def _stream(data, parts, sums, tally=None, placed=None):
     reader = R.StreamingReader("s3://b/ck/model_and_optim", lambda *a: None, get_bytes=lambda u: b"",
                                checksums={"__0_0.distcp": sums})
@@ -97,12 +108,7 @@ def test_a_stream_resumes_after_a_failure_at_the_first_item_not_taken():
     data, parts, sums = _items()
     st, tally, placed = _stream(data, parts, sums)
     opened = []
-
-    def open_from(fail_after):
-        def op(pos):
-            opened.append(pos)
-            return Body(data, pos, fail_after=fail_after)
-        return op
+    open_from = opener(data, opened)
 
     # first attempt: two items (and the gaps before them: 4 reads), then a reset
     with pytest.raises(Transient):
