@@ -91,3 +91,44 @@ def test_smoke_ab_load_runs_each_revision_from_its_own_tree(tmp_path):
     assert all(r["requests"] >= 2 and r["seconds"] > 0 for r in rows), rows
     assert "medians:" in p.stdout
 
+
+
+def test_go_symbols_names_functions_of_the_stripped_weed_binary():
+    """``bench/server_profile.py`` names samples in SeaweedFS's stripped Go binary from
+    its ``.gopclntab``: the ELF entry point (read from the ELF header, not the table)
+    must resolve to Go's amd64 Linux entry stub, and a function's own address to it."""
+    import struct
+
+    from bench.server_profile import GoSymbols
+    from cloudckpt.testing.servers import weed_binary
+
+    path = weed_binary()
+    syms = GoSymbols(path)
+    with open(path, "rb") as f:
+        entry, = struct.unpack_from("<Q", f.read(0x20), 0x18)
+    assert syms.name(entry) == "_rt0_amd64_linux"
+    md5 = syms.address("crypto/md5.block")
+    assert md5 is not None and syms.name(md5) == syms.name(md5 + 64) == "crypto/md5.block"
+    assert syms.name(md5 - 1) != "crypto/md5.block"
+
+
+def test_smoke_server_profile_attributes_seaweedfs_samples_to_named_functions(tmp_path):
+    """``bench/server_profile.py`` at 4 MiB: a cloudckpt save and s5cmd's upload, each
+    profiled in SeaweedFS with perf; every row has samples, and the samples in the weed
+    binary are named (Go functions, not raw addresses)."""
+    import shutil
+
+    if shutil.which("perf") is None:
+        pytest.skip("perf (Debian's linux-perf) is not installed: bench/server_profile.py samples with it")
+    out = tmp_path / "profile.json"
+    argv = [sys.executable, "-m", "bench.server_profile", "--size", "4MiB", "--tools", "cloudckpt,s5cmd",
+            "--out", str(out)]
+    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tool"] for r in rows] == ["cloudckpt", "s5cmd"]
+    for r in rows:
+        assert r["samples"] > 0 and r["server_cpu_s"] > 0, r
+        assert abs(sum(r["share"].values()) - 1) < 1e-6, r
+        user = [t["function"] for t in r["top"] if not t["function"].startswith("[k] ")]
+        assert user and "?" not in user and any("." in f for f in user), r["top"]
