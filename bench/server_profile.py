@@ -1,9 +1,11 @@
-"""Where SeaweedFS spends its CPU during a save, for cloudckpt and the peers: the
-save's ceiling on this machine is the store's CPU (docs/performance.md), so this
-says what that CPU does and whether a client's request shape changes it.
+"""Where SeaweedFS spends its CPU during a save or a load, for cloudckpt and the
+peers: on this machine the store's CPU is the save's ceiling and part of every
+load (docs/performance.md), so this says what that CPU does and whether a
+client's request shape changes it.
 
-One SeaweedFS on 127.0.0.1; for every tool a 2-rank save of the bench state (as
-``bench.run`` does it), with ``perf record`` sampling only the SeaweedFS process.
+One SeaweedFS on 127.0.0.1; for every tool a 2-rank save or load of the bench
+state (as ``bench.run`` does it; a load's state is saved first, unprofiled), with
+``perf record`` sampling only the SeaweedFS process.
 Samples in the ``weed`` binary (a stripped Go program) are named from its
 ``.gopclntab`` (the table the Go runtime itself uses for stack traces); kernel
 samples keep perf's names. Prints, and with ``--out`` writes as JSON, each
@@ -11,6 +13,7 @@ tool's wall time, SeaweedFS CPU seconds and its samples by kind (MD5, CRC32,
 memory copies, Go runtime, kernel) with the top functions.
 
     .venv/bin/python -m bench.server_profile --size 1GiB --tools cloudckpt,s5cmd,s3tc
+    .venv/bin/python -m bench.server_profile --op load --tools cloudckpt,cloudckpt-pre,s5cmd
 
 Needs ``perf`` (linux-tools) and the right to profile the process (root, or
 ``kernel.perf_event_paranoid`` <= 1); without them it stops and says so.
@@ -150,11 +153,16 @@ def summary(counts: collections.Counter, top: int = 12) -> dict:
                     for (name, kernel), n in counts.most_common(top)]}
 
 
+LOADS = {"cloudckpt": (2, {}), "cloudckpt-pre": (2, {"pre_download": True}), "cloudckpt-2to1": (1, {})}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--op", choices=("save", "load"), default="save")
     ap.add_argument("--size", default="1GiB", help="state size (default 1GiB)")
-    ap.add_argument("--tools", default="cloudckpt,s5cmd,s3tc", help="of cloudckpt, s5cmd, olmo, s3tc, fsspec")
-    ap.add_argument("--reps", type=int, default=1, help="saves per tool (profiled together)")
+    ap.add_argument("--tools", default="cloudckpt,s5cmd,s3tc",
+                    help="of cloudckpt, s5cmd, olmo, s3tc, fsspec; for loads also cloudckpt-pre, cloudckpt-2to1")
+    ap.add_argument("--reps", type=int, default=1, help="operations per tool (profiled together)")
     ap.add_argument("--out", help="write the figures as JSON here")
     a = ap.parse_args(argv)
     if shutil.which("perf") is None:
@@ -176,44 +184,76 @@ def main(argv: list[str] | None = None) -> int:
         perf = Perf(s3.proc.pid, weed_binary())
         runner.ranks("cloudckpt", "save", f"s3://{BUCKET}/warm", nbytes, 2)  # volumes allocated, untimed
         delete_prefix(s3, "warm/")
+        saved: set[str] = set()
+
+        def source(tool: str) -> str:
+            """Where ``tool``'s saved state is (for loads: saved once, untimed, not profiled)."""
+            base = tool.split("-")[0]
+            if base == "s5cmd":
+                src = copies.get(nbytes)[0]
+                if a.op == "load" and base not in saved:
+                    run_s5cmd(run_args, env, [f"{src}/*", f"s3://{BUCKET}/s5cmd/src/"])
+                saved.add(base)
+                return str(src) if a.op == "save" else f"s3://{BUCKET}/s5cmd/src/"
+            if a.op == "load" and base not in saved:
+                runner.ranks(base, "save", f"s3://{BUCKET}/{base}/src", nbytes, 2)
+            saved.add(base)
+            return f"s3://{BUCKET}/{base}/src"
+
+        def once(tool: str, rep: int, src: str) -> float:
+            if tool == "s5cmd" and a.op == "save":
+                return run_s5cmd(run_args, env, [f"{src}/*", f"s3://{BUCKET}/s5cmd/{rep}/"])[0]
+            if tool == "s5cmd":
+                dst = tempfile.mkdtemp(prefix="cloudckpt-profile-dl-")
+                try:
+                    return run_s5cmd(run_args, env, [f"{src}*", f"{dst}/"])[0]
+                finally:
+                    shutil.rmtree(dst, ignore_errors=True)
+            if a.op == "save":
+                got = runner.ranks(tool, "save", f"s3://{BUCKET}/{tool}/{rep}", nbytes, 2)
+            else:
+                ranks, extra = LOADS.get(tool, (2, {}))
+                got = runner.ranks(tool.split("-")[0], "load", src, nbytes, ranks, saved_ranks=2, **extra)
+            return max(r["seconds"] for r in got)
+
         try:
             for tool in tools:
-                if tool == "s5cmd" and s5cmd_binary() is None:
+                if tool.startswith("s5cmd") and s5cmd_binary() is None:
                     rows.append({"tool": tool, "error": "no s5cmd binary in the venv or on PATH"})
                     continue
-                src = copies.get(nbytes)[0] if tool == "s5cmd" else None
-                os.sync()
-                c0, seconds = server_cpu(s3), 0.0
-                perf.start()
+                if "-" in tool and (a.op == "save" or tool not in LOADS):
+                    rows.append({"tool": tool, "error": f"no {a.op} variant {tool!r} (load variants: {sorted(LOADS)})"})
+                    continue
                 try:
-                    for rep in range(a.reps):
-                        if tool == "s5cmd":
-                            seconds += run_s5cmd(run_args, env, [f"{src}/*", f"s3://{BUCKET}/{tool}/{rep}/"])[0]
-                        else:
-                            got = runner.ranks(tool, "save", f"s3://{BUCKET}/{tool}/{rep}", nbytes, 2)
-                            seconds += max(r["seconds"] for r in got)
+                    src = source(tool)
+                    os.sync()
+                    c0, seconds = server_cpu(s3), 0.0
+                    perf.start()
+                    try:
+                        for rep in range(a.reps):
+                            seconds += once(tool, rep, src)
+                    finally:
+                        counts = perf.stop()
                 except Exception as e:  # noqa: BLE001 - a peer's failure is its row
-                    perf.stop()
                     rows.append({"tool": tool, "error": str(e)[:300]})
                     continue
-                counts = perf.stop()
-                row = {"tool": tool, "seconds": seconds, "server_cpu_s": server_cpu(s3) - c0,
-                       **summary(counts)}
+                row = {"tool": tool, "seconds": seconds, "server_cpu_s": server_cpu(s3) - c0, **summary(counts)}
                 rows.append(row)
-                delete_prefix(s3, f"{tool}/")
+                if a.op == "save":
+                    delete_prefix(s3, f"{tool}/")
                 sh = row["share"]
-                print(f"{tool:10s} save {row['seconds']:6.2f}s  SeaweedFS {row['server_cpu_s']:5.2f} CPU-s, "
+                print(f"{tool:14s} {a.op} {row['seconds']:6.2f}s  SeaweedFS {row['server_cpu_s']:5.2f} CPU-s, "
                       f"{row['samples']} samples: md5 {sh['md5']:.0%}  crc32 {sh['crc32']:.0%}  "
                       f"mem {sh['memmove/memclr']:.0%}  runtime {sh['go runtime']:.0%}  kernel {sh['kernel']:.0%}  "
                       f"other {sh['other']:.0%}", flush=True)
-                for t in row["top"][:6]:
+                for t in row["top"][:8]:
                     print(f"    {t['share']:6.1%}  {t['function']}")
         finally:
             copies.close()
     if a.out:
         Path(a.out).write_text(json.dumps({"command": " ".join([".venv/bin/python -m bench.server_profile"] + sys.argv[1:]),
                                            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                           "size": a.size, "reps": a.reps, "rows": rows}, indent=1))
+                                           "op": a.op, "size": a.size, "reps": a.reps, "rows": rows}, indent=1))
     return 0 if all("error" not in r for r in rows) else 1
 
 

@@ -25,7 +25,7 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 class FileDownload:
     """The job of one pre-download (``TransferEngine.submit_stream``): write bytes
-    ``[start, end)`` of ``url`` (the span of ``items``, the file's items to load) at
+    ``[start, end)`` of ``url`` (the span of ``items``, a run of the file's items to load) at
     their offsets in a local file as they arrive: ``[start, landed)`` is on disk, and
     whoever waits on ``shared`` hears of each piece. A retried attempt resumes at
     ``landed``; an attempt the engine gave up on, or one still running once the file

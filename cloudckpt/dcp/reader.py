@@ -19,11 +19,11 @@ from its first item not taken yet; an attempt the engine gave up on takes nothin
 more, so no item is put in place twice; once the load has failed, no stream starts
 another item, and ``read_data`` returns only when none is being put in place.
 
-``pre_download=True`` instead downloads, into a local folder, the span of each
-needed file that holds its items: one stream per file, ``download_ahead`` (2) at a
-time, written to disk as it arrives. Each item is read back as soon as its bytes
-have landed, and a file is deleted once read: the disk holds at most three of the
-rank's files.
+``pre_download=True`` instead downloads, into a local folder, each run of needed
+items of every file (items less than ``max_gap`` apart: a rank's own shard file is
+one run): one stream per run, ``download_ahead`` (2) at a time, written to disk as
+it arrives. Each item is read back as soon as its bytes have landed, and a local
+file is deleted once read: the disk holds at most three of them.
 """
 
 from __future__ import annotations
@@ -206,16 +206,19 @@ class StreamingReader(StorageReader):
         return inflight, min(self.max_stream_size, max(16 * _MiB, planned_bytes // 4))
 
     def _read_local(self, per_file, planner) -> None:
-        """Download into ``local_dir`` the span of each needed file that holds its items,
-        ``download_ahead`` files at a time (one streamed request each, written to disk as
-        it arrives), and read each item from disk as soon as its bytes have landed,
-        from whichever file they land in: the downloads run at the store's pace whatever
-        the loading does, and reading keeps up with all of them. Each item's pages are
-        freed once it is read (``FileDownload.discard_below``) and a file is deleted
-        once all its items are, so the disk holds at most ``download_ahead`` + 1 of
-        the rank's files, mostly holes."""
+        """Download into ``local_dir`` each run of needed items of every file (items
+        less than ``max_gap`` apart; a rank's own shard file is one run, the few small
+        items it needs from another rank's file are runs of their own, not the whole
+        file between them), ``download_ahead`` runs at a time (one streamed request
+        each, written to a local file as it arrives), and read each item from disk as
+        soon as its bytes have landed, from whichever file they land in: the downloads
+        run at the store's pace whatever the loading does, and reading keeps up with
+        all of them. Each item's pages are freed once it is read
+        (``FileDownload.discard_below``) and a local file is deleted once all its items
+        are, so the disk holds at most ``download_ahead`` + 1 of them, mostly holes."""
         shared = threading.Condition()  # pieces landing, downloads ending
-        todo = iter(per_file.items())
+        todo = iter([(rel, start, parts) for rel, reqs in per_file.items()
+                     for start, _, parts in coalesce(reqs, max_gap=self.max_gap, max_range=1 << 62)])
         started: list[FileDownload] = []
         on_disk: list[FileDownload] = []  # started, items left to read; in the order started
 
@@ -227,9 +230,9 @@ class StreamingReader(StorageReader):
                 nxt = next(todo, None)
                 if nxt is None:
                     return
-                rel, reqs = nxt
-                dl = FileDownload(shared, rel, urls.join(self.remote_dir, rel), os.path.join(self.local_dir, rel),
-                                  sorted(reqs, key=lambda t: t[0]))
+                rel, start, parts = nxt  # parts: sorted by offset
+                dl = FileDownload(shared, rel, urls.join(self.remote_dir, rel),
+                                  os.path.join(self.local_dir, f"{rel}@{start}"), parts)
                 started.append(dl)
                 on_disk.append(dl)
                 dl.future = self._stream(dl.url, dl.start, dl.end, dl)

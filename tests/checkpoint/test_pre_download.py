@@ -1,7 +1,8 @@
-"""Pre-download: each needed file's span is one streamed request written to disk as it
-arrives; items are read back as soon as their bytes have landed; a retried download
-resumes where the disk copy ends; the disk holds at most three of a rank's files and
-nothing is left behind, whether the load succeeds or fails."""
+"""Pre-download: each run of needed items of a file is one streamed request written to
+disk as it arrives (a rank's own shard file is one run; a few small items far apart
+are not the whole file between them); items are read back as soon as their bytes
+have landed; a retried download resumes where the disk copy ends; the disk holds at
+most three downloads and nothing is left behind, whether the load succeeds or fails."""
 
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ def test_pre_download_streams_each_file_once_and_keeps_at_most_three_on_disk(s3_
                         real_open(self, url, start, end))
 
     def consume(self, req, planner, data, url):
-        on_disk.append(len(list((tmp_path / "w2").rglob("*.distcp"))))
+        on_disk.append(len([p for p in (tmp_path / "w2").rglob("*.distcp@*") if p.is_file()]))
         return real_consume(self, req, planner, data, url)
 
     monkeypatch.setattr(R.StreamingReader, "_consume", consume)
@@ -133,7 +134,30 @@ def test_pre_download_streams_each_file_once_and_keeps_at_most_three_on_disk(s3_
     assert len(distcp) == len({u for u, _, _ in distcp}) == 6, opened
     assert len(on_disk) == 12 and max(on_disk) <= 3 and min(on_disk) >= 1, on_disk
     assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
-    assert not list((tmp_path / "w2").rglob("*.distcp"))
+    assert not [p for p in (tmp_path / "w2").rglob("*") if p.is_file()]
+
+
+def test_pre_download_fetches_only_the_runs_of_needed_items_not_the_file_between(s3_bucket, tmp_path, monkeypatch):
+    """A rank needing two small items from a file with 8 MiB between them (as one rank
+    needs another rank's replicated scalars in a resharded load) downloads the two
+    items' runs, not the file between them."""
+    step = s3_bucket + "/run/step1"
+    state = {"model": {"a": torch.arange(16.0), "big": torch.randn(2 * 1024 * 1024), "c": torch.arange(8.0)}}
+    with Checkpointer(work_dir=str(tmp_path / "w"), thread_count=1) as ck:  # one shard file
+        marker = ck.save(step, state, {"t": 1})
+    shards = [o for o in marker.objects if o.path.endswith(".distcp")]
+    assert len(shards) == 1 and shards[0].size > 8 * 1024 * 1024
+    opened = []
+    real_open = S3Store.open_range
+    monkeypatch.setattr(S3Store, "open_range", lambda self, url, start, end: opened.append((url, start, end)) or
+                        real_open(self, url, start, end))
+    target = {"model": {"a": torch.zeros(16), "c": torch.zeros(8)}}  # a load of part of the state
+    with Checkpointer(work_dir=str(tmp_path / "w2"), pre_download=True) as ck:
+        ck.load(step, target, load_trainer_state=False)
+    assert torch.equal(target["model"]["a"], state["model"]["a"]) and torch.equal(target["model"]["c"], state["model"]["c"])
+    ranges = [(s, e) for u, s, e in opened if u.endswith(".distcp")]
+    assert len(ranges) == 2 and sum(e - s for s, e in ranges) < 64 * 1024, ranges
+    assert not [p for p in (tmp_path / "w2").rglob("*") if p.is_file()]
 
 
 def test_pre_download_reads_an_item_as_soon_as_its_bytes_have_landed(s3_bucket, tmp_path, monkeypatch):
