@@ -25,9 +25,10 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 class FileDownload:
     """The job of one pre-download (``TransferEngine.submit_stream``): write bytes
-    ``[start, end)`` of ``url`` (the span of ``items``, a run of the file's items to load) at
-    their offsets in a local file as they arrive: ``[start, landed)`` is on disk, and
-    whoever waits on ``shared`` hears of each piece. A retried attempt resumes at
+    ``[start, end)`` of ``url`` (the span of ``items``, a run of the file's items to load)
+    into a local file as they arrive, byte ``start + i`` of the object at ``i`` of the file
+    (``local``; no hole in front, so no file system needs to support sparse files):
+    ``[start, landed)`` is on disk, and whoever waits on ``shared`` hears of each piece. A retried attempt resumes at
     ``landed``; an attempt the engine gave up on, or one still running once the file
     was closed (``remove``), writes nothing more."""
 
@@ -41,7 +42,7 @@ class FileDownload:
         self.finished = False  # the future is done (set under ``shared``)
         self.future: Future | None = None
         self._attempt = 0
-        self._discarded = 0  # bytes below this were freed (discard_below)
+        self._discarded = 0  # the local file's bytes below this were freed (discard_below)
         self._io = threading.Lock()  # a write, or closing the file
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -68,7 +69,7 @@ class FileDownload:
                     view = memoryview(piece)
                     try:
                         while view:
-                            view = view[os.pwrite(self.fd, view, pos + len(piece) - len(view)):]
+                            view = view[os.pwrite(self.fd, view, self.local(pos + len(piece) - len(view))):]
                     except OSError as e:
                         raise self._no_space(e) if e.errno in _FULL else e
                 pos += len(piece)
@@ -78,6 +79,10 @@ class FileDownload:
                         self.landed = pos
                         self.shared.notify_all()
         return got
+
+    def local(self, off: int) -> int:
+        """Where byte ``off`` of the object is in the local file."""
+        return off - self.start
 
     def ready(self) -> bool:
         """The next item has landed, or the download ended (call under ``shared``)."""
@@ -90,7 +95,8 @@ class FileDownload:
         pages of a new file: 0.13-0.29 CPU-s per 512 MiB against 0.06 over pages just
         used); with files freed whole once read, a 1 GiB pre-download load took 2.2-2.6 s,
         with pages freed behind the reader 1.7-2.5 s (docs/performance.md)."""
-        upto = pos - pos % _PAGE
+        upto = self.local(pos)
+        upto -= upto % _PAGE
         if upto > self._discarded and self.fd >= 0 and _punch_hole(self.fd, self._discarded, upto - self._discarded):
             self._discarded = upto
 

@@ -255,7 +255,7 @@ class StreamingReader(StorageReader):
                     _raise_for(dl)
                     raise dl.truncated(dl.landed)
                 dl.items.popleft()
-                mapping, data = map_bytes(dl.fd, off, length)  # the page cache's bytes, not a copy
+                mapping, data = map_bytes(dl.fd, dl.local(off), length)  # the page cache's bytes, not a copy
                 try:
                     self._check(dl.rel, off, length, data, dl.url)
                     self.direct_items += self._consume(req, planner, data, dl.url)

@@ -48,25 +48,27 @@ def test_a_download_resumes_where_the_disk_copy_ends(tmp_path, monkeypatch):
     assert dl(open_from(None), reported.append) == end - start - 5000
     assert opened == [start, start + 5000], "the retry asks only for what is not on disk yet"
     assert dl.landed == end and sum(reported) == end - start
-    assert _on_disk(dl)[start:end] == data[start:end]
+    assert _on_disk(dl) == data[start:end], "byte start of the object is byte 0 of the file"
     dl.remove()
     assert not os.path.exists(dl.path)
     dl.remove()  # again: nothing
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="holes are punched with Linux's fallocate only")
-def test_pages_below_what_was_read_are_freed_and_the_rest_kept(tmp_path):
-    data = os.urandom(64 * 4096)
-    dl = _download(tmp_path, data, 0, len(data))
-    assert dl(lambda pos: Body(data, pos), lambda n: None) == len(data)
+@pytest.mark.parametrize("start", [0, 5000], ids=["from-0", "from-5000"])
+def test_pages_below_what_was_read_are_freed_and_the_rest_kept(tmp_path, start):
+    data = os.urandom(start + 64 * 4096)
+    dl = _download(tmp_path, data, start, len(data))
+    assert dl(lambda pos: Body(data, pos), lambda n: None) == len(data) - start
     os.fsync(dl.fd)  # blocks are allocated at writeback: count them after it
     before = os.fstat(dl.fd).st_blocks
-    dl.discard_below(20 * 4096 + 100)  # the next item starts inside page 20: it is kept
+    assert before * 512 == 64 * 4096, "the file holds the span only, no hole in front"
+    dl.discard_below(start + 20 * 4096 + 100)  # the next item starts inside the file's page 20: it is kept
     freed = (before - os.fstat(dl.fd).st_blocks) * 512
     assert freed == 20 * 4096, (before, freed)
     on_disk = _on_disk(dl)
-    assert on_disk[:20 * 4096] == bytes(20 * 4096) and on_disk[20 * 4096:] == data[20 * 4096:]
-    dl.discard_below(10 * 4096)  # below what was freed: nothing
+    assert on_disk[:20 * 4096] == bytes(20 * 4096) and on_disk[20 * 4096:] == data[start + 20 * 4096:]
+    dl.discard_below(start + 10 * 4096)  # below what was freed: nothing
     assert (before - os.fstat(dl.fd).st_blocks) * 512 == freed
 
 
@@ -93,7 +95,7 @@ def test_a_superseded_download_writes_nothing_more(tmp_path, monkeypatch):
     t.join(5)
     assert results == [2000], "the woken attempt returned without writing its piece"
     assert dl.landed == end
-    assert _on_disk(dl)[start + 2000:end] == data[start + 2000:end]
+    assert _on_disk(dl)[2000:] == data[start + 2000:end]
 
 
 def test_a_download_of_a_truncated_object_names_it(tmp_path):
