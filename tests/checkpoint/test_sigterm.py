@@ -16,8 +16,10 @@ SCRIPT = textwrap.dedent("""
     import sys, time, torch
     from cloudckpt import CheckpointConfig
     mgr = CheckpointConfig(save_folder=sys.argv[1], work_dir=sys.argv[2], save_interval=1, async_save=True,
-                           bandwidth_limit="4MB/s", sigterm=sys.argv[3], exact_resume=False).build()
-    mgr.maybe_save(1, {"w": torch.randn(4 * 1024 * 1024)}, {"step": 1})   # 16 MiB at 4 MB/s: ~4 s in flight
+                           bandwidth_limit="1MB/s", sigterm=sys.argv[3], exact_resume=False).build()
+    # 12 MiB at 1 MB/s: ~12.6 s in flight, so a test process held up for seconds between reading
+    # SAVING and sending SIGTERM (a busy 2-core machine did that with 4 s) still signals a save in flight
+    mgr.maybe_save(1, {"w": torch.randn(3 * 1024 * 1024)}, {"step": 1})
     print("SAVING", flush=True)
     time.sleep(60)
 """)
