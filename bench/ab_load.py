@@ -57,14 +57,6 @@ def export(rev: str, into: Path) -> str:
     return str(dest)
 
 
-def parse_size(s: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    for u, f in units.items():
-        if s.endswith(u):
-            return int(float(s[: -len(u)]) * f)
-    return int(s)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--revs", required=True, help="comma-separated git revisions; '.' is the working tree")
@@ -74,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the figures as JSON here")
     a = ap.parse_args(argv)
     from bench.ab_load import ab_case as case  # by its module's name, not __main__'s, for the rank processes
-    from bench.run import same, server_cpu
+    from bench.run import parse_size, same, server_cpu
     from cloudckpt.testing.multiprocess import run_ranks
     from cloudckpt.testing.servers import SeaweedFS
 

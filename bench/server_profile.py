@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.ab_load import MODES
+
 ROOT = Path(__file__).resolve().parent.parent
 
 KINDS = [  # (kind, test on a function name); first match wins, kernel samples are "kernel"
@@ -102,8 +104,8 @@ def kind_of(name: str, kernel: bool) -> str:
 
 
 class Perf:
-    """``perf record`` of one process between ``start`` and ``stop``; ``samples()``
-    counts them by function (``(function, is_kernel)`` -> samples)."""
+    """``perf record`` of one process between ``start`` and ``stop``; ``stop`` returns
+    the samples counted by function (``(function, is_kernel)`` -> samples)."""
 
     def __init__(self, pid: int, go_binary: str, freq: int = 997):
         self.pid, self.syms, self.freq = pid, GoSymbols(go_binary), freq
@@ -153,7 +155,7 @@ def summary(counts: collections.Counter, top: int = 12) -> dict:
                     for (name, kernel), n in counts.most_common(top)]}
 
 
-LOADS = {"cloudckpt": (2, {}), "cloudckpt-pre": (2, {"pre_download": True}), "cloudckpt-2to1": (1, {})}
+LOADS = {"cloudckpt": MODES["stream"], "cloudckpt-pre": MODES["pre"], "cloudckpt-2to1": MODES["2to1"]}  # (ranks, options)
 
 
 def main(argv: list[str] | None = None) -> int:
