@@ -49,6 +49,12 @@ def test_smoke_bench_runs_every_case_and_reports_absent_peers_as_not_installed(t
     assert rows[("latest", "olmo")]["status"] == "not installed"
     # s5cmd ships with the test extra; without it the row says so instead of failing
     assert rows[("save", "s5cmd")]["status"] in ("ok", "not installed")
+    if rows[("save", "s5cmd")]["status"] == "ok":
+        # each cloudckpt load has s5cmd's download of the same bytes right after it, and the
+        # load targets are judged on those pairs
+        for case in ("load", "load_2to1"):
+            assert rows[(case, "cloudckpt")]["samples"][0]["s5cmd_paired_seconds"] > 0, case
+        assert any("paired ratios" in t["target"] for t in data["targets"]), data["targets"]
     assert rows[("gcs_save", "gcs_tm")]["status"] == "ok"
 
     md = (out / "smoke.md").read_text()
