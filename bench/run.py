@@ -434,7 +434,7 @@ def _save_load_reps(args, runner: Runner, res: Results, s3, nbytes: int, tools: 
                     line += f"  {case} FAILED: {_short(str(e))}"
                     continue
                 line += f"  {case} {got['seconds']:6.2f}s (rss x{got['rss_ratio']:.2f})"
-                if paired:
+                if paired and tool == "cloudckpt":
                     try:
                         got["s5cmd_paired_seconds"] = s5cmd_download(args, runner.env, paired, dir_bytes(src))[0]
                         line += f" s5cmd {got['s5cmd_paired_seconds']:5.2f}s"
