@@ -379,6 +379,7 @@ def _save_load_reps(args, runner: Runner, res: Results, s3, nbytes: int, tools: 
                     paired: str | None) -> None:
     label = size_label(nbytes)
     R = args.ranks
+    nb = dir_bytes(src) if src is not None else None  # the local copy's file bytes, what s5cmd moves
     for rep in range(args.reps):
         order = tools[rep % len(tools):] + tools[:rep % len(tools)]
         for tool in order:
@@ -388,7 +389,6 @@ def _save_load_reps(args, runner: Runner, res: Results, s3, nbytes: int, tools: 
                 prefix = f"s5cmd/{label}/rep{rep}/"
                 c0 = server_cpu(s3)
                 up, up_cpu = run_s5cmd(args, runner.env, [f"{src}/*", f"s3://{BUCKET}/{prefix}"])
-                nb = dir_bytes(src)
                 res.add("save", label, "s5cmd", {"seconds": up, "bytes": src_fp["bytes"], "file_bytes": nb,
                                                   "client_cpu_s": up_cpu, "server_cpu_s": _cpu_delta(c0, server_cpu(s3))})
                 c0 = server_cpu(s3)
@@ -436,7 +436,7 @@ def _save_load_reps(args, runner: Runner, res: Results, s3, nbytes: int, tools: 
                 line += f"  {case} {got['seconds']:6.2f}s (rss x{got['rss_ratio']:.2f})"
                 if paired and tool == "cloudckpt":
                     try:
-                        got["s5cmd_paired_seconds"] = s5cmd_download(args, runner.env, paired, dir_bytes(src))[0]
+                        got["s5cmd_paired_seconds"] = s5cmd_download(args, runner.env, paired, nb)[0]
                         line += f" s5cmd {got['s5cmd_paired_seconds']:5.2f}s"
                     except Exception as e:  # noqa: BLE001 - the pair is missing, the load's own figures stand
                         line += f" (paired s5cmd download FAILED: {_short(str(e))})"
