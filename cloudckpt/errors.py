@@ -89,6 +89,13 @@ class CorruptCheckpoint(CheckpointError):
     """An object of a committed checkpoint is missing, truncated or fails its checksum."""
 
 
+class UnsafeCheckpoint(CorruptCheckpoint):
+    """A checkpoint (or a local save folder) holds something cloudckpt refuses to act
+    on: an object name that could climb out of its folder, a pickle global outside the
+    exact allowlist, a size or count that does not add up, a symbolic link where an
+    object or folder is expected. Nothing of it was run, created or deleted."""
+
+
 class IncompatibleCheckpoint(CheckpointError):
     """The marker has a format version this library cannot read."""
 
