@@ -160,22 +160,9 @@ def _bar(args, total: int, desc: str):
 def _read_marker(dir: str, so) -> tuple[Any, bytes]:
     """The marker of a step folder and its raw bytes. Raises NotACheckpoint (no
     marker), BucketNotFound, CorruptCheckpoint / IncompatibleCheckpoint, storage errors."""
-    from .checkpoint import layout
-    from .checkpoint.marker import Marker
-    from .errors import BucketNotFound, NotACheckpoint
-    from .storage import open_store
+    from .checkpoint import discovery
 
-    url = layout.marker_url(dir)
-    try:
-        raw = open_store(url, so).get_bytes(url)
-    except BucketNotFound:
-        raise
-    except NotFound:
-        raise NotACheckpoint(
-            f"{dir} is not a committed checkpoint: it has no {layout.MARKER} (the save never finished, or the path "
-            "is wrong); run `cloudckpt list` on the save folder to see committed steps"
-        ) from None
-    return Marker.from_bytes(raw, url=url), raw
+    return discovery.read_marker_bytes(dir, storage_options=so)
 
 
 def _probe_marker(dir: str, so) -> tuple[Any, str | None]:
@@ -192,12 +179,11 @@ def _probe_marker(dir: str, so) -> tuple[Any, str | None]:
 
 
 def _manifest_path(root: str, rel: str, where: str) -> str:
-    """``root/rel`` for a manifest entry; refuses entries that would escape ``root``
-    (a marker from a bucket must not make us write outside the destination)."""
-    parts = rel.split("/")
-    if not rel or rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in parts):
-        raise CorruptCheckpoint(f"the marker of {where} lists an unsafe object path {rel!r}; refusing to use it")
-    return os.path.join(root, *parts)
+    """``root/rel`` for a manifest entry (its name was checked when the marker was
+    parsed; checked again here, as this path is written to)."""
+    from .untrusted import check_name
+
+    return os.path.join(root, *check_name(rel, what="object path in the marker", url=where).split("/"))
 
 
 # ====================================================================== list
@@ -297,21 +283,11 @@ def cmd_latest(args) -> int:
 
 
 # ====================================================================== inspect
-def _checked_bytes(store, url: str, entry) -> bytes:
-    """Read one object of a step and check it against its manifest entry."""
-    from .transfer import crc32c_bytes
+def _checked_bytes(store, url: str, entry, *, limit: int, what: str) -> bytes:
+    """Read one object of a step, checked against its manifest entry (untrusted.reads)."""
+    from .untrusted import read_checked
 
-    try:
-        data = store.get_bytes(url)
-    except NotFound as e:
-        if type(e) is not NotFound:
-            raise
-        raise CorruptCheckpoint(f"{url} is listed in the marker but missing; the checkpoint is damaged "
-                                "(run `cloudckpt verify`)") from None
-    if len(data) != entry.size or (entry.crc32c and crc32c_bytes(data) != entry.crc32c):
-        raise CorruptCheckpoint(f"{url}: size or CRC32C does not match the marker; the checkpoint is damaged "
-                                "(run `cloudckpt verify`)")
-    return data
+    return read_checked(store, url, entry, limit=limit, what=what)
 
 
 def _describe_value(v: Any) -> tuple[str, Any, str]:
@@ -348,10 +324,13 @@ def cmd_inspect(args) -> int:
         import torch  # noqa: F401 - the metadata holds torch dtypes/sizes
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from .dcp.safe_pickle import loads_metadata
+        from .untrusted import MAX_METADATA_BYTES, loads_metadata
 
         url = urls.join(args.step, meta_rel)
-        md = loads_metadata(_checked_bytes(store, url, meta_entry), url=url)
+        prefix = layout.MODEL_DIR + "/"
+        files = {o.path[len(prefix):]: o.size for o in marker.objects if o.path.startswith(prefix)}
+        md = loads_metadata(_checked_bytes(store, url, meta_entry, limit=MAX_METADATA_BYTES, what="DCP metadata"),
+                            url=url, files=files)
         for key in sorted(md.state_dict_metadata):
             sm = md.state_dict_metadata[key]
             if isinstance(sm, TensorStorageMetadata):
@@ -369,17 +348,10 @@ def cmd_inspect(args) -> int:
     ts_rel = layout.train_state_name(0)
     ts_entry = marker.object(ts_rel)
     if ts_entry is not None:
-        import io
-
-        import torch
+        from .untrusted import MAX_TRAIN_STATE_BYTES, load_plain
 
         url = urls.join(args.step, ts_rel)
-        data = _checked_bytes(store, url, ts_entry)
-        try:
-            obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - anything weights_only refuses is reported, never run
-            raise CorruptCheckpoint(f"{url}: refused to load the train state ({type(e).__name__}): it is not plain "
-                                    "data (weights_only=True)") from None
+        obj = load_plain(_checked_bytes(store, url, ts_entry, limit=MAX_TRAIN_STATE_BYTES, what="train state"), url=url)
         keys = []
         if isinstance(obj, dict):
             for k, v in obj.items():
@@ -485,6 +457,31 @@ def _verify_one(store, url: str, entry, *, size_only: bool, on_bytes) -> dict | 
     return None
 
 
+def _verify_contents(store, step: str, marker) -> list[dict]:
+    """Parse what a load parses first (DCP ``.metadata``, the train state files) with
+    the loader's own checks (untrusted/): a step whose bytes match the marker can
+    still be refused by a load, and verify should say so first."""
+    from .checkpoint import layout
+    from .errors import CorruptCheckpoint as _Corrupt
+    from .storage import url as urls
+    from .untrusted import MAX_METADATA_BYTES, MAX_TRAIN_STATE_BYTES, load_plain, loads_metadata
+
+    prefix = layout.MODEL_DIR + "/"
+    files = {o.path[len(prefix):]: o.size for o in marker.objects if o.path.startswith(prefix)}
+    bad = []
+    for o in marker.objects:
+        url = urls.join(step, o.path)
+        try:
+            if o.path == prefix + ".metadata":
+                loads_metadata(_checked_bytes(store, url, o, limit=MAX_METADATA_BYTES, what="DCP metadata"),
+                               url=url, files=files)
+            elif o.path.startswith(layout.TRAIN_DIR + "/"):
+                load_plain(_checked_bytes(store, url, o, limit=MAX_TRAIN_STATE_BYTES, what="train state"), url=url)
+        except _Corrupt as e:
+            bad.append({"path": o.path, "url": url, "detail": str(e)})
+    return bad
+
+
 def cmd_verify(args) -> int:
     from .storage import open_store
     from .storage import url as urls
@@ -503,6 +500,8 @@ def cmd_verify(args) -> int:
     finally:
         bar.close()
     bad = [r for r in results if r is not None]
+    if not bad and not args.size_only:
+        bad = _verify_contents(store, args.step, marker)
     unchecked = [o.path for o in objects if not o.crc32c]
     if args.json:
         _print_json({"url": args.step, "ok": not bad, "checked": "size" if args.size_only else "size+crc32c",

@@ -31,6 +31,7 @@ import ctypes
 import io
 import json
 import logging
+import math
 import os
 import struct
 import sys
@@ -44,11 +45,13 @@ import torch
 
 from .checkpoint import discovery, layout
 from .checkpoint.marker import Marker
-from .dcp.safe_pickle import loads_metadata
+from .dcp.reader import METADATA_NAME
 from .errors import AlreadyExists, ConfigError, CorruptCheckpoint, MissingKeys
 from .storage import StorageOptions, open_store
 from .storage import url as urls
 from .transfer import TransferConfig, TransferEngine, crc32c_bytes
+from .untrusted import MAX_METADATA_BYTES, loads_metadata, read_checked
+from .untrusted.plain import load_tensor
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +94,16 @@ def read_dcp_metadata(step_url: str, *, storage_options: StorageOptions | None =
     the allowlist; size and CRC32C checked against the marker). Raises NotACheckpoint,
     CorruptCheckpoint, storage errors."""
     marker = discovery.read_marker(step_url, storage_options=storage_options)
-    rel = f"{layout.MODEL_DIR}/.metadata"
+    rel = f"{layout.MODEL_DIR}/{METADATA_NAME}"
     url = urls.join(step_url, rel)
-    data = open_store(url, storage_options).get_bytes(url)
     entry = marker.object(rel)
-    if entry is not None and (len(data) != entry.size or (verify and entry.crc32c and crc32c_bytes(data) != entry.crc32c)):
-        raise CorruptCheckpoint(f"{url}: size or CRC32C does not match the commit marker; the object is corrupt")
-    return marker, loads_metadata(data, url=url)
+    if entry is None:
+        raise CorruptCheckpoint(f"{url}: the checkpoint's marker lists no DCP metadata; there is nothing to export")
+    data = read_checked(open_store(url, storage_options), url, entry, limit=MAX_METADATA_BYTES, what="DCP metadata",
+                        verify=verify)
+    prefix = layout.MODEL_DIR + "/"
+    files = {o.path[len(prefix):]: o.size for o in marker.objects if o.path.startswith(prefix)}
+    return marker, loads_metadata(data, url=url, files=files)
 
 
 @dataclass(frozen=True)
@@ -196,8 +202,11 @@ class _TensorReader:
                 raise CorruptCheckpoint(f"{url}: CRC32C mismatch in bytes [{info.offset}, {info.offset + info.length}) of {e.fqn}; "
                                         "the object is corrupt: restore it or export an older step")
             self.bytes_read += len(data)
-            part = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            part = load_tensor(io.BytesIO(data), url=url, fqn=e.fqn)
             del data
+            if not isinstance(part, torch.Tensor) or part.numel() != math.prod(chunk.sizes):
+                raise CorruptCheckpoint(f"{url}: the item of {e.fqn} at offsets {list(chunk.offsets)} does not hold a "
+                                        f"tensor of {list(chunk.sizes)}")
             if tuple(chunk.sizes) == e.shape and len(e.chunks) == 1:
                 return part
             if full is None:

@@ -60,6 +60,7 @@ from ..errors import (
 from ..storage import StorageOptions, open_store
 from ..storage import url as urls
 from ..transfer import TransferConfig, TransferEngine, crc32c_bytes
+from ..untrusted import MAX_METADATA_BYTES, MAX_TRAIN_STATE_BYTES, load_plain, read_checked
 from . import discovery, layout, pointer
 from .async_save import AsyncSaver
 from .gcpause import gc_paused
@@ -79,8 +80,9 @@ class _KeyCheckingPlanner(DefaultLoadPlanner):
     """Raises MissingKeys listing every requested key the checkpoint lacks
     (optional keys are skipped silently)."""
 
-    def __init__(self, *, strict: bool, optional_prefixes: tuple[str, ...] = ()):
+    def __init__(self, *, strict: bool, optional_prefixes: tuple[str, ...] = (), url: str = ""):
         super().__init__(allow_partial_load=True)
+        self.url = url
         self.strict = strict
         self.optional_prefixes = optional_prefixes
         self.missing: list[str] = []
@@ -100,17 +102,11 @@ class _KeyCheckingPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value) -> None:
         # Stock DCP unpickles non-tensor values with weights_only=False: a checkpoint
-        # from a bucket could run code. Only plain data is accepted here.
+        # from a bucket could run code. Only plain data is accepted (untrusted.plain).
         from torch.distributed.checkpoint._traverse import set_element
 
         fqn = read_item.dest_index.fqn
-        try:
-            obj = torch.load(value, weights_only=True)
-        except Exception as e:  # noqa: BLE001 - anything weights_only refuses
-            raise CorruptCheckpoint(
-                f"refused to load the value of {fqn!r} ({type(e).__name__}): it is not plain data "
-                "(weights_only=True), so loading it could run code"
-            ) from None
+        obj = load_plain(value, url=self.url, what=f"value of {fqn!r}")
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
@@ -481,9 +477,11 @@ class Checkpointer:
             sd.pop("optim", None)
         optional = ("optim.",) if load_optim_state is None else ()
         checksums: dict = {}
+        files: dict[str, int] = {}  # the DCP folder's manifest: every item of .metadata must lie in one
         for o in marker.objects:
             if o.path.startswith(layout.MODEL_DIR + "/"):
                 rel = o.path[len(layout.MODEL_DIR) + 1:]
+                files[rel] = o.size
                 d = checksums.setdefault(rel, {(c[0], c[1]): c[2] for c in o.chunks})
                 if o.crc32c:
                     d[(0, o.size)] = o.crc32c
@@ -504,8 +502,9 @@ class Checkpointer:
                 local_dir=local,
                 metadata_bytes=metadata,
                 streamed=store.streams_ranges,
+                files=files,
             )
-            planner = _KeyCheckingPlanner(strict=strict, optional_prefixes=optional)
+            planner = _KeyCheckingPlanner(strict=strict, optional_prefixes=optional, url=model_url)
             try:
                 with _quiet_dcp():
                     dcp.load(sd, storage_reader=reader, planner=planner, process_group=self.coord.group,
@@ -540,17 +539,19 @@ class Checkpointer:
     def _read_marker_and_metadata(self, dir: str) -> tuple[Marker, bytes | None]:
         """Rank 0 reads the marker and DCP's ``.metadata`` once for every rank (DCP
         would have each rank GET ``.metadata``, whose size grows with ranks x tensors).
-        None if ``.metadata`` is missing: each rank's reader then reports it."""
+        None if ``.metadata`` is not in the manifest or missing: each rank's reader then
+        reports it. The bytes are checked against the manifest before they travel."""
         marker = discovery.read_marker(dir, storage_options=self.storage_options)
-        url = urls.join(dir, layout.MODEL_DIR, METADATA_NAME)
-        try:
-            return marker, open_store(url, self.storage_options).get_bytes(url)
-        except NotFound:
+        rel = f"{layout.MODEL_DIR}/{METADATA_NAME}"
+        entry = marker.object(rel)
+        if entry is None:
             return marker, None
+        url = urls.join(dir, rel)
+        data = read_checked(open_store(url, self.storage_options), url, entry, limit=MAX_METADATA_BYTES,
+                            what="DCP metadata", verify=self.verify_checksums)
+        return marker, data
 
     def _load_train_state(self, dir: str, marker: Marker, *, required: bool) -> Any:
-        import io
-
         rank, ws = self.coord.rank, self.coord.world_size
         rel = layout.train_state_name(rank)
         if ws != marker.world_size:
@@ -563,17 +564,9 @@ class Checkpointer:
             if required:
                 raise CorruptCheckpoint(f"{url}: the train state file is not in this checkpoint; save a train state or pass load_trainer_state=None")
             return None
-        try:
-            data = open_store(url, self.storage_options).get_bytes(url)
-        except NotFound:
-            raise CorruptCheckpoint(f"{url}: the train state file listed in the marker is missing; the checkpoint is damaged, load an older step") from None
-        if len(data) != entry.size or (self.verify_checksums and entry.crc32c and crc32c_bytes(data) != entry.crc32c):
-            raise CorruptCheckpoint(f"{url}: size or CRC32C does not match the marker; the object is corrupt")
-        try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - refuse anything weights_only rejects
-            raise CorruptCheckpoint(f"{url}: refused to load the train state ({type(e).__name__}): it is not plain data "
-                                    "(weights_only=True), so it could run code") from None
+        data = read_checked(open_store(url, self.storage_options), url, entry, limit=MAX_TRAIN_STATE_BYTES,
+                            what="train state", verify=self.verify_checksums)
+        return load_plain(data, url=url, what="train state")
 
     # ================================================================ discovery
     @staticmethod

@@ -20,6 +20,7 @@ from ..errors import BucketNotFound, CheckpointError, NotACheckpoint, NotFound
 from ..storage import StorageOptions, open_store
 from ..storage import url as urls
 from . import layout
+from ..untrusted import MAX_MARKER_BYTES, read_capped
 from .marker import Marker
 
 log = logging.getLogger(__name__)
@@ -27,10 +28,16 @@ log = logging.getLogger(__name__)
 
 def read_marker(dir: str, *, storage_options: StorageOptions | None = None) -> Marker:
     """The parsed marker of a step folder. Raises NotACheckpoint (no marker),
-    CorruptCheckpoint / IncompatibleCheckpoint (unreadable marker), storage errors."""
+    CorruptCheckpoint / IncompatibleCheckpoint / UnsafeCheckpoint (unreadable or
+    refused marker), storage errors."""
+    return read_marker_bytes(dir, storage_options=storage_options)[0]
+
+
+def read_marker_bytes(dir: str, *, storage_options: StorageOptions | None = None) -> tuple[Marker, bytes]:
+    """``read_marker`` and the marker's bytes as read (at most MAX_MARKER_BYTES)."""
     url = layout.marker_url(dir)
     try:
-        data = open_store(url, storage_options).get_bytes(url)
+        data = read_capped(open_store(url, storage_options), url, limit=MAX_MARKER_BYTES, what="commit marker")
     except BucketNotFound:
         raise
     except NotFound:
@@ -38,7 +45,7 @@ def read_marker(dir: str, *, storage_options: StorageOptions | None = None) -> M
             f"{dir} is not a committed checkpoint: it has no {layout.MARKER} (the save never finished, or the path is wrong); "
             "use `cloudckpt list` on the save folder to see committed steps"
         ) from None
-    return Marker.from_bytes(data, url=url)
+    return Marker.from_bytes(data, url=url), data
 
 
 def list_step_dirs(folder: str, *, storage_options: StorageOptions | None = None) -> list[tuple[int, str]]:

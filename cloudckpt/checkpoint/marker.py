@@ -19,13 +19,15 @@ loader that reads ranges (resharding, streaming) can check exactly what it read.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 from .._version import __version__
-from ..errors import CorruptCheckpoint, IncompatibleCheckpoint
+from ..errors import CorruptCheckpoint, IncompatibleCheckpoint, UnsafeCheckpoint
+from ..untrusted.names import check_name
 
 FORMAT = "cloudckpt"
 FORMAT_VERSION = 1
@@ -106,7 +108,7 @@ class Marker:
         IncompatibleCheckpoint (a format version this library cannot read)."""
         try:
             d = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # not JSON, bad UTF-8, over-long integers, nested too deeply
             raise CorruptCheckpoint(f"commit marker {url} is not valid JSON ({e}); the step is not a usable checkpoint") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise CorruptCheckpoint(f"commit marker {url} is not a cloudckpt marker (no \"format\": \"cloudckpt\")")
@@ -117,14 +119,17 @@ class Marker:
                 f"{FORMAT_VERSION}: upgrade cloudckpt to read this checkpoint"
             )
         try:
-            objects = tuple(
-                ObjectEntry(str(o["path"]), int(o["size"]), o.get("crc32c"), tuple(tuple(c) for c in o.get("chunks", ())))
-                for o in d["objects"]
-            )
-            return cls(
-                step=int(d["step"]),
-                ephemeral=bool(d["ephemeral"]),
-                world_size=int(d["world_size"]),
+            raw_objects = d["objects"]
+            if type(raw_objects) is not list:
+                raise TypeError("objects is not a list")
+            objects = tuple(_object_entry(o, url) for o in raw_objects)
+            step, world_size = _int(d["step"], "step"), _int(d["world_size"], "world_size")
+            if type(d["ephemeral"]) is not bool:
+                raise TypeError("ephemeral is not true or false")
+            marker = cls(
+                step=step,
+                ephemeral=d["ephemeral"],
+                world_size=world_size,
                 objects=objects,
                 created_unix=float(d["created_unix"]),
                 library_version=str(d.get("library_version", "")),
@@ -132,5 +137,53 @@ class Marker:
                 save_id=str(d.get("save_id", "")),
                 format_version=v,
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise CorruptCheckpoint(f"commit marker {url} is missing or has a bad field ({type(e).__name__}: {e})") from None
+        if world_size < 1:
+            raise CorruptCheckpoint(f"commit marker {url} has world_size {world_size}; it must be at least 1")
+        if len(marker._by_path) != len(objects):
+            raise UnsafeCheckpoint(f"commit marker {url} lists an object path twice; refusing the checkpoint")
+        return marker
+
+
+def _int(v: Any, name: str) -> int:
+    """A non-negative JSON integer (not a bool, float or string)."""
+    if type(v) is not int or v < 0:
+        raise ValueError(f"{name} is {v!r}, not a non-negative integer")
+    return v
+
+
+_CRC = re.compile(r"[0-9a-f]{8}")
+
+
+def _crc(v: Any, what: str) -> str | None:
+    if v is None:
+        return None
+    if type(v) is not str or not _CRC.fullmatch(v):
+        raise ValueError(f"the CRC32C of {what} is {v!r}, not 8 hex digits")
+    return v
+
+
+def _object_entry(o: Any, url: str) -> ObjectEntry:
+    """One manifest entry, checked: a safe name (untrusted.names), a size, a CRC32C,
+    and item ranges inside the object that do not overlap."""
+    if type(o) is not dict:
+        raise TypeError("an object entry is not a JSON object")
+    path = check_name(o["path"], what="object path in the marker", url=url)
+    size = _int(o["size"], f"the size of {path!r}")
+    crc = _crc(o.get("crc32c"), repr(path))
+    raw_chunks = o.get("chunks", [])
+    if type(raw_chunks) is not list:
+        raise TypeError(f"the chunks of {path!r} are not a list")
+    chunks = []
+    end = 0
+    for c in raw_chunks:
+        if type(c) is not list or len(c) != 3:
+            raise TypeError(f"a chunk of {path!r} is not [offset, length, crc32c]")
+        off, n = _int(c[0], "a chunk offset"), _int(c[1], "a chunk length")
+        if off < end or off + n > size:
+            raise UnsafeCheckpoint(f"commit marker {url}: the item ranges of {path!r} overlap or run past its "
+                                   f"{size} bytes (at [{off}, {off + n})); refusing the checkpoint")
+        end = off + n
+        chunks.append((off, n, _crc(c[2], f"a chunk of {path!r}")))
+    return ObjectEntry(path, size, crc, tuple(chunks))

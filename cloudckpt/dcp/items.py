@@ -29,6 +29,7 @@ import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from ..errors import CorruptCheckpoint
+from ..untrusted.plain import load_tensor
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header (30 bytes)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -76,7 +77,9 @@ def load_tensor_into(data: memoryview, storage_offsets, lengths, target: torch.T
     into ``target`` (same shape). Returns True if the direct path was taken."""
     if _direct(data, storage_offsets, lengths, target):
         return True
-    tensor = torch.load(BufferReader(data), map_location="cpu", weights_only=True)
+    tensor = load_tensor(BufferReader(data), url=url, fqn=fqn)
+    if not isinstance(tensor, torch.Tensor):
+        raise CorruptCheckpoint(f"{url}: the item of {fqn} holds a {type(tensor).__name__}, not a tensor")
     tensor = narrow_tensor_by_index(tensor, storage_offsets, lengths)
     if target.size() != tensor.size():
         raise CorruptCheckpoint(f"{url}: {fqn} has shape {tuple(tensor.size())}, expected {tuple(target.size())}")

@@ -46,7 +46,7 @@ class FileDownload:
         self._io = threading.Lock()  # a write, or closing the file
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         except OSError as e:
             raise self._no_space(e) if e.errno in _FULL else e
 

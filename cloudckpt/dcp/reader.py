@@ -42,9 +42,9 @@ from torch.distributed.checkpoint.storage import StorageReader
 from ..errors import CorruptCheckpoint, NotFound
 from ..storage import url as urls
 from ..transfer import crc32c_bytes
+from ..untrusted import MAX_METADATA_BYTES, local_name, loads_metadata, read_capped
 from .items import load_tensor_into
 from .predownload import FileDownload, map_bytes, unmap
-from .safe_pickle import loads_metadata
 
 _MiB = 1024 * 1024
 METADATA_NAME = ".metadata"
@@ -84,6 +84,7 @@ class StreamingReader(StorageReader):
         streamed: bool = True,
         download_ahead: int = 2,
         metadata_bytes: bytes | None = None,
+        files: dict[str, int] | None = None,
     ):
         """``stream(url, start, end, job)`` runs ``job(open_from, progress)`` on a
         transfer thread and returns its Future (``TransferEngine.submit_stream``);
@@ -92,7 +93,9 @@ class StreamingReader(StorageReader):
         kept to a quarter of the in-flight budget (each is then one request, held
         whole). ``local_dir``: pre-download into this folder (streams too: one per
         file, written to disk). ``metadata_bytes``: DCP's ``.metadata`` already read (by rank 0,
-        for every rank); it is checked like a fetched object."""
+        for every rank); it is checked like a fetched object. ``files``: the manifest's
+        ``{relative path: size}`` of this DCP folder; every item of ``.metadata`` must
+        lie inside one of them (None: a checkpoint without a manifest)."""
         super().__init__()
         self.remote_dir = remote_dir
         self._stream = stream
@@ -106,6 +109,7 @@ class StreamingReader(StorageReader):
         self.max_inflight_bytes = max_inflight_bytes
         self.download_ahead = max(1, download_ahead)
         self._metadata_bytes = metadata_bytes
+        self.files = files
         self.storage_data: dict = {}
         self.bytes_read = 0
         self.direct_items = 0  # tensor items copied straight from the fetched bytes (items.py)
@@ -119,9 +123,14 @@ class StreamingReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         url = urls.join(self.remote_dir, METADATA_NAME)
         try:
-            data = self._metadata_bytes if self._metadata_bytes is not None else self._get_bytes(url)
+            data = self._metadata_bytes
+            if data is None:
+                if self.files is not None and METADATA_NAME not in self.files:
+                    raise CorruptCheckpoint(f"{url}: the checkpoint's marker lists no DCP metadata; it is not a "
+                                            "complete checkpoint")
+                data = read_capped(_Getter(self._get_bytes), url, limit=MAX_METADATA_BYTES, what="DCP metadata")
             self._check(METADATA_NAME, 0, len(data), data, url)
-            md = loads_metadata(data, url=url)
+            md = loads_metadata(data, url=url, files=self.files)
         except CorruptCheckpoint as e:
             # DCP (2.13) turns a read_metadata error into a bare AssertionError; keep the typed one
             self.metadata_error = e
@@ -217,6 +226,7 @@ class StreamingReader(StorageReader):
         (``FileDownload.discard_below``) and a local file is deleted once all its items
         are, so the disk holds at most ``download_ahead`` + 1 of them, mostly holes."""
         shared = threading.Condition()  # pieces landing, downloads ending
+        index = {rel: i for i, rel in enumerate(per_file)}  # local names are derived, never the checkpoint's
         todo = iter([(rel, start, parts) for rel, reqs in per_file.items()
                      for start, _, parts in coalesce(reqs, max_gap=self.max_gap, max_range=1 << 62)])
         started: list[FileDownload] = []
@@ -232,7 +242,7 @@ class StreamingReader(StorageReader):
                     return
                 rel, start, parts = nxt  # parts: sorted by offset
                 dl = FileDownload(shared, rel, urls.join(self.remote_dir, rel),
-                                  os.path.join(self.local_dir, f"{rel}@{start}"), parts)
+                                  os.path.join(self.local_dir, local_name(index[rel], start)), parts)
                 started.append(dl)
                 on_disk.append(dl)
                 dl.future = self._stream(dl.url, dl.start, dl.end, dl)
@@ -297,6 +307,13 @@ class StreamingReader(StorageReader):
                 fut.cancel()
         self.bytes_read += tally.bytes
         self.direct_items += tally.direct
+
+
+class _Getter:
+    """``get_bytes`` as a store-like object for ``untrusted.read_capped``."""
+
+    def __init__(self, get_bytes: Callable):
+        self.get_bytes = get_bytes
 
 
 class _Tally:

@@ -5,7 +5,6 @@ step aside for everything it does not handle."""
 from __future__ import annotations
 
 import io
-import pickle
 import sys
 import zipfile
 
@@ -132,8 +131,10 @@ def test_the_direct_path_finds_the_same_offset_torch_does():
     assert torch.equal(raw, torch.load(io.BytesIO(bytes(data)), weights_only=True))
 
 
-def test_not_a_zip_goes_to_torch_load_which_says_so():
-    with pytest.raises(pickle.UnpicklingError):
+def test_not_a_zip_goes_to_torch_load_whose_refusal_is_typed_and_names_the_item():
+    from cloudckpt.errors import UnsafeCheckpoint
+
+    with pytest.raises(UnsafeCheckpoint, match="u: refused to load the tensor 'w'"):
         items.load_tensor_into(memoryview(b"not a tensor at all" * 10), (0,), (3,), torch.zeros(3), url="u", fqn="w")
 
 
