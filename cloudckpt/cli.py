@@ -847,6 +847,18 @@ def _message(e: BaseException) -> str:
     return f"unexpected {type(e).__name__}: {' '.join(str(e).split())} (rerun with --debug for the traceback)"
 
 
+def _resolve_local_paths(args) -> None:
+    """Local paths given on the command line are resolved to their real path once
+    (the local backend follows no link inside a save folder); a STEP's own last
+    component is kept, so a step folder that is a planted link is refused."""
+    from .storage import resolve_local, resolve_step_dir
+
+    for name, resolve in (("step", resolve_step_dir), ("folder", resolve_local), ("dest", resolve_local)):
+        value = getattr(args, name, None)
+        if isinstance(value, str):
+            setattr(args, name, resolve(value))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -856,6 +868,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for noisy in ("botocore", "boto3", "s3transfer", "urllib3", "google"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     try:
+        _resolve_local_paths(args)
         return args.func(args)
     except KeyboardInterrupt:
         print("cloudckpt: interrupted", file=sys.stderr)

@@ -47,7 +47,7 @@ from .checkpoint import discovery, layout
 from .checkpoint.marker import Marker
 from .dcp.reader import METADATA_NAME
 from .errors import AlreadyExists, ConfigError, CorruptCheckpoint, MissingKeys
-from .storage import StorageOptions, open_store
+from .storage import StorageOptions, open_store, resolve_step_dir
 from .storage import url as urls
 from .transfer import TransferConfig, TransferEngine, crc32c_bytes
 from .untrusted import MAX_METADATA_BYTES, loads_metadata, read_checked
@@ -93,6 +93,7 @@ def read_dcp_metadata(step_url: str, *, storage_options: StorageOptions | None =
     """The commit marker and the DCP ``Metadata`` of a committed step (unpickled with
     the allowlist; size and CRC32C checked against the marker). Raises NotACheckpoint,
     CorruptCheckpoint, storage errors."""
+    step_url = resolve_step_dir(step_url)
     marker = discovery.read_marker(step_url, storage_options=storage_options)
     rel = f"{layout.MODEL_DIR}/{METADATA_NAME}"
     url = urls.join(step_url, rel)

@@ -57,7 +57,7 @@ from ..errors import (
     SaveFailed,
     SaveInProgress,
 )
-from ..storage import StorageOptions, open_store
+from ..storage import StorageOptions, open_store, resolve_step_dir
 from ..storage import url as urls
 from ..transfer import TransferConfig, TransferEngine, crc32c_bytes
 from ..untrusted import MAX_METADATA_BYTES, MAX_TRAIN_STATE_BYTES, load_plain, read_checked
@@ -187,6 +187,7 @@ class Checkpointer:
         given; integrations with their own naming pass ``step``), storage errors.
         """
         step = layout.parse_step_dir(dir) if step is None else int(step)
+        dir = resolve_step_dir(dir)  # the user's own links above the step: followed once, here
         save_id = uuid.uuid4().hex
         t0 = time.monotonic()
         work = None
@@ -464,6 +465,7 @@ class Checkpointer:
             exclude_from_loading = [k for k in state_dict if k != "model"]
             load_trainer_state = False
         self._async.wait()
+        dir = resolve_step_dir(dir)  # the user's own links above the step: followed once, here
         with gc_paused():
             return self._load_now(dir, state_dict, load_optim_state=load_optim_state, load_trainer_state=load_trainer_state,
                                   strict=strict, pre_download=pre_download, exclude_from_loading=exclude_from_loading)

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 from ..errors import BucketNotFound, CheckpointError, NotACheckpoint, NotFound
-from ..storage import StorageOptions, open_store
+from ..storage import StorageOptions, open_store, resolve_local, resolve_step_dir
 from ..storage import url as urls
 from . import layout
 from ..untrusted import MAX_MARKER_BYTES, read_capped
@@ -35,7 +35,7 @@ def read_marker(dir: str, *, storage_options: StorageOptions | None = None) -> M
 
 def read_marker_bytes(dir: str, *, storage_options: StorageOptions | None = None) -> tuple[Marker, bytes]:
     """``read_marker`` and the marker's bytes as read (at most MAX_MARKER_BYTES)."""
-    url = layout.marker_url(dir)
+    url = layout.marker_url(resolve_step_dir(dir))
     try:
         data = read_capped(open_store(url, storage_options), url, limit=MAX_MARKER_BYTES, what="commit marker")
     except BucketNotFound:
@@ -50,6 +50,7 @@ def read_marker_bytes(dir: str, *, storage_options: StorageOptions | None = None
 
 def list_step_dirs(folder: str, *, storage_options: StorageOptions | None = None) -> list[tuple[int, str]]:
     """Every ``step{N}`` folder under ``folder`` (committed or not), ascending, from one LIST pass."""
+    folder = resolve_local(folder)
     prefix = urls.as_prefix(folder)
     out = []
     for e in open_store(prefix, storage_options).list(prefix, delimiter="/"):
@@ -91,7 +92,10 @@ def latest_checkpoint(folder: str, *, storage_options: StorageOptions | None = N
     """The newest committed step folder. Raises NotACheckpoint (a FileNotFoundError) if none.
 
     With ``use_pointer`` (default) the ``latest`` pointer is tried first (2 requests);
-    when it is missing or cannot vouch for a committed step, one LIST pass is used."""
+    when it is missing or cannot vouch for a committed step, one LIST pass is used.
+    Local folders are resolved to their real path first (the local backend follows
+    no links inside them); the step folder returned is under the resolved path."""
+    folder = resolve_local(folder)
     if use_pointer:
         from . import pointer
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import CloudCkptError
-from ..storage import StorageOptions, open_store
+from ..storage import StorageOptions, open_store, resolve_local, resolve_step_dir
 from ..storage import url as urls
 from . import discovery, layout
 
@@ -48,6 +48,7 @@ def steps_to_prune(committed: list[tuple[int, bool]], policy: Policy, *, protect
 
 def delete_step(dir: str, *, storage_options: StorageOptions | None = None) -> int:
     """Delete one step: marker first, then every object under it."""
+    dir = resolve_step_dir(dir)
     store = open_store(dir, storage_options)
     store.delete(layout.marker_url(dir))
     return store.delete_prefix(dir)
@@ -56,6 +57,7 @@ def delete_step(dir: str, *, storage_options: StorageOptions | None = None) -> i
 def prune(folder: str, policy: Policy, *, protect: frozenset[int] = frozenset(), dry_run: bool = False,
           storage_options: StorageOptions | None = None) -> list[str]:
     """Apply the policy to ``folder``. Returns the step folders deleted (or that would be)."""
+    folder = resolve_local(folder)
     found = list(discovery.find_checkpoints(folder, storage_options=storage_options, with_markers=True))
     doomed = steps_to_prune([(s, m.ephemeral) for s, _, m in found], policy, protect=protect)
     dirs = [layout.step_dir(folder, s) for s in doomed]
@@ -79,6 +81,7 @@ def gc(folder: str, *, older_than: float = 3600.0, only_steps_above: int | None 
     whatever its age: leftovers of a crashed attempt of the run being resumed), and
     multipart uploads under ``folder`` initiated more than ``older_than`` seconds ago."""
     now = time.time() if now is None else now
+    folder = resolve_local(folder)
     store = open_store(folder, storage_options)
     doomed = []
     steps = [(s, d) for s, d in discovery.list_step_dirs(folder, storage_options=storage_options) if s not in protect]

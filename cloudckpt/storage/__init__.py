@@ -3,6 +3,7 @@
 from .base import ListEntry, ObjectInfo, ObjectStore, PendingUpload, RangeReader, StorageOptions
 from .registry import clear_cache, known_schemes, open_store, register_backend
 from . import url
+from .url import resolve_local, resolve_step_dir
 
 __all__ = [
     "ListEntry",
@@ -15,5 +16,7 @@ __all__ = [
     "known_schemes",
     "open_store",
     "register_backend",
+    "resolve_local",
+    "resolve_step_dir",
     "url",
 ]

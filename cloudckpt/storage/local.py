@@ -3,21 +3,101 @@
 Writes go to a temporary file in the target folder and are renamed into place,
 so a reader never sees a half-written object. ``if_absent`` uses ``os.link``,
 which fails atomically when the name exists: exactly one racing writer wins.
+
+Symbolic links are never followed, at any component of a path. A save folder on a
+shared disk may hold links planted by someone else (``step99 -> /elsewhere``):
+following one would let garbage collection delete files outside the folder, or a
+save write into them. So every path is opened one component at a time from ``/``
+with ``O_NOFOLLOW`` and the calls below work on directory file descriptors (no
+check-then-use race). A link where a folder or an object is expected raises
+UnsafeCheckpoint; a listing reports a link as a plain object (never descends into
+it, and logs a warning), so deleting it removes the link, never its target.
+Callers canonicalise the user's own folder once (``url.resolve_local``), so a link
+*above* the save folder that the user made keeps working.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import secrets
 import shutil
-import tempfile
+import stat as st_
 from typing import BinaryIO, Iterator
 
-from ..errors import AccessDenied, AlreadyExists, InvalidURL, NotFound, PreconditionFailed, StorageError, Transient
+from ..errors import (
+    AccessDenied,
+    AlreadyExists,
+    InvalidURL,
+    NotFound,
+    PreconditionFailed,
+    StorageError,
+    Transient,
+    UnsafeCheckpoint,
+)
 from .base import MiB, ListEntry, ObjectInfo, ObjectStore, Progress, RangeReader
 from .url import parse_url
 
 _CHUNK = 8 * MiB
+_log = logging.getLogger(__name__)
+# O_PATH opens a folder we may only search (x, no r: e.g. a 0711 home); O_RDONLY elsewhere
+_O_DIR = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY
+
+
+def _unsafe(path: str, link: str, dfd: int, name: str) -> UnsafeCheckpoint:
+    try:
+        target = f" (to {os.readlink(name, dir_fd=dfd)})"
+    except OSError:
+        target = ""
+    return UnsafeCheckpoint(
+        f"{path}: {link} is a symbolic link{target}. cloudckpt does not follow links inside a save folder "
+        "(a shared folder may hold links planted by someone else). Remove the link, or pass the real path "
+        "of the folder (os.path.realpath) instead of a path through a link."
+    )
+
+
+def _open_at(dfd: int, name: str, flags: int, path: str, full: str, mode: int = 0o666) -> int:
+    """``os.open(name, flags, mode, dir_fd=dfd)`` without following a link: a link there
+    raises UnsafeCheckpoint (``full`` is its path, ``path`` the one being operated on)."""
+    try:
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd)
+    except OSError:
+        try:
+            is_link = st_.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
+        except OSError:
+            is_link = False
+        if is_link:
+            raise _unsafe(path, full, dfd, name) from None
+        raise
+
+
+def _open_dir(path: str, *, create: bool = False, listable: bool = False) -> int:
+    """An fd of the folder ``path``, opened from ``/`` one component at a time, never
+    through a link (UnsafeCheckpoint). ``create``: make missing folders. ``listable``: an
+    fd ``os.scandir`` accepts. Raises OSError (FileNotFoundError when missing)."""
+    comps = [c for c in path.split("/") if c]
+    fd = os.open("/", (os.O_RDONLY | os.O_DIRECTORY) if listable and not comps else _O_DIR)
+    try:
+        for i, c in enumerate(comps):
+            flags = os.O_RDONLY | os.O_DIRECTORY if listable and i == len(comps) - 1 else _O_DIR
+            full = "/" + "/".join(comps[: i + 1])
+            try:
+                nfd = _open_at(fd, c, flags, path, full)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    os.mkdir(c, 0o777, dir_fd=fd)
+                except FileExistsError:
+                    pass  # made by a racing writer (or a link planted meanwhile: caught below)
+                nfd = _open_at(fd, c, flags, path, full)
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class LocalStore(ObjectStore):
@@ -41,12 +121,20 @@ class LocalStore(ObjectStore):
             return StorageError(f"{what}: no space left on the device holding {url}; free space or use another folder", url=url)
         return Transient(f"{what} {url}: {e}", url=url)
 
-    def _write(self, url: str, fill, *, if_absent: bool) -> None:
+    def _parent(self, url: str, what: str, *, create: bool = False) -> tuple[int, str, str]:
+        """(fd of the object's folder, its name, its path); the caller closes the fd."""
         path = self._path(url)
-        d = os.path.dirname(path)
+        d, name = os.path.split(path)
         try:
-            os.makedirs(d, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-")
+            return _open_dir(d, create=create), name, path
+        except OSError as e:
+            raise self._err(e, url, what) from e
+
+    # ------------------------------------------------------------ writes
+    def _write_at(self, dfd: int, name: str, url: str, fill, *, if_absent: bool) -> None:
+        tmp = ".tmp-" + secrets.token_hex(8)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
         except OSError as e:
             raise self._err(e, url, "write") from e
         try:
@@ -56,31 +144,58 @@ class LocalStore(ObjectStore):
                 os.fsync(f.fileno())
             if if_absent:
                 try:
-                    os.link(tmp, path)
-                except FileExistsError:
+                    os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                except FileExistsError:  # also when a link holds the name: it is left alone
                     raise AlreadyExists(f"{url} already exists", url=url) from None
             else:
-                os.replace(tmp, path)
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # replaces a link itself, not its target
         except StorageError:
             raise  # AlreadyExists is an OSError too: keep it as it is
         except OSError as e:
             raise self._err(e, url, "write") from e
         finally:
             try:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=dfd)
             except FileNotFoundError:
                 pass  # renamed into place
+
+    def _write(self, url: str, fill, *, if_absent: bool) -> None:
+        dfd, name, _ = self._parent(url, "write", create=True)
+        try:
+            self._write_at(dfd, name, url, fill, if_absent=if_absent)
+        finally:
+            os.close(dfd)
 
     def put_bytes(self, url: str, data: bytes, *, if_absent: bool = False) -> None:
         self._write(url, lambda f: f.write(data), if_absent=if_absent)
 
+    def upload_fileobj(self, fileobj: BinaryIO, url: str, *, size: int, if_absent: bool = False, progress: Progress = None) -> None:
+        def fill(f):
+            while True:
+                chunk = fileobj.read(_CHUNK)
+                if not chunk:
+                    return
+                f.write(chunk)
+                if progress:
+                    progress(len(chunk))
+
+        self._write(url, fill, if_absent=if_absent)
+
+    # ------------------------------------------------------------ reads
     def _open(self, url: str) -> BinaryIO:
+        """The object, open for reading; a folder (or anything but a regular file) is NotFound."""
+        dfd, name, path = self._parent(url, "read")
         try:
-            return open(self._path(url), "rb")
-        except IsADirectoryError:
-            raise NotFound(f"read: {url} is a folder, not an object", url=url) from None
+            # O_NONBLOCK: a planted FIFO must not hang the open (no effect on regular files)
+            fd = _open_at(dfd, name, os.O_RDONLY | os.O_NONBLOCK, path, path)
         except OSError as e:
             raise self._err(e, url, "read") from e
+        finally:
+            os.close(dfd)
+        if not st_.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise NotFound(f"read: {url} is a folder, not an object", url=url)
+        return os.fdopen(fd, "rb")
 
     def get_bytes(self, url: str, *, start: int | None = None, end: int | None = None) -> bytes:
         if end is not None and end <= (start or 0):
@@ -97,55 +212,50 @@ class LocalStore(ObjectStore):
         return _FileRange(self, self._open(url), url, start, end)
 
     @staticmethod
-    def _version(path: str) -> str:
-        st = os.stat(path)
+    def _version(st: os.stat_result) -> str:
         return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
 
     def get_bytes_versioned(self, url: str) -> tuple[bytes, str]:
-        path = self._path(url)
-        try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                return f.read(), f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
-        except OSError as e:
-            raise self._err(e, url, "read") from e
+        with self._open(url) as f:
+            try:
+                return f.read(), self._version(os.fstat(f.fileno()))
+            except OSError as e:
+                raise self._err(e, url, "read") from e
 
     def put_bytes_if_match(self, url: str, data: bytes, version: str) -> None:
         """Compare-and-replace under an flock on a sidecar lock file; readers need no
         lock because the replace is an atomic rename (a new inode)."""
         import fcntl
 
-        path = self._path(url)
+        dfd, name, path = self._parent(url, "write")
         try:
             # the lock file's ".tmp-" name keeps it out of listings
-            with open(os.path.join(os.path.dirname(path), ".tmp-cas-" + os.path.basename(path)), "a") as lk:
+            lock = ".tmp-cas-" + name
+            lk = _open_at(dfd, lock, os.O_RDWR | os.O_CREAT, path, os.path.join(os.path.dirname(path), lock))
+            try:
                 fcntl.flock(lk, fcntl.LOCK_EX)
                 try:
-                    current = self._version(path)
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
                 except FileNotFoundError:
-                    current = None
-                if current != version:
+                    st = None
+                if st is not None and st_.S_ISLNK(st.st_mode):
+                    raise _unsafe(path, path, dfd, name)
+                if st is None or self._version(st) != version:
                     raise PreconditionFailed(f"put {url}: the object changed since it was read", url=url)
-                self.put_bytes(url, data)
+                self._write_at(dfd, name, url, lambda f: f.write(data), if_absent=False)
+            finally:
+                os.close(lk)  # releases the flock
+        except StorageError:
+            raise  # already translated (NotFound is an OSError too)
         except OSError as e:
             raise self._err(e, url, "write") from e
-
-    def upload_fileobj(self, fileobj: BinaryIO, url: str, *, size: int, if_absent: bool = False, progress: Progress = None) -> None:
-        def fill(f):
-            while True:
-                chunk = fileobj.read(_CHUNK)
-                if not chunk:
-                    return
-                f.write(chunk)
-                if progress:
-                    progress(len(chunk))
-
-        self._write(url, fill, if_absent=if_absent)
+        finally:
+            os.close(dfd)
 
     def download_fileobj(self, url: str, fileobj: BinaryIO, *, progress: Progress = None) -> int:
         n = 0
-        try:
-            with open(self._path(url), "rb") as f:
+        with self._open(url) as f:
+            try:
                 while True:
                     chunk = f.read(_CHUNK)
                     if not chunk:
@@ -154,18 +264,24 @@ class LocalStore(ObjectStore):
                     n += len(chunk)
                     if progress:
                         progress(len(chunk))
-        except OSError as e:
-            raise self._err(e, url, "read") from e
+            except OSError as e:
+                raise self._err(e, url, "read") from e
 
     def stat(self, url: str) -> ObjectInfo:
+        dfd, name, path = self._parent(url, "stat")
         try:
-            st = os.stat(self._path(url))
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if st_.S_ISLNK(st.st_mode):
+                raise _unsafe(path, path, dfd, name)
         except OSError as e:
             raise self._err(e, url, "stat") from e
-        if not os.path.isfile(self._path(url)):
+        finally:
+            os.close(dfd)
+        if not st_.S_ISREG(st.st_mode):
             raise NotFound(f"stat: {url} is a folder, not an object", url=url)
         return ObjectInfo(url, st.st_size, st.st_mtime)
 
+    # ------------------------------------------------------------ listing, deletes
     def _out(self, prefix_url: str, path: str) -> str:
         # keep the caller's form (plain path or file://)
         return ("file://" + path) if prefix_url.startswith("file://") else path
@@ -177,45 +293,81 @@ class LocalStore(ObjectStore):
         folder, _, stem = p.rpartition("/")
         folder = folder or "/"
         try:
-            names = sorted(os.listdir(folder))
+            dfd = _open_dir(folder, listable=True)  # a link as the folder: UnsafeCheckpoint
         except FileNotFoundError:
             return
         except OSError as e:
             raise self._err(e, prefix, "list") from e
-        for name in names:
-            if not name.startswith(stem) or name.startswith(".tmp-"):
-                continue
-            full = os.path.join(folder, name)
-            if os.path.isdir(full):
-                if delimiter is None:
-                    for root, dirs, files in os.walk(full):
-                        dirs.sort()
-                        for fn in sorted(files):
-                            if fn.startswith(".tmp-"):
-                                continue
-                            fp = os.path.join(root, fn)
-                            st = os.stat(fp)
-                            yield ListEntry(self._out(prefix, fp), size=st.st_size, mtime=st.st_mtime)
-                else:
-                    yield ListEntry(self._out(prefix, full + "/"), is_prefix=True)
-            else:
-                st = os.stat(full)
-                yield ListEntry(self._out(prefix, full), size=st.st_size, mtime=st.st_mtime)
+        try:
+            yield from self._scan(dfd, folder, prefix, stem, recursive=delimiter is None)
+        finally:
+            os.close(dfd)
+
+    def _scan(self, dfd: int, folder: str, prefix: str, stem: str, *, recursive: bool) -> Iterator[ListEntry]:
+        """Entries of the folder open at ``dfd`` whose names start with ``stem``, sorted;
+        ``recursive``: the objects of its subfolders instead of one prefix entry each.
+        A link is an object entry (its own size), never descended into."""
+        try:
+            with os.scandir(dfd) as it:
+                entries = sorted((e for e in it if e.name.startswith(stem) and not e.name.startswith(".tmp-")),
+                                 key=lambda e: e.name)
+        except OSError as e:
+            raise self._err(e, prefix, "list") from e
+        for e in entries:
+            full = os.path.join(folder, e.name)
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    if not recursive:
+                        yield ListEntry(self._out(prefix, full + "/"), is_prefix=True)
+                        continue
+                    sub = _open_at(dfd, e.name, os.O_RDONLY | os.O_DIRECTORY, full, full)
+                    try:
+                        yield from self._scan(sub, full, prefix, "", recursive=True)
+                    finally:
+                        os.close(sub)
+                    continue
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # removed since the scan
+            except OSError as err:
+                raise self._err(err, prefix, "list") from err
+            if st_.S_ISLNK(st.st_mode):
+                _log.warning("%s is a symbolic link: cloudckpt does not follow links inside a save folder; "
+                             "it is listed as an object and never descended into (remove it if it is not yours)", full)
+            yield ListEntry(self._out(prefix, full), size=st.st_size, mtime=st.st_mtime)
 
     def delete(self, url: str) -> None:
-        path = self._path(url)
+        d, name = os.path.split(self._path(url))
         try:
-            os.unlink(path)
+            dfd = _open_dir(d)
         except FileNotFoundError:
             return
         except OSError as e:
             raise self._err(e, url, "delete") from e
+        try:
+            os.unlink(name, dir_fd=dfd)  # a link is removed itself, never its target
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise self._err(e, url, "delete") from e
+        finally:
+            os.close(dfd)
 
     def delete_prefix(self, prefix: str, *, force: bool = False) -> int:
-        n = super().delete_prefix(prefix, force=force)
-        path = self._path(prefix).rstrip("/")
-        # object stores have no folders: drop the emptied folder tree and temp files too
-        shutil.rmtree(path, ignore_errors=True)
+        n = super().delete_prefix(prefix, force=force)  # its walk refuses a prefix whose folder is a link
+        d, name = os.path.split(self._path(prefix).rstrip("/"))
+        if not name:
+            return n
+        # object stores have no folders: drop the emptied folder tree and temp files too;
+        # rmtree with dir_fd never follows a link (and refuses a link as the top)
+        try:
+            dfd = _open_dir(d)
+        except OSError:
+            return n
+        try:
+            shutil.rmtree(name, dir_fd=dfd, ignore_errors=True)
+        finally:
+            os.close(dfd)
         return n
 
 

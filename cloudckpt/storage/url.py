@@ -111,3 +111,35 @@ def depth(url: str) -> int:
     """Number of non-empty key components below the bucket (or filesystem) root."""
     p = parse_url(url)
     return len([c for c in p.key.split("/") if c])
+
+
+def _resolved(url: str, resolve) -> str:
+    url = os.fspath(url)
+    if scheme_of(url) != "file":
+        return url  # object stores have no links
+    is_url = url.startswith("file://")
+    path = url[len("file://"):] if is_url else url
+    out = resolve(os.path.abspath(os.path.expanduser(path)))
+    if path.endswith("/") and out != "/":
+        out += "/"
+    return ("file://" + out) if is_url else out
+
+
+def resolve_local(url: str) -> str:
+    """A local path (or ``file://`` URL) with every symbolic link in it resolved
+    (``os.path.realpath``), in the form it was given; object-store URLs unchanged.
+    The local backend never follows a link, so the user's own folder is resolved once
+    here: a ``~/ckpt -> /nfs/x`` link above the save folder keeps working."""
+    return _resolved(url, os.path.realpath)
+
+
+def resolve_step_dir(url: str) -> str:
+    """Like :func:`resolve_local` for the parent only: the last component is kept as
+    given, so a step folder that is itself a (planted) link is refused by the local
+    backend, not followed."""
+
+    def resolve(path: str) -> str:
+        head, tail = os.path.split(path)
+        return os.path.join(os.path.realpath(head), tail) if tail else os.path.realpath(path)
+
+    return _resolved(url, resolve)

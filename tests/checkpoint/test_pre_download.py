@@ -125,7 +125,7 @@ def test_pre_download_streams_each_file_once_and_keeps_at_most_three_on_disk(s3_
                         real_open(self, url, start, end))
 
     def consume(self, req, planner, data, url):
-        on_disk.append(len([p for p in (tmp_path / "w2").rglob("*.distcp@*") if p.is_file()]))
+        on_disk.append(len([p for p in (tmp_path / "w2").rglob("obj*-at*") if p.is_file()]))
         return real_consume(self, req, planner, data, url)
 
     monkeypatch.setattr(R.StreamingReader, "_consume", consume)
