@@ -163,3 +163,28 @@ def test_fuzz_counts_are_reported(capsys):
     """Printed into CI's log (``-ra`` summary shows the test; the counts go to stdout)."""
     with capsys.disabled():
         print(f"\nfuzz examples per test: {EXAMPLES}; outcomes: {dict(sorted(_COUNTS.items()))}")
+
+
+def test_metadata_naming_olmo_cores_storage_info_loads_as_dcps():
+    """OLMo-core pickles its own copy of DCP's ``_StorageInfo``; the allowlist maps that
+    exact name to DCP's class (no import of olmo_core, no module prefix)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    old, new = b"torch.distributed.checkpoint.filesystem", b"olmo_core.distributed.checkpoint.filesystem"
+    assert HONEST.count(b"\x8c" + bytes([len(old)]) + old) == 1
+    olmo = HONEST.replace(b"\x8c" + bytes([len(old)]) + old, b"\x8c" + bytes([len(new)]) + new)
+    md = loads_metadata(_unframed(olmo), url="olmo")
+    assert all(type(v) is _StorageInfo for v in md.storage_data.values())
+    assert md.storage_data == pickle.loads(HONEST).storage_data
+
+
+def _unframed(data: bytes) -> bytes:
+    """Drop protocol 4 FRAME opcodes (their lengths no longer match after an edit)."""
+    import pickletools
+
+    out, pos = bytearray(), 0
+    for op, _, at in pickletools.genops(data):
+        if op.name == "FRAME":
+            out += data[pos:at]
+            pos = at + 9
+    return bytes(out + data[pos:])
