@@ -237,6 +237,7 @@ def test_a_linked_lock_file_is_refused(env):
 
 
 # ------------------------------------------------------------ other planted things
+@pytest.mark.timeout(30)  # a regression would block in open()
 def test_a_planted_fifo_is_not_an_object_and_does_not_hang(env):
     os.mkfifo(env.p("step1", "pipe"))
     with pytest.raises(NotFound):
