@@ -21,11 +21,13 @@ from .transfer import TransferConfig
 from . import errors
 
 _LAZY = {
+    "AppState": "cloudckpt.checkpoint.app_state",
     "Checkpointer": "cloudckpt.checkpoint.checkpointer",
     "CheckpointManager": "cloudckpt.checkpoint.manager",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .checkpoint.app_state import AppState
     from .checkpoint.checkpointer import Checkpointer
     from .checkpoint.manager import CheckpointManager
 
@@ -43,6 +45,7 @@ def __dir__():
 
 
 __all__ = [
+    "AppState",
     "CheckpointConfig",
     "CheckpointManager",
     "Checkpointer",

@@ -68,6 +68,12 @@ class TransferStalled(Transient, TimeoutError):
     """A transfer made no progress for longer than the stall timeout."""
 
 
+class Timeout(Transient, TimeoutError):
+    """The store did not answer in time: a request got no answer within its operation
+    deadline (``operation_timeout``, over all the SDK's attempts) or within the
+    connect/read timeouts. The message names the endpoint and the setting to change."""
+
+
 class UnsafeDelete(StorageError):
     """A delete was refused because the prefix is a bucket root or too shallow."""
 
@@ -98,6 +104,17 @@ class UnsafeCheckpoint(CorruptCheckpoint):
 
 class IncompatibleCheckpoint(CheckpointError):
     """The marker has a format version this library cannot read."""
+
+
+class KeysNotLoaded(CheckpointError):
+    """The checkpoint holds model or optimizer state that the load's target did not ask
+    for (e.g. a fresh optimizer's ``state_dict()`` has no per-parameter state), so it
+    would have been dropped silently. Use ``AppState``, or pass ``allow_partial=True``
+    or ``model_only=True`` to mean it."""
+
+
+class ShapeMismatch(CheckpointError, ValueError):
+    """A tensor asked for has another shape or dtype than the one saved."""
 
 
 class SaveInProgress(CheckpointError, FileExistsError):

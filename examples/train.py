@@ -21,10 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import yaml
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.stateful import Stateful
-
-from cloudckpt import CheckpointConfig
+from cloudckpt import AppState, CheckpointConfig
 
 
 class TinyTransformer(nn.Module):
@@ -38,20 +35,6 @@ class TinyTransformer(nn.Module):
 
     def forward(self, x):
         return self.head(self.blocks(self.emb(x) + self.pos))
-
-
-class AppState(Stateful):
-    """Model + optimizer as one DCP Stateful (sharded state dicts, resharding-safe)."""
-
-    def __init__(self, model, optim):
-        self.model, self.optim = model, optim
-
-    def state_dict(self):
-        m, o = get_state_dict(self.model, self.optim)
-        return {"model": m, "optim": o}
-
-    def load_state_dict(self, sd):
-        set_state_dict(self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
 def batch(step: int, rank: int, bs: int, seq: int = 16, vocab: int = 64):
@@ -86,7 +69,7 @@ def main() -> None:
         fully_shard(blk, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=float(train_cfg.get("lr", 3e-3)))
-    state = {"app": AppState(model, optim)}
+    state = AppState(model, optim)  # sharded (DTensor) model and AdamW state, restored in place by resume
 
     mgr = CheckpointConfig.from_dict(cfg["checkpoint"]).build()
     train_state = mgr.resume(state)

@@ -60,6 +60,7 @@ def test_quickstart_example_runs_on_every_backend(backend, request, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"latest: {folder}/step100" in r.stdout and "'step': 100" in r.stdout
+    assert "restored: weights, AdamW moments and step, LR scheduler" in r.stdout  # asserted bit-exactly inside
 
 
 def test_manager_example_resumes_on_second_run(s3_bucket, tmp_path):
@@ -72,6 +73,33 @@ def test_manager_example_resumes_on_second_run(s3_bucket, tmp_path):
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     assert "resumed from 200 last saved 400" in second.stdout
+    # checked as a user would: step 400 of the resumed run equals step 400 of a run that was never stopped
+    straight = s3_bucket + "/runs/straight"
+    third = subprocess.run(cmd[:-1] + [straight, "450"], env=env, capture_output=True, text=True, timeout=300)
+    assert third.returncode == 0 and "resumed from None last saved 400" in third.stdout, third.stderr
+    _assert_same_step(folder + "/step400", straight + "/step400")
+
+
+def _assert_same_step(a: str, b: str) -> None:
+    """Weights, AdamW state and LR scheduler of two steps saved by examples/manager.py are equal."""
+    import torch
+
+    from cloudckpt import AppState, Checkpointer
+
+    def load(step):
+        model = torch.nn.Linear(8, 4)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=1000)
+        ts = Checkpointer().load(step, AppState(model, optim, sched))
+        return model, optim, sched, ts
+
+    (m1, o1, s1, t1), (m2, o2, s2, t2) = load(a), load(b)
+    assert t1["step"] == t2["step"] == 400
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(p1, p2)
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(o1.state[p1][k], o2.state[p2][k]), k
+    assert s1.state_dict() == s2.state_dict()
 
 
 def test_storage_page_sample_starts_seaweedfs():
@@ -79,3 +107,34 @@ def test_storage_page_sample_starts_seaweedfs():
     ns: dict = {}
     exec(compile(block, "storage.md", "exec"), ns)
     assert ns["env"]["AWS_ENDPOINT_URL"].startswith("http://127.0.0.1:")
+
+
+def test_readme_sample_saves_and_a_second_run_resumes_everything(tmp_path):
+    """The README's snippet, run as written (its bucket URL pointed at a local folder),
+    twice: the second run restores the first run's weights, AdamW state and scheduler."""
+    import torch
+
+    block = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    assert "s3://my-bucket/runs/run-7" in block
+    code = compile(block.replace("s3://my-bucket/runs/run-7", str(tmp_path / "run-7")), "README.md", "exec")
+
+    def run(seed: int) -> dict:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.AdamW(model.parameters())
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10)
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+        ns = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "num_steps": 100}
+        exec(code, ns)
+        return ns
+
+    first = run(0)
+    second = run(1)  # other initial weights: the resume must overwrite them
+    assert first["train_state"] is None and second["train_state"] == {"step": 100}
+    assert torch.equal(first["model"].weight, second["model"].weight)
+    o1, o2 = first["optimizer"], second["optimizer"]
+    for p1, p2 in zip(first["model"].parameters(), second["model"].parameters()):
+        assert torch.equal(o1.state[p1]["exp_avg"], o2.state[p2]["exp_avg"])
+    assert first["scheduler"].state_dict() == second["scheduler"].state_dict()

@@ -50,12 +50,14 @@ from ..errors import (
     CheckpointExists,
     CloudCkptError,
     CorruptCheckpoint,
+    KeysNotLoaded,
     MissingKeys,
     NotACheckpoint,
     NotFound,
     PreconditionFailed,
     SaveFailed,
     SaveInProgress,
+    ShapeMismatch,
 )
 from ..storage import StorageOptions, open_store, resolve_step_dir
 from ..storage import url as urls
@@ -76,16 +78,37 @@ class _RankOutcome:
     seconds: float
 
 
-class _KeyCheckingPlanner(DefaultLoadPlanner):
-    """Raises MissingKeys listing every requested key the checkpoint lacks
-    (optional keys are skipped silently)."""
+def _shown(keys: Sequence[str], n: int = 20) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:n]) + (f" ... ({len(keys)} in all)" if len(keys) > n else "")
 
-    def __init__(self, *, strict: bool, optional_prefixes: tuple[str, ...] = (), url: str = ""):
+
+class _KeyCheckingPlanner(DefaultLoadPlanner):
+    """Checks the load plan against the checkpoint before anything is read:
+
+    - MissingKeys: keys asked for that the checkpoint lacks (``strict``; keys under
+      ``optional_prefixes`` are skipped silently);
+    - ShapeMismatch: a tensor asked for with another shape or dtype than saved;
+    - KeysNotLoaded: checkpoint keys that no rank asks for, under a top-level key a
+      rank asks for or under ``model``/``optim`` (unless ``allow_partial`` or the key
+      was skipped on purpose: ``skipped`` top-level keys, or all but ``only``); other
+      leftovers: one warning. Judged on the coordinator from every rank's request
+      (each local plan carries its keys in ``planner_data``; ranks of a sharded load
+      ask for different keys), and handed back to every rank: ``self.not_loaded``.
+    """
+
+    def __init__(self, *, strict: bool, optional_prefixes: tuple[str, ...] = (), url: str = "", step_url: str = "",
+                 allow_partial: bool = False, skipped: Sequence[str] = (), only: str | None = None):
         super().__init__(allow_partial_load=True)
         self.url = url
+        self.step_url = step_url
         self.strict = strict
         self.optional_prefixes = optional_prefixes
+        self.allow_partial = allow_partial
+        self.skipped = set(skipped)
+        self.only = only  # model_only: every other top-level key is skipped on purpose
         self.missing: list[str] = []
+        self.not_loaded: list[str] = []
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -93,11 +116,69 @@ class _KeyCheckingPlanner(DefaultLoadPlanner):
         missing = [k for k in self.state_dict if k not in have]
         self.missing = [k for k in missing if not k.startswith(self.optional_prefixes)]
         if self.missing and self.strict:
-            shown = ", ".join(sorted(self.missing)[:20]) + (" ..." if len(self.missing) > 20 else "")
             raise MissingKeys(
-                f"{len(self.missing)} key(s) asked for are not in the checkpoint: {shown}; "
-                "pass strict=False to load what exists"
+                f"{self.step_url}: {len(self.missing)} key(s) asked for are not in the checkpoint: "
+                f"{_shown(self.missing)}; pass strict=False to load what exists"
             )
+        self._check_shapes(have)
+        self._top = sorted(state_dict)
+
+    def create_local_plan(self):
+        import dataclasses
+
+        plan = super().create_local_plan()
+        return dataclasses.replace(plan, planner_data={"asked": sorted(self.state_dict), "top": self._top})
+
+    def create_global_plan(self, global_plan):
+        import dataclasses
+
+        asked: set[str] = set()
+        top: set[str] = set()
+        for p in global_plan:
+            data = p.planner_data or {}
+            asked.update(data.get("asked", ()))
+            top.update(data.get("top", ()))
+        have = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        not_loaded = self._check_leftovers(have, asked, top)
+        return [dataclasses.replace(p, planner_data={"not_loaded": not_loaded})
+                for p in super().create_global_plan(global_plan)]
+
+    def finish_plan(self, new_plan):
+        self.not_loaded = list((new_plan.planner_data or {}).get("not_loaded", ()))
+        return super().finish_plan(new_plan)
+
+    def _check_shapes(self, have) -> None:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        for k, v in self.state_dict.items():
+            md = have.get(k)
+            if not isinstance(v, torch.Tensor) or not isinstance(md, TensorStorageMetadata):
+                continue
+            if tuple(v.size()) != tuple(md.size) or v.dtype != md.properties.dtype:
+                raise ShapeMismatch(
+                    f"{self.step_url}: {k!r} was saved as {str(md.properties.dtype).replace('torch.', '')} "
+                    f"{list(md.size)}, the target is {str(v.dtype).replace('torch.', '')} {list(v.size())}; build the "
+                    "model with the configuration the checkpoint was saved with, or leave its top-level key out "
+                    "(exclude_from_loading=[...])"
+                )
+
+    def _check_leftovers(self, have, asked: set[str], top: set[str]) -> list[str]:
+        not_loaded = sorted(k for k in have if k not in asked and k.split(".", 1)[0] not in self.skipped
+                            and (self.only is None or k.split(".", 1)[0] == self.only))
+        guarded = top | {"model", "optim"}
+        dropped = [k for k in not_loaded if k.split(".", 1)[0] in guarded]
+        if dropped and not self.allow_partial:
+            raise KeysNotLoaded(
+                f"{self.step_url}: {len(dropped)} key(s) of the checkpoint would not be loaded because the target does "
+                f"not ask for them: {_shown(dropped)}. A fresh optimizer's state_dict() has no per-parameter state: "
+                "pass cloudckpt.AppState(model, optimizer, scheduler) as the state, or pass allow_partial=True "
+                "(or model_only=True) if you mean to leave them behind"
+            )
+        rest = [k for k in not_loaded if k not in dropped]
+        if rest:
+            log.warning("%s: %d key(s) of the checkpoint are not loaded (the target does not ask for them): %s",
+                        self.step_url, len(rest), _shown(rest))
+        return not_loaded
 
 
     def load_bytes(self, read_item, value) -> None:
@@ -433,6 +514,7 @@ class Checkpointer:
         pre_download: bool | None = None,
         exclude_from_loading: Sequence[str] = (),
         model_only: bool = False,
+        allow_partial: bool = False,
     ) -> Any:
         """Load the committed step ``dir`` into ``state_dict`` in place (resharding
         as needed) and return this rank's train state (None when not loaded).
@@ -448,10 +530,17 @@ class Checkpointer:
         ``model_only``: load only the top-level ``model`` key and no train state
         (returns None): starting a fresh run from a seed checkpoint.
 
+        Nothing is left behind silently: checkpoint keys the target does not ask for
+        under ``model``, ``optim`` or a top-level key the target has raise
+        KeysNotLoaded (use ``AppState``; ``allow_partial=True`` loads what is asked
+        for and leaves the rest); other leftovers are logged. The keys not loaded are
+        in ``last_load_info["not_loaded"]``.
+
         Raises ValueError (an excluded key is not in ``state_dict``; ``model_only``
         without a ``model`` key or with ``load_trainer_state=True``), NotACheckpoint,
         IncompatibleCheckpoint, CorruptCheckpoint (bad size or CRC32C, naming the
-        object), MissingKeys, storage errors.
+        object), UnsafeCheckpoint, MissingKeys, KeysNotLoaded, ShapeMismatch (a tensor
+        of another shape or dtype than saved), storage errors.
         """
         unknown = [k for k in exclude_from_loading if k not in state_dict]
         if unknown:
@@ -468,15 +557,19 @@ class Checkpointer:
         dir = resolve_step_dir(dir)  # the user's own links above the step: followed once, here
         with gc_paused():
             return self._load_now(dir, state_dict, load_optim_state=load_optim_state, load_trainer_state=load_trainer_state,
-                                  strict=strict, pre_download=pre_download, exclude_from_loading=exclude_from_loading)
+                                  strict=strict, pre_download=pre_download, exclude_from_loading=exclude_from_loading,
+                                  allow_partial=allow_partial, only="model" if model_only else None)
 
     def _load_now(self, dir: str, state_dict: dict, *, load_optim_state: bool | None, load_trainer_state: bool | None,
-                  strict: bool, pre_download: bool | None, exclude_from_loading: Sequence[str]) -> Any:
+                  strict: bool, pre_download: bool | None, exclude_from_loading: Sequence[str],
+                  allow_partial: bool = False, only: str | None = None) -> Any:
         self._connect_in_background(dir)
         marker, metadata = self.coord.on_coordinator("read marker", lambda: self._read_marker_and_metadata(dir))
         sd = {k: v for k, v in state_dict.items() if k not in exclude_from_loading}
+        skipped = set(exclude_from_loading)
         if load_optim_state is False:
             sd.pop("optim", None)
+            skipped.add("optim")
         optional = ("optim.",) if load_optim_state is None else ()
         checksums: dict = {}
         files: dict[str, int] = {}  # the DCP folder's manifest: every item of .metadata must lie in one
@@ -506,7 +599,8 @@ class Checkpointer:
                 streamed=store.streams_ranges,
                 files=files,
             )
-            planner = _KeyCheckingPlanner(strict=strict, optional_prefixes=optional, url=model_url)
+            planner = _KeyCheckingPlanner(strict=strict, optional_prefixes=optional, url=model_url, step_url=dir,
+                                          allow_partial=allow_partial, skipped=skipped, only=only)
             try:
                 with _quiet_dcp():
                     dcp.load(sd, storage_reader=reader, planner=planner, process_group=self.coord.group,
@@ -518,7 +612,8 @@ class Checkpointer:
             if local:
                 shutil.rmtree(local, ignore_errors=True)
         self.last_load_info = {"dir": dir, "step": marker.step, "saved_world_size": marker.world_size,
-                               "bytes_read": reader.bytes_read, "direct_items": reader.direct_items}
+                               "bytes_read": reader.bytes_read, "direct_items": reader.direct_items,
+                               "not_loaded": planner.not_loaded}
         if load_trainer_state is False:
             return None
         return self._load_train_state(dir, marker, required=bool(load_trainer_state))

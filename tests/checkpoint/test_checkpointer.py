@@ -145,7 +145,7 @@ def test_two_jobs_saving_the_same_step_concurrently_exactly_one_commits(s3_bucke
 
 # ------------------------------------------------------------------ single-process behaviour
 def _plain_state(v: float = 1.0) -> dict:
-    return {"model": {"w": torch.arange(4096, dtype=torch.float32) * v, "b": torch.ones(3)}, "optim": {"m": torch.full((10,), v)}, "epoch": 2}
+    return {"model": {"w": torch.arange(4096, dtype=torch.float32) * v, "b": torch.ones(3)}, "optim": {"m": torch.full((10,), float(v))}, "epoch": 2}
 
 
 def test_step_folder_without_marker_is_invisible_to_discovery(any_root, tmp_path):
@@ -184,8 +184,10 @@ def test_missing_keys_are_listed_and_strict_false_loads_what_exists(tmp_path):
     with pytest.raises(MissingKeys) as ei:
         Checkpointer().load(step, sd)
     assert "model.nope" in str(ei.value) and "extra" in str(ei.value)
-    Checkpointer().load(step, sd, strict=False)
+    ck = Checkpointer()
+    ck.load(step, sd, strict=False, allow_partial=True)  # the target also lacks model.b and optim.m
     assert torch.equal(sd["model"]["w"], torch.arange(4096, dtype=torch.float32))
+    assert ck.last_load_info["not_loaded"] == ["epoch", "model.b", "optim.m"]
 
 
 def test_load_optim_state_false_skips_optimizer_and_none_tolerates_its_absence(tmp_path):

@@ -155,7 +155,7 @@ def test_pre_download_fetches_only_the_runs_of_needed_items_not_the_file_between
                         real_open(self, url, start, end))
     target = {"model": {"a": torch.zeros(16), "c": torch.zeros(8)}}  # a load of part of the state
     with Checkpointer(work_dir=str(tmp_path / "w2"), pre_download=True) as ck:
-        ck.load(step, target, load_trainer_state=False)
+        ck.load(step, target, load_trainer_state=False, allow_partial=True)
     assert torch.equal(target["model"]["a"], state["model"]["a"]) and torch.equal(target["model"]["c"], state["model"]["c"])
     ranges = [(s, e) for u, s, e in opened if u.endswith(".distcp")]
     assert len(ranges) == 2 and sum(e - s for s, e in ranges) < 64 * 1024, ranges

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from cloudckpt import Checkpointer
+from cloudckpt import AppState, Checkpointer
 from cloudckpt.export import export_weights
 
 
@@ -22,7 +22,7 @@ def main(folder: str) -> dict:
     model(torch.randn(2, 16)).sum().backward()
     optim.step()
     with Checkpointer(save_overwrite=True) as ckpt:
-        ckpt.save(f"{folder}/step100", {"model": model.state_dict(), "optim": optim.state_dict()}, {"step": 100})
+        ckpt.save(f"{folder}/step100", AppState(model, optim), {"step": 100})
 
         # Model weights only, cast to bfloat16, as one safetensors file next to the run.
         info = export_weights(f"{folder}/step100", f"{folder}/export/model.safetensors", dtype="bfloat16",
@@ -34,9 +34,8 @@ def main(folder: str) -> dict:
         # everything but the optimizer and still return the train state.
         seeded = make_model()
         seeded_optim = torch.optim.AdamW(seeded.parameters())
-        state = {"model": seeded.state_dict(), "optim": seeded_optim.state_dict()}
-        assert ckpt.load(f"{folder}/step100", state, model_only=True) is None
-        seeded.load_state_dict(state["model"])
+        assert ckpt.load(f"{folder}/step100", AppState(seeded, seeded_optim), model_only=True) is None
+        assert not seeded_optim.state, "the fresh optimizer is kept"
     assert all(torch.equal(a, b) for a, b in zip(seeded.parameters(), model.parameters()))
     return info
 
