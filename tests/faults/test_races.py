@@ -24,35 +24,66 @@ def _state(who: int) -> dict:
 
 
 def _race(step: str, tmp_path, *, jobs=(1, 2), **ck_kwargs) -> dict:
-    """Start one save per job at the same moment (a barrier); returns job -> error text or None."""
+    """Start one save per job at the same moment (a barrier); returns job -> the exception
+    it raised (any type: the caller says which are allowed) or None when its save returned.
+    Every job must have finished within the join deadline."""
     results: dict = {}
     barrier = threading.Barrier(len(jobs))
 
     def job(i):
         ck = Checkpointer(work_dir=str(tmp_path / f"work{i}"), **ck_kwargs)
-        barrier.wait()
         try:
+            barrier.wait(60)
             ck.save(step, _state(i), {"who": i})
             results[i] = None
-        except (CheckpointExists, SaveInProgress) as e:
-            results[i] = f"{type(e).__name__}: {e}"
+        except BaseException as e:  # noqa: BLE001 - recorded, and judged by the caller
+            results[i] = e
         finally:
             ck.close()
 
-    threads = [threading.Thread(target=job, args=(i,)) for i in jobs]
+    threads = [threading.Thread(target=job, args=(i,), daemon=True) for i in jobs]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(120)
+    _join_all(threads, 120)
+    assert sorted(results) == sorted(jobs), f"a job recorded no outcome: {results}"
     return results
 
 
-def _assert_exactly_one_commit(step: str, results: dict) -> int:
+def _join_all(threads, timeout: float) -> None:
+    """Join every thread by one deadline; a thread still running fails the test (it would
+    go on saving into the next round or test). Threads cannot be killed: they are daemons."""
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    alive = [t.name for t in threads if t.is_alive()]
+    assert not alive, f"still running {timeout:.0f}s after the race started: {alive}"
+
+
+def _assert_only_the_manifest_and_marker(step: str) -> None:
+    """What is stored under the step is exactly the marker's manifest plus the marker (read
+    as plain JSON): no object of a losing job, no lock left behind."""
+    marker = json.loads(open_store(step).get_bytes(layout.marker_url(step)))
+    listed = set(checks.objects_under(step))
+    assert listed == {o["path"] for o in marker["objects"]} | {layout.MARKER}, \
+        f"the step holds objects its manifest does not list, or a lock: {sorted(listed)}"
+
+
+def _texts(results: dict) -> list[str]:
+    return [f"{type(e).__name__}: {e}" for e in results.values() if e is not None]
+
+
+def _assert_exactly_one_commit(step: str, results: dict, *, loser_sees=(SaveInProgress, CheckpointExists)) -> int:
+    """Exactly one job's save returned; every other job raised one of ``loser_sees``
+    (exactly that type, naming the step); the step holds the winner's bytes and
+    nothing else: the manifest's objects and the marker, no object of a loser."""
     winners = [i for i, e in results.items() if e is None]
     assert len(winners) == 1, results
-    loser_errors = [e for e in results.values() if e is not None]
-    assert all(e.startswith(("SaveInProgress", "CheckpointExists")) for e in loser_errors), loser_errors
+    for i, e in results.items():
+        if e is not None:
+            assert type(e) in loser_sees, f"job {i} raised {type(e).__name__}, expected one of {loser_sees}: {e}"
+            assert step in str(e), f"job {i}'s error does not name the step {step}: {e}"
     assert checks.verify_step(step) == [], "the committed step is complete: every object is the winner's"
+    _assert_only_the_manifest_and_marker(step)
     sd = _state(0)
     assert Checkpointer().load(step, sd) == {"who": winners[0]}
     assert torch.equal(sd["model"]["x"], _state(winners[0])["model"]["x"])
@@ -73,7 +104,7 @@ def test_two_jobs_racing_on_one_step_exactly_one_commits(race_root, tmp_path, se
     for round_ in range(4):
         step = urls.join(race_root, f"step{round_}")
         results = _race(step, tmp_path)
-        secret_scan.add(*(e for e in results.values() if e))
+        secret_scan.add(*_texts(results))
         _assert_exactly_one_commit(step, results)
 
 
@@ -84,9 +115,10 @@ def test_a_lock_taken_after_the_other_job_committed_does_not_overwrite_the_commi
     lock_put = ("PUT", "POST") if proxy.flavor == "gcs" else "PUT"
     proxy.add(Rule("latency", method=lock_put, key=r"step3/\.lock", nth=2, delay=4.0))
     results = _race(step, tmp_path)
-    secret_scan.add(*(e for e in results.values() if e))
+    secret_scan.add(*_texts(results))
     assert proxy.injected()["latency"] == 1
-    _assert_exactly_one_commit(step, results)
+    # the late job finds the step committed: CheckpointExists, never SaveInProgress (the lock is gone)
+    _assert_exactly_one_commit(step, results, loser_sees=(CheckpointExists,))
 
 
 def test_a_lock_create_whose_answer_was_lost_still_holds_the_lock(proxy, tmp_path, secret_scan):
@@ -126,23 +158,37 @@ def test_a_slow_second_taker_of_a_stale_lock_does_not_destroy_the_first_takers_c
         return age
 
     b._lock_age = slow_age
-    errors: dict = {}
+    outcome: dict = {}
 
     def run_b():
         try:
             b.save(step, _state(2), {"who": 2})
-        except (CheckpointExists, SaveInProgress) as e:
-            errors["b"] = e
+            outcome["b"] = None
+        except BaseException as e:  # noqa: BLE001 - judged below
+            outcome["b"] = e
+        finally:
+            b.close()
 
-    tb = threading.Thread(target=run_b)
+    tb = threading.Thread(target=run_b, daemon=True)
     tb.start()
     assert judged.wait(60)
-    a.save(step, _state(1), {"who": 1})  # A takes over the stale lock and commits
-    a_done.set()
-    tb.join(60)
+    try:
+        a.save(step, _state(1), {"who": 1})  # A takes over the stale lock and commits
+    finally:
+        a_done.set()
+        a.close()
+    _join_all([tb], 60)
+    e = outcome["b"]
+    secret_scan.add(f"{e}")
+    # B wakes up after A's commit: its compare-and-swap of the lock it judged stale fails (A
+    # replaced that lock, then released it), so B raises SaveInProgress and deletes nothing
+    assert type(e) is SaveInProgress and "took its lock over first" in str(e), f"B: {type(e).__name__}: {e}"
+    assert step in str(e)
     sd = _state(0)
     assert Checkpointer().load(step, sd) == {"who": 1}, "A's save returned: its step must still be there"
+    assert torch.equal(sd["model"]["x"], _state(1)["model"]["x"])
     assert checks.verify_step(step) == []
+    _assert_only_the_manifest_and_marker(step)  # the dead job's leftover was replaced, B added nothing
 
 
 # ------------------------------------------------------------------ corrupted objects
