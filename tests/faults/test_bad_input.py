@@ -1,7 +1,8 @@
 """Bad input, table-driven: each case is a typed error with an actionable message, and
 the committed step that was there before still loads bit-exactly afterwards.
 
-docs/reliability.md lists the same table (test ids are the case names).
+docs/reliability.md lists the same table (test ids are the case names; a test checks
+that the two agree). Every case gets its own buckets and run folders.
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 from unittest import mock
 
@@ -251,12 +254,9 @@ def _shard(step: str) -> str:
     return urls.join(step, next(o.path for o in m.objects if o.path.endswith(".distcp")))
 
 
-_damaged_steps = iter(range(100, 10_000))
-
-
 def _damaged(c: Ctx, damage: Callable[[str], None], **load_kw):
     """Commit another step (the committed step1 is never touched), damage it, and load it."""
-    step = urls.join(c.run, f"step{next(_damaged_steps)}")
+    step = urls.join(c.run, "step7")
     ck = c.ck()
     ck.save(step, checks.step_state(7, 0), {"step": 7, "rank": 0})
     ck.close()
@@ -264,34 +264,16 @@ def _damaged(c: Ctx, damage: Callable[[str], None], **load_kw):
     return Checkpointer(work_dir=os.path.join(c.tmp, "load")).load(step, checks.zero_state(1), **load_kw)
 
 
-@pytest.fixture(scope="module")
-def _module_ctx(seaweed, fake_gcs, tmp_path_factory):
-    """One S3 bucket, one GCS bucket and one local run, each with a committed step1, for the whole table."""
-    import uuid
-
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in {**seaweed.env(), **fake_gcs.env()}.items():
-            mp.setenv(k, v)
-        clear_cache()
-        name = "bad-" + uuid.uuid4().hex[:16]
-        tmp = tmp_path_factory.mktemp("bad-input")
-        c = Ctx(bucket=seaweed.create_bucket(name), gcs=fake_gcs.create_bucket(name), run=f"s3://{name}/run",
-                step=f"s3://{name}/run/step1", local_run=str(tmp / "local" / "run"), tmp=str(tmp), seaweed=seaweed)
-        for run in (c.run, c.local_run):
-            ck = c.ck()
-            ck.save(urls.join(run, "step1"), checks.step_state(1, 0), {"step": 1, "rank": 0})
-            ck.close()
-        yield c, dict(os.environ)
-    clear_cache()
-
-
 @pytest.fixture
-def ctx(_module_ctx, seaweed, monkeypatch):
-    c, env = _module_ctx
-    for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_DEFAULT_REGION",
-              "STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT"):
-        monkeypatch.setenv(k, env[k])
-    clear_cache()
+def ctx(s3_bucket, gcs_bucket, seaweed, tmp_path):
+    """This case's own S3 bucket, GCS bucket and local run, each run with a committed step1
+    (the env points at SeaweedFS and fake-gcs-server; the fixtures restore it afterwards)."""
+    c = Ctx(bucket=s3_bucket, gcs=gcs_bucket, run=s3_bucket + "/run", step=s3_bucket + "/run/step1",
+            local_run=str(tmp_path / "local" / "run"), tmp=str(tmp_path), seaweed=seaweed)
+    for run in (c.run, c.local_run):
+        ck = c.ck()
+        ck.save(urls.join(run, "step1"), checks.step_state(1, 0), {"step": 1, "rank": 0})
+        ck.close()
     yield c
     clear_cache()
 
@@ -325,5 +307,28 @@ def test_bad_input_is_a_typed_actionable_error_and_loses_nothing_committed(case,
     _assert_committed_step_intact(ctx)
 
 
-def test_the_table_has_at_least_25_cases():
-    assert len(CASES) >= 25
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
+
+
+def _documented_cases() -> dict[str, str]:
+    """{case: error type} from the "Bad input" table of docs/reliability.md: a row names one
+    or more cases in backticks (what is in parentheses is an example, not a case)."""
+    section = DOCS.read_text().split("## Bad input", 1)[1].split("\n## ", 1)[0]
+    out: dict[str, str] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`"):
+            continue
+        (error,) = re.findall(r"`(\w+)`", cells[1])
+        for case in re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", cells[0])):
+            assert case not in out, f"{case} has two rows in {DOCS.name}"
+            out[case] = error
+    return out
+
+
+def test_every_case_is_a_documented_row_with_the_same_error_and_every_row_is_a_case():
+    documented = _documented_cases()
+    assert sorted(set(CASES) - set(documented)) == [], f"cases missing from the table in {DOCS}"
+    assert sorted(set(documented) - set(CASES)) == [], f"rows of the table in {DOCS} with no case here"
+    wrong = {c: (documented[c], CASES[c][1].__name__) for c in CASES if documented[c] != CASES[c][1].__name__}
+    assert wrong == {}, f"documented error != the error the case expects: {wrong}"
