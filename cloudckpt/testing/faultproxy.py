@@ -123,6 +123,19 @@ class Event:
     fault: Optional[str]
 
 
+@dataclass(frozen=True)
+class Completed:
+    """A request the store answered and whose answer reached the client in full:
+    ``start`` when the proxy received it, ``end`` when the answer was sent (monotonic
+    seconds). The server-side order of writes, for request-order assertions."""
+
+    start: float
+    end: float
+    method: str
+    target: str
+    status: int
+
+
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False  # never join a handler thread hanging in a stall
@@ -174,6 +187,7 @@ class FaultProxy:
         self._counts: collections.Counter = collections.Counter()
         self._occurrences: collections.Counter = collections.Counter()
         self.events: list[Event] = []
+        self.completed: list[Completed] = []
         self.requests = 0
         self._stopping = threading.Event()
         self._server: Optional[_Server] = None
@@ -224,6 +238,7 @@ class FaultProxy:
         with self._lock:
             self._counts.clear()
             self.events = []
+            self.completed = []
             self.requests = 0
 
     def injected(self) -> collections.Counter:
@@ -365,6 +380,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _proxy(self) -> None:
         proxy = self.server.proxy
         self._prefix = b""
+        started = time.monotonic()
         target = self.path
         if (self.headers.get("Content-Type") or "").startswith("multipart/related") and self.headers.get("Content-Length"):
             # a GCS single-request upload names its object in the JSON part at the start of the body
@@ -412,6 +428,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 resp.read()
                 raise _Reset()
             self._forward_response(resp, rule if fault in ("stall", "truncate") else None)
+            if fault not in ("stall", "truncate"):
+                with proxy._lock:
+                    proxy.completed.append(Completed(started, time.monotonic(), self.command, target, resp.status))
         finally:
             up.close()
 

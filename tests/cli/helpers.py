@@ -74,21 +74,28 @@ def save_steps(folder: str, steps: list[tuple[int, bool]], work_dir: str) -> Non
 def write_fake_steps(folder: str, steps: dict[int, bool], *, threads: int = 32, object_size: int = 0) -> None:
     """Commit markers written directly (fast), for listing/pruning tests: each step gets
     one object ``train/rank0.pt`` of ``object_size`` bytes (none when 0) and a valid marker."""
-    from cloudckpt.checkpoint import layout
-    from cloudckpt.checkpoint.marker import Marker, ObjectEntry
-    from cloudckpt.transfer import crc32c_bytes
+    import json
+    import time
+
+    import google_crc32c
 
     store = open_store(folder)
     body = b"x" * object_size
 
     def one(item):
         step, eph = item
-        dir = layout.step_dir(folder, step)
-        objects = ()
+        dir = urls.join(folder, f"step{step}")
+        objects = []
         if object_size:
             store.put_bytes(urls.join(dir, "train/rank0.pt"), body)
-            objects = (ObjectEntry("train/rank0.pt", len(body), crc32c_bytes(body)),)
-        store.put_bytes(layout.marker_url(dir), Marker(step=step, ephemeral=eph, world_size=1, objects=objects).to_bytes())
+            objects = [{"path": "train/rank0.pt", "size": len(body), "crc32c": f"{google_crc32c.value(body):08x}"}]
+        # the marker as raw JSON, from the schema in docs/protocol.md (not the library's Marker class)
+        now = time.time()
+        marker = {"format": "cloudckpt", "format_version": 1, "step": step, "ephemeral": eph, "world_size": 1,
+                  "created": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(now)), "created_unix": now,
+                  "library_version": "test", "torch_version": "", "save_id": "", "total_bytes": len(body) if objects else 0,
+                  "object_count": len(objects), "objects": objects}
+        store.put_bytes(urls.join(dir, ".metadata.json"), json.dumps(marker).encode())
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
         list(pool.map(one, steps.items()))

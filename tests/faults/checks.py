@@ -1,5 +1,5 @@
-"""Deterministic states and independent checks of what is on storage (an oracle that
-does not share code with the checkpointer's load path)."""
+"""Deterministic states, and checks of what is on storage through the independent
+oracle (oracle.py: the SDKs and raw JSON, no cloudckpt code)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import os
 import google_crc32c
 import torch
 
-from cloudckpt.checkpoint import discovery, layout
-from cloudckpt.storage import open_store
-from cloudckpt.storage import url as urls
+from cloudckpt.checkpoint import layout
+
+from . import oracle
 
 _ENV_KEYS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_DEFAULT_REGION",
              "STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT", "AWS_EC2_METADATA_DISABLED", "AWS_CONFIG_FILE",
@@ -62,23 +62,10 @@ def crc32c_hex(data: bytes) -> str:
 
 
 def verify_step(dir: str) -> list[str]:
-    """Problems of a committed step, read straight from storage: every manifest
-    object exists with its size and CRC32C. ``[]`` means complete."""
-    marker = discovery.read_marker(dir)
-    store = open_store(dir)
-    problems = []
-    for o in marker.objects:
-        url = urls.join(dir, o.path)
-        try:
-            data = store.get_bytes(url)
-        except FileNotFoundError:
-            problems.append(f"{url}: missing")
-            continue
-        if len(data) != o.size:
-            problems.append(f"{url}: size {len(data)} != {o.size}")
-        elif o.crc32c and crc32c_hex(data) != o.crc32c:
-            problems.append(f"{url}: crc32c {crc32c_hex(data)} != {o.crc32c}")
-    return problems
+    """Problems of a committed step, judged by the independent oracle (oracle.py: the
+    SDKs and raw JSON, no cloudckpt code): every manifest object exists with its size
+    and CRC32C. ``[]`` means complete."""
+    return oracle.verify_step(dir)
 
 
 def library_verify(step: str) -> tuple[int, str]:
@@ -95,7 +82,8 @@ def library_verify(step: str) -> tuple[int, str]:
 
 
 def committed_steps(folder: str) -> list[int]:
-    return [s for s, _ in discovery.find_checkpoints(folder)]
+    """Steps with a marker of ours, by the independent oracle (oracle.py)."""
+    return oracle.committed_steps(folder)
 
 
 def step_dir(folder: str, step: int) -> str:
@@ -103,8 +91,8 @@ def step_dir(folder: str, step: int) -> str:
 
 
 def objects_under(prefix: str) -> list[str]:
-    p = urls.as_prefix(prefix)
-    return sorted(o.url[len(p):] for o in open_store(p).walk(p))
+    """Every object under the folder, listed by the independent oracle (oracle.py)."""
+    return sorted(oracle.keys(prefix))
 
 
 # ------------------------------------------------------------------ logs of a rank

@@ -13,13 +13,10 @@ import pytest
 import torch
 
 from cloudckpt import Checkpointer
-from cloudckpt.checkpoint import discovery, layout
-from cloudckpt.checkpoint.marker import Marker, ObjectEntry
 from cloudckpt.errors import CorruptCheckpoint
-from cloudckpt.storage import open_store
 from cloudckpt.storage import url as urls
 
-from . import checks
+from . import checks, oracle
 from .conftest import SecretScan
 
 
@@ -34,15 +31,9 @@ class _RunsCode:
 
 
 def _replace_object(step: str, rel: str, data: bytes) -> None:
-    """Put ``data`` at ``rel`` and rewrite the marker's manifest to match it, so size and
-    CRC32C checks pass and only the unpickling decides."""
-    store = open_store(step)
-    store.put_bytes(urls.join(step, rel), data)
-    m = discovery.read_marker(step)
-    objects = tuple(ObjectEntry(o.path, len(data), checks.crc32c_hex(data), ()) if o.path == rel else o for o in m.objects)
-    fresh = Marker(step=m.step, ephemeral=m.ephemeral, world_size=m.world_size, objects=objects,
-                   created_unix=m.created_unix, torch_version=m.torch_version, save_id=m.save_id)
-    store.put_bytes(layout.marker_url(step), fresh.to_bytes())
+    """Put ``data`` at ``rel`` and rewrite the marker's manifest (raw JSON, oracle.py) to
+    match it, so size and CRC32C checks pass and only the unpickling decides."""
+    oracle.relist(step, rel, data)
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])

@@ -1,0 +1,95 @@
+"""The commit marker is the last write of a save, judged by the server-side order of
+requests (the fault proxy's log of answered requests), and faults aimed at the marker
+and at the ``latest`` pointer write leave either a committed step or none, never a
+half-committed one. 2 ranks, S3 (SeaweedFS) and GCS (fake-gcs-server)."""
+
+from __future__ import annotations
+
+import urllib.parse
+
+import pytest
+
+from cloudckpt import Checkpointer
+from cloudckpt.errors import CloudCkptError
+from cloudckpt.storage import StorageOptions
+from cloudckpt.testing.faultproxy import Rule
+from cloudckpt.testing.multiprocess import run_ranks
+
+from . import checks, workers
+
+WRITES = ("PUT", "POST", "PATCH", "DELETE")
+MARKER = r"metadata\.json"  # the S3 key or the GCS object name (&name=... / /o/...) of a marker
+POINTER = r"(/|%2F|name=)latest(\?|&|$)"
+
+
+def _writes_of(proxy, step_prefix: str) -> list:
+    """Answered write requests for objects under ``step_prefix`` (e.g. ``run/step1/``), in
+    the order the store answered them."""
+    out = []
+    for c in proxy.completed:
+        target = urllib.parse.unquote(c.target)
+        if c.method in WRITES and step_prefix in target and 200 <= c.status < 300:
+            out.append((c, target))
+    return sorted(out, key=lambda ct: ct[0].start)
+
+
+def test_the_marker_put_starts_after_every_other_write_of_the_step_was_answered(proxy, tmp_path, secret_scan):
+    folder = proxy.bucket + "/run"
+    step = checks.step_dir(folder, 1)
+    errors = run_ranks(2, workers.save_plain, step, str(tmp_path / "w"), 1, env=checks.rank_env())
+    assert errors == [None, None]
+    writes = _writes_of(proxy, "run/step1/")
+    markers = [c for c, t in writes if t.rstrip("?&").split("?")[0].endswith(".metadata.json") or "name=run/step1/.metadata.json" in t]
+    assert len(markers) == 1, f"exactly one marker write: {[t for _, t in writes]}"
+    marker = markers[0]
+    data = [(c, t) for c, t in writes if c is not marker and c.method != "DELETE" and ".lock" not in t]
+    assert len(data) >= 4, f"the shards, .metadata and both train states were written: {[t for _, t in data]}"
+    last_data_end = max(c.end for c, _ in data)
+    assert marker.start >= last_data_end, "the marker write started before every other object of the step was stored"
+    lock_deletes = [c for c, t in writes if c.method == "DELETE" and ".lock" in t]
+    assert lock_deletes and min(c.start for c in lock_deletes) >= marker.end, "the lock is released after the commit"
+    assert checks.committed_steps(folder) == [1] and checks.verify_step(step) == []
+
+
+def test_a_marker_write_that_keeps_failing_commits_nothing_and_the_next_attempt_commits(proxy, tmp_path, secret_scan):
+    folder = proxy.bucket + "/run"
+    step = checks.step_dir(folder, 1)
+    proxy.add(Rule("error500", method={"PUT", "POST"}, key=MARKER))
+    so = StorageOptions(max_attempts=2)
+    with Checkpointer(work_dir=str(tmp_path / "w"), storage_options=so) as ck:
+        with pytest.raises(CloudCkptError) as ei:
+            ck.save(step, checks.step_state(1, 0), {"step": 1})
+        secret_scan.add(str(ei.value))
+        assert proxy.injected()["error500"] >= 1
+        assert checks.committed_steps(folder) == [], "no marker: the step is not a checkpoint"
+        assert checks.objects_under(step) == [], "the failed attempt's objects and lock were removed"
+        proxy.clear()
+        ck.save(step, checks.step_state(1, 0), {"step": 1})
+    assert checks.committed_steps(folder) == [1] and checks.verify_step(step) == []
+
+
+def test_a_marker_write_whose_answer_is_lost_commits_exactly_once(proxy, tmp_path, secret_scan):
+    """The store applied the marker's conditional create but the answer was lost: the
+    SDK's retry meets the marker; the save recognises its own and succeeds."""
+    folder = proxy.bucket + "/run"
+    step = checks.step_dir(folder, 1)
+    proxy.add(Rule("reset", method={"PUT", "POST"}, key=MARKER, when="response", times=1))
+    with Checkpointer(work_dir=str(tmp_path / "w")) as ck:
+        ck.save(step, checks.step_state(1, 0), {"step": 1})
+    assert proxy.injected()["reset"] == 1
+    assert checks.committed_steps(folder) == [1] and checks.verify_step(step) == []
+
+
+@pytest.mark.parametrize("fault", ["error500", "reset"])
+def test_a_failing_latest_pointer_write_never_hides_the_newest_commit(proxy, fault, tmp_path, secret_scan):
+    """Step 1 commits with the pointer; the pointer writes of step 2 fail: step 2 still
+    commits and discovery finds it (the pointer is removed rather than left behind)."""
+    folder = proxy.bucket + "/run"
+    with Checkpointer(work_dir=str(tmp_path / "w"), storage_options=StorageOptions(max_attempts=2)) as ck:
+        ck.save(checks.step_dir(folder, 1), checks.step_state(1, 0), {"step": 1})
+        assert Checkpointer.latest_checkpoint(folder) == checks.step_dir(folder, 1)
+        proxy.add(Rule(fault, method={"PUT", "POST"}, key=POINTER))
+        ck.save(checks.step_dir(folder, 2), checks.step_state(2, 0), {"step": 2})
+    assert proxy.injected()[fault] >= 1, "the pointer write was hit"
+    assert checks.committed_steps(folder) == [1, 2]
+    assert Checkpointer.latest_checkpoint(folder) == checks.step_dir(folder, 2)
