@@ -1,4 +1,4 @@
-"""Exact resume: straight training vs. save, kill, resume is bit-identical (CPU, gloo, 2 ranks, SeaweedFS)."""
+"""Exact resume: straight training vs. stop, restart, resume is bit-identical (CPU, gloo, 2 ranks, SeaweedFS)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from . import resume_workers
 from .test_checkpointer import _env
 
 
-def test_train_save_kill_resume_is_bit_identical_to_training_straight(s3_bucket, tmp_path):
+def test_stopped_cleanly_after_a_save_then_resumed_is_bit_identical_to_training_straight(s3_bucket, tmp_path):
+    """A job that ends right after a step (clean exit, close() runs; kill -9 is
+    test_resume_after_kill.py) and is restarted trains on exactly as if never stopped."""
     steps = 8
     straight = run_ranks(2, resume_workers.train, s3_bucket + "/straight", str(tmp_path / "w"), steps, env=_env())
     first = run_ranks(2, resume_workers.train, s3_bucket + "/resumed", str(tmp_path / "w"), steps, 5, env=_env())

@@ -39,7 +39,7 @@ def test_async_failure_is_never_committed_and_surfaces_once(s3_bucket, tmp_path)
 
 
 def test_async_error_surfaces_on_wait_and_close(tmp_path, monkeypatch):
-    from cloudckpt.errors import AccessDenied
+    from cloudckpt.errors import AccessDenied, SaveFailed
 
     root = str(tmp_path / "ckpt")
     store = open_store(root)
@@ -50,11 +50,11 @@ def test_async_error_surfaces_on_wait_and_close(tmp_path, monkeypatch):
     monkeypatch.setattr(store, "upload_fileobj", broken)
     ck = Checkpointer(work_dir=str(tmp_path / "w"))
     ck.save_async(urls.join(root, "step1"), {"w": torch.ones(3)})
-    with pytest.raises(Exception, match="injected"):
+    with pytest.raises(SaveFailed, match="injected"):
         ck.wait()
     ck.wait()  # reported once
     ck.save_async(urls.join(root, "step2"), {"w": torch.ones(3)})
-    with pytest.raises(Exception, match="injected"):
+    with pytest.raises(SaveFailed, match="injected"):
         ck.close()
     assert not discovery.contains_checkpoint(root)
 
@@ -144,7 +144,8 @@ def test_gc_removes_old_uncommitted_folders_and_orphaned_uploads_only(s3_bucket,
     assert discovery.dir_is_checkpoint(urls.join(folder, "step1"))
 
 
-def test_prune_deletes_marker_first_and_never_the_newest():
+def test_steps_to_prune_follows_the_policy_and_never_selects_the_newest():
+    # (that prune deletes the marker first is proven by request order in tests/faults/test_commit_order.py)
     committed = [(1, False), (2, True), (3, True), (4, False)]
     assert retention.steps_to_prune(committed, retention.Policy(keep_last_ephemeral=1, max_checkpoints=1)) == [1, 2]
     assert retention.steps_to_prune([(5, True)], retention.Policy(keep_last_ephemeral=1, max_checkpoints=1)) == []
@@ -186,3 +187,62 @@ def test_config_unknown_fields_yaml_and_env_overrides(tmp_path):
     assert (cfg.save_interval, cfg.async_save, cfg.bandwidth_limit) == (50, True, 200_000_000)
     assert CheckpointConfig(save_folder="gs://bucket/run", part_size="32MiB").part_size == 32 * 1024 * 1024
     assert CheckpointConfig(save_folder="gs://bucket/run", part_size="null").part_size is None  # the backend default
+
+
+def test_an_unknown_cloudckpt_env_var_is_an_error_with_did_you_mean():
+    from cloudckpt.config import ENV_PREFIX
+
+    typo = ENV_PREFIX + "SAVE_INTERVALL"  # spelled out here, so the repo scan below does not see it
+    with pytest.raises(ConfigError) as ei:
+        CheckpointConfig.from_dict({"save_folder": "s3://bucket/run"}, env={typo: "5"})
+    msg = str(ei.value)
+    assert f"{typo} (did you mean CLOUDCKPT_SAVE_INTERVAL?)" in msg and "CLOUDCKPT_OPERATION_TIMEOUT" in msg
+    with pytest.raises(ConfigError, match=ENV_PREFIX + "WHATEVER"):
+        CheckpointConfig.from_dict({"save_folder": "s3://bucket/run"}, env={ENV_PREFIX + "WHATEVER": "1"})
+    cfg = CheckpointConfig.from_dict({"save_folder": "s3://bucket/run"},
+                                     env={"CLOUDCKPT_FUZZ_EXAMPLES": "10", "CLOUDCKPT_SAVE_INTERVAL": "5"})
+    assert cfg.save_interval == 5  # the test suite's own knobs are not config fields, and not errors
+
+
+def test_every_cloudckpt_env_var_used_in_the_repo_is_a_field_or_a_listed_knob():
+    """A new test or bench knob named CLOUDCKPT_* must be added to NON_CONFIG_ENV, or
+    every job that sets it would fail to build its config."""
+    import pathlib
+    import re
+
+    from cloudckpt.config import ENV_PREFIX, NON_CONFIG_ENV
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    fields = {ENV_PREFIX + n.upper() for n in CheckpointConfig.field_names()}
+    used = set()
+    for sub in ("cloudckpt", "tests", "bench", "examples", "scripts"):
+        for p in (root / sub).rglob("*.py"):
+            used |= set(re.findall(r"\bCLOUDCKPT_[A-Z0-9_]+", p.read_text(errors="replace")))
+    assert used, "the scan found nothing: wrong root?"
+    assert used - fields - NON_CONFIG_ENV == set()
+
+
+def test_timeouts_are_config_fields_with_env_overrides_and_reach_the_storage_options():
+    cfg = CheckpointConfig.from_dict({"save_folder": "s3://bucket/run", "read_timeout": 20},
+                                     env={"CLOUDCKPT_OPERATION_TIMEOUT": "5", "CLOUDCKPT_CONNECT_TIMEOUT": "2.5"})
+    so = cfg.storage_options()
+    assert (so.connect_timeout, so.read_timeout, so.operation_timeout) == (2.5, 20.0, 5.0)
+    assert so.attempt_timeouts == (2.5, 5.0)  # no single wait is longer than the deadline
+    d = CheckpointConfig(save_folder="s3://bucket/run").storage_options()
+    assert (d.connect_timeout, d.read_timeout, d.operation_timeout) == (10.0, 30.0, 60.0)
+    for bad in (0, -1, "soon", float("inf")):
+        with pytest.raises(ConfigError, match="operation_timeout"):
+            CheckpointConfig(save_folder="s3://bucket/run", operation_timeout=bad)
+
+
+@pytest.mark.parametrize("kwargs,says", [
+    ({"endpoint_url": "127.0.0.1:9000"}, "has no scheme: write http://127.0.0.1:9000"),
+    ({"endpoint_url": "ftp://127.0.0.1:9000"}, "is not an http:// or https:// URL"),
+    ({"save_folder": "http://127.0.0.1:9000/bucket/run"}, "write s3://bucket/run and put the endpoint http://127.0.0.1:9000 "
+                                                           "into endpoint_url"),
+    ({"save_folder": "https://storage.googleapis.com/bucket/run"}, "write gs://bucket/run"),
+])
+def test_endpoint_and_http_folder_mistakes_are_config_errors_saying_what_to_write(kwargs, says):
+    with pytest.raises(ConfigError) as ei:
+        CheckpointConfig(**{"save_folder": "s3://bucket/run", **kwargs})
+    assert says in str(ei.value) and "invalid bucket name" not in str(ei.value)

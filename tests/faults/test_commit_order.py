@@ -93,3 +93,31 @@ def test_a_failing_latest_pointer_write_never_hides_the_newest_commit(proxy, fau
     assert proxy.injected()[fault] >= 1, "the pointer write was hit"
     assert checks.committed_steps(folder) == [1, 2]
     assert Checkpointer.latest_checkpoint(folder) == checks.step_dir(folder, 2)
+
+
+def test_prune_deletes_a_steps_marker_before_any_other_object_of_it(s3_proxy, tmp_path, secret_scan):
+    """The manager keeps one checkpoint: after step 2 commits, step 1 is pruned. By
+    server-side order, step 1's marker DELETE is answered before any other delete of
+    step 1 starts (a reader never sees a marker over a partly deleted step)."""
+    import torch
+
+    from cloudckpt import CheckpointConfig
+
+    folder = s3_proxy.bucket + "/run"
+    mgr = CheckpointConfig(save_folder=folder, work_dir=str(tmp_path / "w"), save_interval=1, max_checkpoints=1,
+                           exact_resume=False).build()
+    mgr.maybe_save(1, {"model": {"w": torch.ones(64)}}, {"step": 1})
+    s3_proxy.reset_counters()
+    mgr.maybe_save(2, {"model": {"w": torch.full((64,), 2.0)}}, {"step": 2})
+    mgr.close()
+    done = sorted(s3_proxy.completed, key=lambda c: c.start)
+    targets = [(c, urllib.parse.unquote(c.target)) for c in done]
+    step2_marker = next(c for c, t in targets if c.method == "PUT" and "run/step2/.metadata.json" in t)
+    marker_delete = [c for c, t in targets if c.method == "DELETE" and "run/step1/.metadata.json" in t]
+    assert len(marker_delete) == 1, [t for _, t in targets]
+    other_deletes = [c for c, t in targets if c.start > step2_marker.end and c is not marker_delete[0] and (
+        (c.method == "DELETE" and "run/step1/" in t) or (c.method == "POST" and "delete" in t))]
+    assert other_deletes, "step 1's objects were deleted after its marker"
+    assert marker_delete[0].start > step2_marker.end, "step 1 is pruned only after step 2 committed"
+    assert all(c.start >= marker_delete[0].end for c in other_deletes), "an object was deleted before the marker"
+    assert checks.committed_steps(folder) == [2] and checks.objects_under(checks.step_dir(folder, 1)) == []
