@@ -15,7 +15,18 @@ _reg = importlib.import_module("fsspec.registry")  # the attribute fsspec.regist
 
 @pytest.fixture(autouse=True)
 def _registered():
-    _fsspec.register()
+    """The shim registered for each test; afterwards fsspec's registry (process-global), the
+    shim's default options and its cached instances are as they were before the test."""
+    registry, options = dict(_reg._registry), _fsspec._default_options
+    try:
+        _fsspec.register()
+        yield
+    finally:
+        _reg._registry.clear()
+        _reg._registry.update(registry)
+        _fsspec.set_default_storage_options(options)
+        for cls, _ in _fsspec._SHIMS:
+            cls.clear_instance_cache()
 
 
 @pytest.mark.parametrize("backend", ["s3", "gcs"])
