@@ -88,6 +88,10 @@ def _globals() -> dict[tuple[str, str], Any]:
 _GLOBALS = _globals()
 _CALLABLE = (torch.Size, torch.device, torch.serialization._get_layout, dcp_md._MEM_FORMAT_ENCODING,
              collections.OrderedDict, set, frozenset, *_PATHS)
+# identity, not equality (a crafted object's __eq__/__hash__ never runs); these objects
+# live as long as the process, so their ids are stable
+_CALLABLE_IDS = frozenset(map(id, _CALLABLE))
+_DATACLASS_IDS = frozenset(map(id, _DATACLASSES))
 
 
 class _Refused(pickle.UnpicklingError):
@@ -109,7 +113,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def load_reduce(self) -> None:
         args = self.stack.pop()
         func = self.stack[-1]
-        if not any(func is f for f in _CALLABLE):
+        if id(func) not in _CALLABLE_IDS:
             raise _Refused(f"calling {_what(func)} is not allowed in DCP metadata")
         if type(args) is not tuple:
             raise _Refused("REDUCE arguments are not a tuple")
@@ -118,7 +122,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def load_newobj(self) -> None:
         args = self.stack.pop()
         cls = self.stack.pop()
-        if not any(cls is c for c in _DATACLASSES) or args != ():
+        if id(cls) not in _DATACLASS_IDS or args != ():
             raise _Refused(f"creating {_what(cls)} is not allowed in DCP metadata")
         self.append(cls.__new__(cls))
 
@@ -126,7 +130,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         state = self.stack.pop()
         inst = self.stack[-1]
         cls = type(inst)
-        if not any(cls is c for c in _DATACLASSES):
+        if id(cls) not in _DATACLASS_IDS:
             raise _Refused(f"setting the state of {_what(inst)} is not allowed in DCP metadata")
         if cls in _SETSTATE:
             if type(state) is not tuple or len(state) != _SETSTATE[cls]:
