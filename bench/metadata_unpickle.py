@@ -37,10 +37,11 @@ def synthetic_metadata(layers: int = 600, ranks: int = 64) -> tuple[bytes, dict]
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=600, help="fewer for a quick run")
     args = ap.parse_args()
     from cloudckpt.untrusted import loads_metadata
 
-    data, files = synthetic_metadata()
+    data, files = synthetic_metadata(args.layers)
     plain, ours = [], []
     for _ in range(args.reps):
         t = time.perf_counter()

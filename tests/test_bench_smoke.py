@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -138,3 +139,9 @@ def test_smoke_server_profile_attributes_seaweedfs_samples_to_named_functions(tm
         assert abs(sum(r["share"].values()) - 1) < 1e-6, r
         user = [t["function"] for t in r["top"] if not t["function"].startswith("[k] ")]
         assert user and "?" not in user and any("." in f for f in user), r["top"]
+
+
+def test_metadata_unpickle_bench_reports_both_times_and_their_ratio():
+    out = subprocess.run([sys.executable, "-m", "bench.metadata_unpickle", "--reps", "1", "--layers", "3"],
+                         cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300, check=True).stdout
+    assert re.search(r"pickle\.loads [\d.]+ s, cloudckpt loads_metadata [\d.]+ s .*ratio [\d.]+", out), out
