@@ -1,6 +1,7 @@
 """``cloudckpt`` / ``python -m cloudckpt``: look at runs from a laptop or a script.
 
-Commands: ``list``, ``latest``, ``inspect``, ``verify``, ``download``, ``prune``, ``gc``.
+Commands: ``list``, ``latest``, ``inspect``, ``verify``, ``download``, ``prune``, ``gc``,
+``adopt``, ``export``.
 Every command takes local paths, ``file://``, ``s3://`` and ``gs://`` URLs; ``--json``
 prints one JSON document on stdout for scripts, otherwise a table for people.
 
@@ -227,7 +228,8 @@ def cmd_list(args) -> int:
             continue
         rows.append({"step": step, "url": dir, "status": "committed", "ephemeral": m.ephemeral,
                      "size_bytes": m.total_bytes, "object_count": len(m.objects), "world_size": m.world_size,
-                     "created": m.created, "created_unix": m.created_unix, "age_seconds": round(now - m.created_unix, 1)})
+                     "created": m.created, "created_unix": m.created_unix, "age_seconds": round(now - m.created_unix, 1),
+                     "format": m.kind, "writer": m.writer, "verified": m.verified})
     if args.json:
         _print_json({"folder": args.folder, "steps": rows})
         return EXIT_OK
@@ -243,13 +245,13 @@ def cmd_list(args) -> int:
     table = []
     for r in rows:
         if r["status"] != "committed":
-            table.append([r["step"], r["status"], "-" if r["size_bytes"] is None else _size(r["size_bytes"]),
+            table.append([r["step"], r["status"], "-", "-" if r["size_bytes"] is None else _size(r["size_bytes"]),
                           "-" if r["object_count"] is None else r["object_count"], "-",
                           "-" if r["age_seconds"] is None else _age(r["age_seconds"]), r["url"]])
         else:
-            table.append([r["step"], "ephemeral" if r["ephemeral"] else "persistent", _size(r["size_bytes"]),
-                          r["object_count"], r["world_size"], _age(r["age_seconds"]), r["url"]])
-    _table(["STEP", "KIND", "SIZE", "OBJECTS", "WORLD", "AGE", "URL"], table, right=(0, 2, 3, 4, 5))
+            table.append([r["step"], "ephemeral" if r["ephemeral"] else "persistent", r["format"],
+                          _size(r["size_bytes"]), r["object_count"], r["world_size"], _age(r["age_seconds"]), r["url"]])
+    _table(["STEP", "KIND", "FORMAT", "SIZE", "OBJECTS", "WORLD", "AGE", "URL"], table, right=(0, 3, 4, 5, 6))
     committed = [r for r in rows if r["status"] == "committed"]
     eph = sum(1 for r in committed if r["ephemeral"])
     summary = f"{len(committed)} committed ({len(committed) - eph} persistent, {eph} ephemeral), " \
@@ -258,6 +260,10 @@ def cmd_list(args) -> int:
     if others:
         summary += f"; {others} not committed"
     print(summary)
+    unverified = [r for r in committed if not r["verified"]]
+    if unverified:
+        print(f"{len(unverified)} step(s) written by another tool have no manifest (FORMAT {unverified[0]['format']}): "
+              "found and loaded without checksums; `cloudckpt adopt STEP --yes` records them")
     return EXIT_OK
 
 
@@ -375,8 +381,15 @@ def cmd_inspect(args) -> int:
     print(f"{args.step}")
     print(f"  step {marker.step}, {kind}, world size {marker.world_size}, "
           f"{len(marker.objects)} objects, {_size(marker.total_bytes)}")
-    print(f"  committed {marker.created} ({_age(now - marker.created_unix)} ago) by cloudckpt {marker.library_version}, "
-          f"torch {marker.torch_version or '?'}; format {marker.format_version}; save_id {marker.save_id or '-'}")
+    if not marker.foreign:
+        print(f"  committed {marker.created} ({_age(now - marker.created_unix)} ago) by cloudckpt {marker.library_version}, "
+              f"torch {marker.torch_version or '?'}; format {marker.format_version}; save_id {marker.save_id or '-'}")
+    elif marker.verified:
+        print(f"  committed {marker.created} ({_age(now - marker.created_unix)} ago) by {marker.writer}; adopted: "
+              f"manifest written by cloudckpt {marker.library_version} ({marker.save_id or '-'})")
+    else:
+        print(f"  committed {marker.created} ({_age(now - marker.created_unix)} ago) by {marker.writer} "
+              f"{marker.library_version or '?'}; no manifest (unverified: sizes from a listing, no CRC32C)")
     print()
     if meta_entry is None:
         print("no DCP metadata (model_and_optim/.metadata) in this checkpoint")
@@ -482,6 +495,26 @@ def _verify_contents(store, step: str, marker) -> list[dict]:
     return bad
 
 
+def _verify_unverified(args, store, marker) -> int:
+    """A foreign step without a manifest: nothing to check sizes and CRC32Cs against.
+    Its DCP metadata and train state are still parsed as a load parses them. Exit 1."""
+    bad = _verify_contents(store, args.step, marker)
+    why = f"written by {marker.writer} with no manifest: there are no sizes or CRC32Cs to check its objects against"
+    hint = f"`cloudckpt adopt {args.step} --yes` records them"
+    if args.json:
+        _print_json({"url": args.step, "ok": False, "checked": "none", "manifest": False, "writer": marker.writer,
+                     "object_count": len(marker.objects), "total_bytes": marker.total_bytes, "bad": bad,
+                     "detail": f"{why}; {hint}"})
+    else:
+        for r in bad:
+            print(f"BAD  {r['path']}: {r['detail']}  ({r['url']})")
+        print(f"UNVERIFIED: {args.step} was {why}")
+        if not bad:
+            print(f"its DCP metadata and train state parse as a load parses them; {hint}")
+    print(f"cloudckpt: verify could not check {args.step}: no manifest ({marker.writer}); {hint}", file=sys.stderr)
+    return EXIT_NO
+
+
 def cmd_verify(args) -> int:
     from .storage import open_store
     from .storage import url as urls
@@ -489,6 +522,8 @@ def cmd_verify(args) -> int:
     so = _storage_options(args)
     marker, _ = _read_marker(args.step, so)
     store = open_store(args.step, so)
+    if not marker.verified:
+        return _verify_unverified(args, store, marker)
     objects = list(marker.objects)
     total = sum(o.size for o in objects)
     bar = _bar(args, 0 if args.size_only else total, "verify")
@@ -604,6 +639,11 @@ def cmd_download(args) -> int:
         return EXIT_NO
 
     # Marker last: only now is DEST a committed checkpoint (atomic rename of a complete file).
+    if marker.foreign and marker.verified:  # an adopted step: its manifest goes along, before the marker
+        from .checkpoint.marker import ADOPTED_MANIFEST
+
+        manifest_path = os.path.join(dest, ADOPTED_MANIFEST)
+        open_store(manifest_path).put_bytes(manifest_path, marker.to_bytes())
     open_store(marker_path).put_bytes(marker_path, raw)
     doc = {"url": args.step, "dest": dest_arg, "ok": True, "step": marker.step,
            "downloaded": [o.path for o, _, _ in todo], "skipped": skipped,
@@ -625,6 +665,9 @@ def cmd_prune(args) -> int:
                        "ephemeral steps)", EXIT_USAGE)
     so = _storage_options(args)
     found = list(discovery.find_checkpoints(args.folder, storage_options=so, with_markers=True))
+    foreign = [s for s, _, m in found if m.foreign]
+    if not args.include_foreign:  # steps other tools wrote are neither counted nor deleted
+        found = [f for f in found if not f[2].foreign]
     committed = [(s, m.ephemeral) for s, _, m in found]
     markers = {s: m for s, _, m in found}
     newest = max((s for s, _ in committed), default=None)
@@ -646,9 +689,13 @@ def cmd_prune(args) -> int:
     doc = {"folder": args.folder, "dry_run": not args.yes,
            "policy": {"keep_last": args.keep_last, "keep_every": keep_every, "ephemeral_only": args.ephemeral_only,
                       "keep_last_ephemeral": None if args.ephemeral_only else policy.keep_last_ephemeral},
-           "prune": items, "kept": kept, "deleted": []}
+           "prune": items, "kept": kept, "deleted": [],
+           "foreign": {"steps": foreign, "counted": bool(args.include_foreign)}}
 
     if not args.json:
+        if foreign and not args.include_foreign:
+            print(f"not counted: {len(foreign)} step(s) written by another tool ({', '.join(map(str, foreign[:10]))}"
+                  f"{', ...' if len(foreign) > 10 else ''}); --include-foreign counts them")
         if not items:
             print(f"nothing to prune in {args.folder}: the policy keeps all {len(committed)} committed step(s)")
         else:
@@ -693,6 +740,34 @@ def cmd_gc(args) -> int:
     print(f"{len(rep.step_dirs)} uncommitted folder(s), {len(rep.uploads)} multipart upload(s) older than {age}")
     if not args.yes:
         print("dry run: nothing was deleted; run again with --yes to delete")
+    return EXIT_OK
+
+
+# ====================================================================== adopt
+def cmd_adopt(args) -> int:
+    from .checkpoint.adopt import adopt
+
+    bar = _bar(args, 0, "adopt") if args.yes else None
+    try:
+        rep = adopt(args.step, dry_run=not args.yes, storage_options=_storage_options(args), jobs=args.jobs,
+                    on_bytes=bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
+    if args.json:
+        _print_json({"url": args.step, "writer": rep.writer, "dry_run": not args.yes, "already": rep.already,
+                     "written": rep.written, "manifest": rep.manifest_url, "object_count": rep.object_count,
+                     "total_bytes": rep.total_bytes})
+    elif rep.already:
+        print(f"{args.step} already has a manifest ({'cloudckpt' if rep.writer == 'cloudckpt' else 'adopted'}): "
+              "nothing to do")
+    elif not rep.written:
+        print(f"would adopt {args.step} ({rep.writer}, {rep.object_count} objects, {_size(rep.total_bytes)}): "
+              f"every object is read once and its size and CRC32C go to {rep.manifest_url}")
+        print("dry run: the step is complete and parses; nothing was read in full or written; run again with --yes")
+    else:
+        print(f"adopted {args.step}: {rep.object_count} objects, {_size(rep.total_bytes)}; manifest {rep.manifest_url}; "
+              f"loads and `cloudckpt verify` now check sizes and CRC32Cs ({rep.writer}'s marker is unchanged)")
     return EXIT_OK
 
 
@@ -761,8 +836,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "URL of the newest committed step, found by listing the folder; exit 1 if there is none.")
     s.add_argument("folder", metavar="FOLDER")
     s.add_argument("--pointer", action="store_true",
-                   help="trust the folder's `latest` pointer when it names a committed step (2 requests instead of a "
-                        "LIST; falls back to listing)")
+                   help="also read the folder's `latest` pointer and warn when a step another tool wrote is newer "
+                        "than it (the answer always comes from listing)")
 
     s = command("inspect", cmd_inspect, "tensors, train state keys and marker fields of one step")
     s.add_argument("step", metavar="STEP", help="a step folder, e.g. s3://bucket/run-7/step1000")
@@ -797,6 +872,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keep-last-ephemeral", type=_positive_int, metavar="M",
                    help="ephemeral steps to keep (default 1; not with --ephemeral-only)")
     s.add_argument("--ephemeral-only", action="store_true", help="consider only ephemeral steps")
+    s.add_argument("--include-foreign", action="store_true",
+                   help="also count (and delete) steps another tool wrote, e.g. OLMo-core's (default: left alone)")
     s.add_argument("--yes", "-y", action="store_true", help="really delete (default: dry run)")
 
     s = command("gc", cmd_gc, "remove uncommitted step folders and orphaned multipart uploads (dry run unless --yes)",
@@ -807,6 +884,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--older-than", type=_duration_arg, default=3600.0, metavar="DURATION",
                    help="only what is older than this, e.g. 30m, 2h, 1d (default 1h)")
     s.add_argument("--yes", "-y", action="store_true", help="really delete (default: dry run)")
+
+    s = command("adopt", cmd_adopt, "record sizes and CRC32Cs for a step another tool wrote (dry run unless --yes)",
+                "Give a step another tool committed (OLMo-core's marker, no manifest) cloudckpt's manifest: every "
+                "object is read once, its size and CRC32C (and each DCP item's) go to .cloudckpt.json beside the "
+                "other tool's marker, which is left unchanged; loads and verify then check them. Refuses a step "
+                "with anything missing. Dry run unless --yes.")
+    s.add_argument("step", metavar="STEP")
+    s.add_argument("--yes", "-y", action="store_true", help="read every object and write the manifest (default: dry run)")
+    s.add_argument("--jobs", "-j", type=_positive_int, default=8, help="objects read at once (default 8)")
+    progress_opts(s)
 
     s = command("export", cmd_export, "export model weights of a step to safetensors or a torch file",
                 "Stream the tensors under --key (default: model) of a committed step into a safetensors file "

@@ -613,7 +613,7 @@ class Checkpointer:
                 shutil.rmtree(local, ignore_errors=True)
         self.last_load_info = {"dir": dir, "step": marker.step, "saved_world_size": marker.world_size,
                                "bytes_read": reader.bytes_read, "direct_items": reader.direct_items,
-                               "not_loaded": planner.not_loaded}
+                               "not_loaded": planner.not_loaded, "writer": marker.writer, "verified": marker.verified}
         if load_trainer_state is False:
             return None
         return self._load_train_state(dir, marker, required=bool(load_trainer_state))
@@ -639,6 +639,10 @@ class Checkpointer:
         None if ``.metadata`` is not in the manifest or missing: each rank's reader then
         reports it. The bytes are checked against the manifest before they travel."""
         marker = discovery.read_marker(dir, storage_options=self.storage_options)
+        if not marker.verified:
+            # a foreign step: sizes from one listing bound every read; no CRC32C to check
+            log.warning("loading %s, written by %s without a manifest: sizes are checked, checksums cannot be "
+                        "(run `cloudckpt adopt %s --yes` to record them)", dir, marker.writer, dir)
         rel = f"{layout.MODEL_DIR}/{METADATA_NAME}"
         entry = marker.object(rel)
         if entry is None:

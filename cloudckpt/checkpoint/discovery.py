@@ -3,8 +3,15 @@
 Cost: one paginated LIST of the save folder (delimiter ``/``), then markers read
 only as needed: ``latest_checkpoint`` walks from the highest step down and stops
 at the first committed one; ``find_checkpoints`` reads markers concurrently.
-A folder counts only if it is named exactly ``step{N}`` and its marker parses;
-a corrupt or foreign-version marker is skipped with a warning.
+A folder counts only if it is named exactly ``step{N}`` and its marker parses:
+
+- our marker: a committed step with its manifest (sizes, CRC32Cs);
+- another tool's marker (OLMo-core's ``{"ephemeral": ..., "version": ...}``) and a
+  ``model_and_optim/.metadata``: a *foreign* step, described from one LIST of the
+  step folder (sizes, no checksums: ``Marker.verified`` is False), or from the
+  manifest ``cloudckpt adopt`` wrote beside that marker (``.cloudckpt.json``);
+- anything else (corrupt, a newer format, foreign without DCP metadata) is skipped
+  with one warning per folder.
 
 These functions are not collective: in a multi-rank job let one rank discover and
 broadcast (the manager does).
@@ -21,23 +28,27 @@ from ..storage import StorageOptions, open_store, resolve_local, resolve_step_di
 from ..storage import url as urls
 from . import layout
 from ..untrusted import MAX_MARKER_BYTES, read_capped
-from .marker import Marker
+from .marker import ADOPTED_MANIFEST, ForeignMarker, Marker, foreign_step, parse_marker
 
 log = logging.getLogger(__name__)
 
 
 def read_marker(dir: str, *, storage_options: StorageOptions | None = None) -> Marker:
-    """The parsed marker of a step folder. Raises NotACheckpoint (no marker),
-    CorruptCheckpoint / IncompatibleCheckpoint / UnsafeCheckpoint (unreadable or
-    refused marker), storage errors."""
+    """The parsed marker of a step folder: ours, or for a foreign step (another
+    tool's marker) a ``Marker`` with ``foreign`` set, from its adopted manifest or
+    from a listing of the folder (``verified=False``). Raises NotACheckpoint (no
+    marker), CorruptCheckpoint / IncompatibleCheckpoint / UnsafeCheckpoint
+    (unreadable or refused marker, a foreign step without DCP metadata), storage errors."""
     return read_marker_bytes(dir, storage_options=storage_options)[0]
 
 
 def read_marker_bytes(dir: str, *, storage_options: StorageOptions | None = None) -> tuple[Marker, bytes]:
     """``read_marker`` and the marker's bytes as read (at most MAX_MARKER_BYTES)."""
-    url = layout.marker_url(resolve_step_dir(dir))
+    dir = resolve_step_dir(dir)
+    url = layout.marker_url(dir)
+    store = open_store(url, storage_options)
     try:
-        data = read_capped(open_store(url, storage_options), url, limit=MAX_MARKER_BYTES, what="commit marker")
+        data = read_capped(store, url, limit=MAX_MARKER_BYTES, what="commit marker")
     except BucketNotFound:
         raise
     except NotFound:
@@ -45,7 +56,32 @@ def read_marker_bytes(dir: str, *, storage_options: StorageOptions | None = None
             f"{dir} is not a committed checkpoint: it has no {layout.MARKER} (the save never finished, or the path is wrong); "
             "use `cloudckpt list` on the save folder to see committed steps"
         ) from None
-    return Marker.from_bytes(data, url=url), data
+    step = layout.step_of_name(urls.basename(dir))
+    parsed = parse_marker(data, url=url) if step is not None else Marker.from_bytes(data, url=url)
+    if isinstance(parsed, ForeignMarker):
+        return _foreign(dir, step, parsed, data, store), data
+    return parsed, data
+
+
+def _foreign(dir: str, step: int, fm: ForeignMarker, data: bytes, store) -> Marker:
+    """A foreign step's Marker: one LIST of the step folder, and the adopted manifest
+    when the listing holds one that vouches for exactly this marker."""
+    from ..transfer import crc32c_bytes
+
+    prefix = urls.as_prefix(dir)
+    listing = [(o.url[len(prefix):], o.size, o.mtime) for o in store.walk(prefix)]
+    url = urls.join(dir, ADOPTED_MANIFEST)
+    if any(rel == ADOPTED_MANIFEST for rel, _, _ in listing):
+        try:
+            adopted = Marker.from_bytes(read_capped(store, url, limit=MAX_MARKER_BYTES, what="adopted manifest"), url=url)
+        except NotFound:
+            adopted = None  # removed since the listing: the step is as the listing says
+        if adopted is not None:
+            if adopted.foreign and adopted.step == step and adopted.adopted_crc32c == crc32c_bytes(data):
+                return adopted
+            log.warning("ignoring %s: it does not vouch for this step's marker (the step was rewritten after "
+                        "`cloudckpt adopt`); the step is unverified until adopted again", url)
+    return foreign_step(fm, step=step, listing=listing, url=urls.as_prefix(dir))
 
 
 def list_step_dirs(folder: str, *, storage_options: StorageOptions | None = None) -> list[tuple[int, str]]:
@@ -89,27 +125,36 @@ def find_checkpoints(
 
 
 def latest_checkpoint(folder: str, *, storage_options: StorageOptions | None = None, use_pointer: bool = True) -> str:
-    """The newest committed step folder. Raises NotACheckpoint (a FileNotFoundError) if none.
+    """The newest committed step folder, ours or foreign. Raises NotACheckpoint (a
+    FileNotFoundError) if none.
 
-    With ``use_pointer`` (default) the ``latest`` pointer is tried first (2 requests);
-    when it is missing or cannot vouch for a committed step, one LIST pass is used.
+    One LIST of the folder's step prefixes (a page per 1000), then markers from the
+    highest step down: 2 requests when the newest step folder is committed by
+    cloudckpt (LIST, GET marker), one more LIST when it is a foreign step. The
+    ``latest`` pointer never decides alone: other tools (OLMo-core) commit steps
+    without moving it. With ``use_pointer``, when the step found is foreign and newer
+    than the step the pointer names, that is logged (one more GET, of the pointer).
     Local folders are resolved to their real path first (the local backend follows
     no links inside them); the step folder returned is under the resolved path."""
     folder = resolve_local(folder)
-    if use_pointer:
-        from . import pointer
-
-        found = pointer.try_latest(folder, storage_options=storage_options)
-        if found is not None:
-            return found
     for step, dir in reversed(list_step_dirs(folder, storage_options=storage_options)):
-        if _try_marker(dir, storage_options) is not None:
-            return dir
+        m = _try_marker(dir, storage_options)
+        if m is None:
+            continue
+        if use_pointer and m.foreign:
+            from . import pointer
+
+            p = pointer.read(folder, storage_options=storage_options)
+            if p is not None and p[0] < step:
+                log.warning("%s: using step%d, newer than step%d named by the latest pointer: %s wrote it%s", folder,
+                            step, p[0], m.writer, "" if m.verified else " (no manifest: unverified)")
+        return dir
     raise NotACheckpoint(f"no committed checkpoint in {folder}")
 
 
 def dir_is_checkpoint(dir: str, *, storage_options: StorageOptions | None = None) -> bool:
-    """True if ``dir`` is named ``step{N}`` and has a marker that parses."""
+    """True if ``dir`` is named ``step{N}`` and is committed: our marker parses, or it
+    is a foreign step (another tool's marker and DCP metadata)."""
     if layout.step_of_name(urls.basename(dir)) is None:
         return False
     return _try_marker(dir, storage_options) is not None

@@ -8,11 +8,15 @@
 
 - ``resume`` discovers on rank 0 and broadcasts; before loading it removes
   uncommitted step folders *above* the resumed step: they are leftovers of this
-  run's crashed attempt, and the run is about to write those steps again.
+  run's crashed attempt, and the run is about to write those steps again. The
+  resumed step is the newest committed one, whoever wrote it: a step another tool
+  (OLMo-core) committed after ours is resumed from, never deleted or overwritten
+  (a folder with a marker is never a leftover).
 - ``maybe_save`` applies the intervals (a step due for both is persistent).
 - After a save commits, rank 0 prunes by policy and garbage-collects (old
   uncommitted folders, orphaned multipart uploads) on a background thread: marker
-  first, never the newest committed step, never a step being written.
+  first, never the newest committed step, never a step being written, never a
+  step another tool wrote (``retention.Policy.include_foreign`` is off).
 - On SIGTERM (main thread only): ``sigterm="finish"`` waits up to
   ``sigterm_timeout`` for in-flight saves to commit, ``"abandon"`` does not wait;
   either way the process then exits with the signal. An abandoned save has no
@@ -91,7 +95,12 @@ class CheckpointManager:
             return None
         ts = self.checkpointer.load(latest, state_dict, **load_kwargs)
         self.resumed_step = layout.parse_step_dir(latest)
-        log.info("resumed from %s", latest)
+        info = self.checkpointer.last_load_info
+        if info.get("writer", "cloudckpt") != "cloudckpt":
+            log.warning("resumed from %s, the newest committed step, written by %s%s", latest, info["writer"],
+                        "" if info.get("verified") else " (no manifest: unverified)")
+        else:
+            log.info("resumed from %s", latest)
         if isinstance(ts, dict) and exact_resume.KEY in ts:
             ts = dict(ts)
             saved = ts.pop(exact_resume.KEY)

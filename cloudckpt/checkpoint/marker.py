@@ -14,6 +14,14 @@ Schema (format_version 1)::
 
 ``chunks`` (DCP shard files only) hold the CRC32C of every item's byte range, so a
 loader that reads ranges (resharding, streaming) can check exactly what it read.
+
+Steps other tools wrote (``parse_marker``): a ``.metadata.json`` that is a JSON
+object without our ``"format"`` field is another tool's marker (OLMo-core writes
+``{"ephemeral": false, "version": "3.0.0"}``). Such a step is described by a
+``Marker`` built from one listing of the step folder (``foreign_step``): sizes from
+the listing, no CRC32C, ``verified=False``. ``cloudckpt adopt`` writes our manifest
+for it beside that marker, in ``.cloudckpt.json`` (``ADOPTED_MANIFEST``), with an
+``"adopted"`` field naming the tool and the CRC32C of the marker it vouches for.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Iterable
 
 from .._version import __version__
 from ..errors import CorruptCheckpoint, IncompatibleCheckpoint, UnsafeCheckpoint
@@ -31,6 +39,13 @@ from ..untrusted.names import check_name
 
 FORMAT = "cloudckpt"
 FORMAT_VERSION = 1
+MARKER_NAME = ".metadata.json"  # layout.MARKER (layout imports storage; this module stays import-light)
+DCP_METADATA = "model_and_optim/.metadata"
+ADOPTED_MANIFEST = ".cloudckpt.json"  # our manifest beside another tool's marker (``cloudckpt adopt``)
+FOREIGN_WRITER = "olmo-core"  # the tool whose layout (step{N}/model_and_optim, .metadata.json) we share
+MAX_FOREIGN_OBJECTS = 1_000_000  # objects a listed (foreign) step may hold; honest ones hold ranks x threads
+_WRITER = re.compile(r"[a-z0-9][a-z0-9._-]{0,39}")
+_RANK_FILE = re.compile(r"train/rank(\d{1,9})\.pt")
 
 
 @dataclass(frozen=True)
@@ -58,6 +73,22 @@ class Marker:
     torch_version: str = ""
     save_id: str = ""  # the save attempt that committed it
     format_version: int = FORMAT_VERSION
+    writer: str = FORMAT  # the tool that wrote the step's objects ("olmo-core" for a foreign step)
+    verified: bool = True  # a manifest with CRC32Cs (ours or adopted); False: sizes from a listing only
+    adopted_crc32c: str = ""  # adopted: the CRC32C of the other tool's marker this manifest vouches for
+
+    @property
+    def foreign(self) -> bool:
+        """Written by another tool (adopted or not)."""
+        return self.writer != FORMAT
+
+    @property
+    def kind(self) -> str:
+        """What ``cloudckpt list`` shows: ``cloudckpt``, ``olmo-core`` (no manifest: unverified)
+        or ``olmo-core+manifest`` (adopted)."""
+        if not self.foreign:
+            return FORMAT
+        return f"{self.writer}+manifest" if self.verified else self.writer
 
     @property
     def total_bytes(self) -> int:
@@ -94,6 +125,8 @@ class Marker:
             "object_count": len(self.objects),
             "objects": [o.to_json() for o in self.objects],
         }
+        if self.foreign:
+            d["adopted"] = {"writer": self.writer, "marker_crc32c": self.adopted_crc32c}
         return json.dumps(d, separators=(",", ":")).encode()
 
     def summary(self) -> dict:
@@ -106,10 +139,10 @@ class Marker:
     def from_bytes(cls, data: bytes, *, url: str = "") -> "Marker":
         """Parse a marker. Raises CorruptCheckpoint (not JSON / wrong shape) or
         IncompatibleCheckpoint (a format version this library cannot read)."""
-        try:
-            d = json.loads(data)
-        except (ValueError, RecursionError) as e:  # not JSON, bad UTF-8, over-long integers, nested too deeply
-            raise CorruptCheckpoint(f"commit marker {url} is not valid JSON ({e}); the step is not a usable checkpoint") from None
+        return cls._from_json(_json(data, url), url)
+
+    @classmethod
+    def _from_json(cls, d: Any, url: str) -> "Marker":
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise CorruptCheckpoint(f"commit marker {url} is not a cloudckpt marker (no \"format\": \"cloudckpt\")")
         v = d.get("format_version")
@@ -126,6 +159,12 @@ class Marker:
             step, world_size = _int(d["step"], "step"), _int(d["world_size"], "world_size")
             if type(d["ephemeral"]) is not bool:
                 raise TypeError("ephemeral is not true or false")
+            writer, adopted_crc = FORMAT, ""
+            if "adopted" in d:
+                a = d["adopted"]
+                if type(a) is not dict or type(a.get("writer")) is not str or not _WRITER.fullmatch(a["writer"]):
+                    raise TypeError("adopted is not {\"writer\": name, \"marker_crc32c\": crc}")
+                writer, adopted_crc = a["writer"], _crc(a.get("marker_crc32c"), "the adopted marker") or ""
             marker = cls(
                 step=step,
                 ephemeral=d["ephemeral"],
@@ -136,6 +175,8 @@ class Marker:
                 torch_version=str(d.get("torch_version", "")),
                 save_id=str(d.get("save_id", "")),
                 format_version=v,
+                writer=writer,
+                adopted_crc32c=adopted_crc,
             )
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise CorruptCheckpoint(f"commit marker {url} is missing or has a bad field ({type(e).__name__}: {e})") from None
@@ -144,6 +185,64 @@ class Marker:
         if len(marker._by_path) != len(objects):
             raise UnsafeCheckpoint(f"commit marker {url} lists an object path twice; refusing the checkpoint")
         return marker
+
+
+@dataclass(frozen=True)
+class ForeignMarker:
+    """Another tool's marker: a JSON object without our ``"format"`` field."""
+
+    ephemeral: bool
+    version: str  # the tool's version as its marker says ("" if it does not)
+    writer: str = FOREIGN_WRITER
+
+
+def parse_marker(data: bytes, *, url: str = "") -> "Marker | ForeignMarker":
+    """Our marker (``Marker``) or another tool's (``ForeignMarker``). Raises
+    CorruptCheckpoint (not JSON, not an object, or a field of the wrong type),
+    IncompatibleCheckpoint, UnsafeCheckpoint (as ``Marker.from_bytes``)."""
+    d = _json(data, url)
+    if isinstance(d, dict) and "format" not in d:
+        eph, version = d.get("ephemeral"), d.get("version", "")
+        if eph is not None and type(eph) is not bool or type(version) is not str:
+            raise CorruptCheckpoint(f"commit marker {url} is neither a cloudckpt marker nor OLMo-core's "
+                                    "(\"ephemeral\" or \"version\" of the wrong type)")
+        return ForeignMarker(ephemeral=bool(eph), version=re.sub(r"[^A-Za-z0-9.+_-]", "?", version[:64]))
+    return Marker._from_json(d, url)
+
+
+def foreign_step(fm: ForeignMarker, *, step: int, listing: Iterable[tuple[str, int, float | None]], url: str) -> Marker:
+    """The ``Marker`` of a foreign step from one listing of its folder: ``(relative
+    name, size, mtime)`` of every object. Every name is checked (untrusted.names);
+    sizes are the listing's; no CRC32C (``verified=False``); the world size is one
+    more than the highest R of the ``train/rank{R}.pt`` files (1 without any); the
+    time is the marker's.
+    Raises CorruptCheckpoint (no ``model_and_optim/.metadata``: not a checkpoint),
+    UnsafeCheckpoint (a bad name, more than MAX_FOREIGN_OBJECTS objects)."""
+    objects, ranks, created, newest = [], [], None, 0.0
+    for rel, size, mtime in listing:
+        newest = max(newest, mtime or 0.0)
+        if rel in (MARKER_NAME, ADOPTED_MANIFEST):
+            created = mtime if rel == MARKER_NAME else created
+            continue
+        if len(objects) >= MAX_FOREIGN_OBJECTS:
+            raise UnsafeCheckpoint(f"{url}: the step folder holds more than {MAX_FOREIGN_OBJECTS} objects; refusing it")
+        objects.append(ObjectEntry(check_name(rel, what="object name in the step folder", url=url), int(size), None))
+        m = _RANK_FILE.fullmatch(rel)
+        if m:
+            ranks.append(int(m.group(1)))
+    objects.sort(key=lambda o: o.path)
+    if not any(o.path == DCP_METADATA for o in objects):
+        raise CorruptCheckpoint(f"{url}: the step has another tool's marker but no {DCP_METADATA}; it is not a checkpoint")
+    return Marker(step=step, ephemeral=fm.ephemeral, world_size=max(ranks, default=0) + 1, objects=tuple(objects),
+                  created_unix=created or newest, library_version=fm.version,
+                  format_version=0, writer=fm.writer, verified=False)
+
+
+def _json(data: bytes, url: str) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:  # not JSON, bad UTF-8, over-long integers, nested too deeply
+        raise CorruptCheckpoint(f"commit marker {url} is not valid JSON ({e}); the step is not a usable checkpoint") from None
 
 
 def _int(v: Any, name: str) -> int:

@@ -1,8 +1,11 @@
 """The ``latest`` pointer: Megatron's tracker file, done safely.
 
-``{save_folder}/latest`` is a small JSON object naming the newest committed step, so
-``latest_checkpoint`` costs two requests (GET pointer, GET that step's marker) instead
-of a LIST of the folder.
+``{save_folder}/latest`` is a small JSON object naming the newest step cloudckpt
+committed, for tools and people that read a tracker file. Discovery does not trust it
+to skip the listing: another tool (OLMo-core) commits steps without moving it, so
+``latest_checkpoint`` always lists the folder's step prefixes (LIST + GET marker: the
+same two requests the pointer path cost) and reads the pointer only to log when a
+foreign step is newer than it (``discovery.latest_checkpoint``).
 
 How it stays correct:
 
@@ -14,9 +17,8 @@ How it stays correct:
 - Every write is conditional (S3 ``If-Match``/``If-None-Match``, GCS generation match,
   local compare-and-rename under a lock) and never moves the pointer to a lower step,
   so an older or slower save never overwrites a newer pointer; a lost race re-reads.
-- A reader falls back to listing whenever the pointer is missing, unparseable, names
-  a step without a marker (failed, in progress, pruned or deleted), or the backend has
-  no conditional replace.
+- A reader of the pointer alone must check the marker of the step it names ("pending"
+  or a pruned, deleted or overwritten step has none) and list when it is missing.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ import json
 import logging
 import time
 
-from ..errors import AlreadyExists, CloudCkptError, NotFound, PreconditionFailed
+from ..errors import AlreadyExists, CloudCkptError, NotFound, PreconditionFailed, UnsafeCheckpoint
 from ..storage import StorageOptions, open_store
 from ..storage import url as urls
+from ..untrusted import read_capped
 from . import layout
 
 log = logging.getLogger(__name__)
+_MAX_POINTER_BYTES = 64 * 1024  # ours is under 200 bytes
 
 
 def pointer_url(folder: str) -> str:
@@ -41,11 +45,11 @@ def read(folder: str, *, storage_options: StorageOptions | None = None) -> tuple
     """``(step, pending)`` from the pointer, or None when missing or unreadable."""
     url = pointer_url(folder)
     try:
-        d = json.loads(open_store(url, storage_options).get_bytes(url))
+        d = json.loads(read_capped(open_store(url, storage_options), url, limit=_MAX_POINTER_BYTES, what="latest pointer"))
         return int(d["step"]), bool(d.get("pending", False))
     except NotFound:
         return None
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError, UnsafeCheckpoint) as e:
         log.warning("ignoring unreadable latest pointer %s (%s)", url, e)
         return None
 
@@ -79,17 +83,6 @@ def advance(folder: str, step: int, *, pending: bool, storage_options: StorageOp
             continue  # another writer got there first: re-read and compare again
     log.warning("could not advance %s to step %d after %d attempts (contention)", url, step, attempts)
     return False
-
-
-def try_latest(folder: str, *, storage_options: StorageOptions | None = None) -> str | None:
-    """The step folder the pointer vouches for (its marker parses), else None."""
-    from .discovery import _try_marker
-
-    p = read(folder, storage_options=storage_options)
-    if p is None:
-        return None
-    dir = layout.step_dir(folder, p[0])
-    return dir if _try_marker(dir, storage_options) is not None else None
 
 
 def best_effort_clear(folder: str, *, storage_options: StorageOptions | None = None) -> None:

@@ -5,6 +5,10 @@ step folders without a marker (older than a grace period) and orphaned
 multipart uploads. Both delete a step's marker FIRST, then its objects: a crash
 part-way leaves at worst an uncommitted folder (invisible, gc removes it), never
 a committed step with objects missing.
+
+Foreign steps (another tool's marker, e.g. OLMo-core's; adopted or not) are
+committed: gc never removes a folder that has a marker, whoever wrote it, and
+prune neither counts nor deletes them unless ``Policy.include_foreign``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class Policy:
     keep_last_ephemeral: int = 1
     max_checkpoints: int | None = None  # persistent ones kept; None keeps all
     keep_every: int | None = None  # persistent steps divisible by this are never pruned
+    include_foreign: bool = False  # count (and delete) steps other tools wrote like ours
 
 
 def steps_to_prune(committed: list[tuple[int, bool]], policy: Policy, *, protect: frozenset[int] = frozenset()) -> list[int]:
@@ -56,9 +61,11 @@ def delete_step(dir: str, *, storage_options: StorageOptions | None = None) -> i
 
 def prune(folder: str, policy: Policy, *, protect: frozenset[int] = frozenset(), dry_run: bool = False,
           storage_options: StorageOptions | None = None) -> list[str]:
-    """Apply the policy to ``folder``. Returns the step folders deleted (or that would be)."""
+    """Apply the policy to ``folder``. Returns the step folders deleted (or that would be).
+    Foreign steps are left out unless ``policy.include_foreign``."""
     folder = resolve_local(folder)
-    found = list(discovery.find_checkpoints(folder, storage_options=storage_options, with_markers=True))
+    found = [f for f in discovery.find_checkpoints(folder, storage_options=storage_options, with_markers=True)
+             if policy.include_foreign or not f[2].foreign]
     doomed = steps_to_prune([(s, m.ephemeral) for s, _, m in found], policy, protect=protect)
     dirs = [layout.step_dir(folder, s) for s in doomed]
     if not dry_run:
@@ -76,8 +83,8 @@ class GcReport:
 
 def gc(folder: str, *, older_than: float = 3600.0, only_steps_above: int | None = None, protect: frozenset[int] = frozenset(),
        dry_run: bool = False, storage_options: StorageOptions | None = None, now: float | None = None) -> GcReport:
-    """Delete uncommitted step folders whose newest object is older than ``older_than``
-    seconds (or, with ``only_steps_above``, every uncommitted folder above that step,
+    """Delete uncommitted step folders (no marker, ours or another tool's) whose newest
+    object is older than ``older_than`` seconds (or, with ``only_steps_above``, every uncommitted folder above that step,
     whatever its age: leftovers of a crashed attempt of the run being resumed), and
     multipart uploads under ``folder`` initiated more than ``older_than`` seconds ago."""
     now = time.time() if now is None else now

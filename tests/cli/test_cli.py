@@ -55,10 +55,11 @@ def test_list_shows_committed_steps_flagged_and_all_adds_incomplete(runs, backen
     r = cli("list", folder)
     assert r.code == 0, r.err
     lines = r.out.splitlines()
-    assert lines[0].split() == ["STEP", "KIND", "SIZE", "OBJECTS", "WORLD", "AGE", "URL"]
+    assert lines[0].split() == ["STEP", "KIND", "FORMAT", "SIZE", "OBJECTS", "WORLD", "AGE", "URL"]
     rows = {int(ln.split()[0]): ln.split() for ln in lines[1:4]}
     assert {s: row[1] for s, row in rows.items()} == {10: "persistent", 20: "ephemeral", 30: "persistent"}
-    assert all(row[3] == "4" and row[4] == "1" and row[-1] == f"{folder}/step{s}" for s, row in rows.items())
+    assert all(row[2] == "cloudckpt" and row[4] == "4" and row[5] == "1" and row[-1] == f"{folder}/step{s}"
+               for s, row in rows.items())
     assert "step40" not in r.out and lines[-1].startswith("3 committed (2 persistent, 1 ephemeral)")
 
     r = cli("list", folder, "--all", "--json")
@@ -98,12 +99,12 @@ def test_latest_prints_the_newest_committed_step_url(runs, backend):
     assert r.out == f"{runs[backend]}/step30\n"  # step40 is not committed
 
 
-def test_latest_lists_by_default_and_trusts_the_pointer_only_with_flag(fresh):
+def test_latest_lists_and_a_lagging_pointer_never_hides_the_newer_step(fresh):
     folder = fresh("s3")
     write_fake_steps(folder, {10: False, 30: False})
     open_store(folder).put_bytes(folder + "/latest", json.dumps({"step": 10}).encode())  # lags: step30 came later
     assert cli("latest", folder).out == folder + "/step30\n"
-    assert cli("latest", folder, "--pointer").out == folder + "/step10\n"
+    assert cli("latest", folder, "--pointer").out == folder + "/step30\n"
 
 
 def test_latest_json_and_exit_1_with_a_clear_message_when_none(runs, fresh):
