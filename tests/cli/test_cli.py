@@ -10,24 +10,37 @@ import time
 
 import pytest
 
+from cloudckpt.checkpoint import retention
 from cloudckpt.cli import parse_duration
 from cloudckpt.storage import open_store
 from cloudckpt.storage import url as urls
+from cloudckpt.transfer import crc32c_bytes
 
 from .helpers import BACKENDS, cli, new_root, save_steps, write_fake_steps, write_incomplete_step
+
+
+def _contents(folder: str) -> dict[str, tuple[int, str]]:
+    """Every object under ``folder``: relative path -> (size, CRC32C), read back whole."""
+    store, prefix = open_store(folder), urls.as_prefix(folder)
+    return {o.url[len(prefix):]: (len(b := store.get_bytes(o.url)), crc32c_bytes(b)) for o in store.walk(prefix)}
 
 
 @pytest.fixture(scope="module")
 def runs(stores, tmp_path_factory):
     """On each backend a run with steps 10 (persistent), 20 (ephemeral), 30 (persistent),
-    all real checkpoints, and an uncommitted step40. Read-only tests share it."""
+    all real checkpoints, and an uncommitted step40. Read-only: the tests that share it
+    only read it (a command that changes a run gets its own, from ``fresh``), and at the
+    end of the module every object in it is as it was."""
     out = {}
     for b in BACKENDS:
         folder = new_root(b, stores, tmp_path_factory) + "/run-1"
         save_steps(folder, [(10, False), (20, True), (30, False)], str(tmp_path_factory.mktemp("work")))
         write_incomplete_step(folder, 40)
         out[b] = folder
-    return out
+    before = {b: _contents(f) for b, f in out.items()}
+    yield out
+    after = {b: _contents(f) for b, f in out.items()}
+    assert after == before, "a test changed the read-only runs"
 
 
 @pytest.fixture
@@ -310,6 +323,19 @@ def test_prune_yes_on_other_backends(fresh, backend):
 
 
 # ------------------------------------------------------------------ gc
+def _wait_until_gc_sees(folder: str, step_dirs: list[str], *, uploads: int = 0, timeout: float = 10.0) -> None:
+    """Poll (a dry run, in process) until ``--older-than 0s`` would take what was just
+    written: a store's object times may have one-second resolution, so a fresh object
+    can look younger than "now" for up to a second."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rep = retention.gc(folder, older_than=0, dry_run=True)
+        if rep.step_dirs == step_dirs and len(rep.uploads) == uploads:
+            return
+        assert time.monotonic() < deadline, f"gc --older-than 0s still sees {rep} after {timeout}s"
+        time.sleep(0.05)
+
+
 def test_gc_removes_old_uncommitted_folders_and_multipart_uploads_only_with_yes(fresh, stores):
     folder = fresh("s3")
     write_fake_steps(folder, {10: False}, object_size=5)
@@ -317,12 +343,12 @@ def test_gc_removes_old_uncommitted_folders_and_multipart_uploads_only_with_yes(
     bucket, key = urls.parse_url(folder).bucket, urls.parse_url(folder).key
     client = stores["seaweed"].client()
     client.create_multipart_upload(Bucket=bucket, Key=f"{key}/step30/model_and_optim/__0_0.distcp")
-    time.sleep(1.1)  # object times have one-second resolution
 
     r = cli("gc", folder, "--json")  # default --older-than 1h: everything is younger
     assert r.code == 0, r.err
     assert r.json() == {"folder": folder, "dry_run": True, "older_than_seconds": 3600.0, "step_dirs": [], "uploads": []}
 
+    _wait_until_gc_sees(folder, [folder + "/step20"], uploads=1)
     r = cli("gc", folder, "--older-than", "0s", "--json")
     doc = r.json()
     assert doc["dry_run"] is True and doc["step_dirs"] == [folder + "/step20"]
@@ -343,7 +369,7 @@ def test_gc_yes_on_other_backends(fresh, backend):
     folder = fresh(backend)
     write_fake_steps(folder, {1: False}, object_size=3)
     write_incomplete_step(folder, 2)
-    time.sleep(1.1)
+    _wait_until_gc_sees(folder, [folder + "/step2"])
     r = cli("gc", folder, "--older-than", "0s", "--yes", "--json")
     assert r.code == 0, r.err
     assert r.json()["step_dirs"] == [folder + "/step2"]
@@ -383,14 +409,15 @@ def test_errors_are_one_line_saying_what_to_do_with_an_exit_code(runs, case):
         assert w in line
 
 
-def test_usage_errors_exit_2(runs):
-    for args in (["gc", runs["s3"], "--older-than", "2x"], ["prune", runs["s3"], "--keep-last", "0"],
-                 ["prune", runs["s3"]], ["frobnicate"]):
+def test_usage_errors_exit_2():
+    folder = "s3://usage-errors-never-reach-a-store/run"  # had one reached it: exit 3, bucket not found
+    for args in (["gc", folder, "--older-than", "2x"], ["prune", folder, "--keep-last", "0"],
+                 ["prune", folder], ["frobnicate"]):
         r = cli(*args)
         assert r.code == 2 and "Traceback" not in r.err and "usage: cloudckpt" in r.err, args
 
 
-def test_access_denied_exits_4_and_never_prints_credentials(runs, stores):
+def test_access_denied_exits_4_and_never_prints_credentials(runs, stores, fresh, tmp_path):
     sw = stores["seaweed"]
     wrong = {"AWS_ACCESS_KEY_ID": sw.access_key, "AWS_SECRET_ACCESS_KEY": "not-the-secret-" + sw.secret_key[:4]}
     r = cli("list", runs["s3"], env=wrong)
@@ -400,14 +427,16 @@ def test_access_denied_exits_4_and_never_prints_credentials(runs, stores):
     read_only = {"AWS_ACCESS_KEY_ID": sw.ro_access_key, "AWS_SECRET_ACCESS_KEY": sw.ro_secret_key}
     r = cli("list", runs["s3"], "--json", env=read_only)
     assert r.code == 0 and len(r.json()["steps"]) == 3  # reading is allowed
-    r = cli("prune", runs["s3"], "--keep-last", "1", "--ephemeral-only", "--yes", env=read_only)
+    folder = fresh("s3")  # a prune that is allowed would delete: its own run, not the read-only one
+    save_steps(folder, [(10, False), (20, True), (30, False)], str(tmp_path / "w"))
+    r = cli("prune", folder, "--keep-last", "1", "--ephemeral-only", "--yes", env=read_only)
     assert r.code == 0 and "nothing to prune" in r.out  # only one ephemeral step: nothing to delete
-    r = cli("prune", runs["s3"], "--keep-last", "1", "--yes", "--debug", env=read_only)
+    r = cli("prune", folder, "--keep-last", "1", "--yes", "--debug", env=read_only)
     assert r.code == 4, r.out + r.err
     assert "Traceback" in r.err and "access denied" in r.err.splitlines()[-1]  # --debug adds the traceback
     for secret in (sw.secret_key, sw.ro_secret_key, sw.ro_access_key, sw.access_key):
         assert secret not in r.out + r.err
-    assert _committed(runs["s3"]) == [10, 20, 30]  # the denied delete removed nothing
+    assert _committed(folder) == [10, 20, 30]  # the denied delete removed nothing
 
 
 def test_storage_flags_select_the_endpoint(runs, stores):
