@@ -1,12 +1,14 @@
 """kill -9 at random moments: of one rank during a save (sync and async), and of a
 prune or a gc. Whatever the moment, a reader never sees a partial step.
 
-Trials are seeded. CI runs ``CLOUDCKPT_KILL_TRIALS`` (default 4) save trials and a
-quarter as many prune and gc trials (at least one each); the full campaign is
+Trials are seeded and every backend is killed by default: CI runs
+``CLOUDCKPT_KILL_TRIALS`` (default 6: S3, GCS and local, sync and async, once each)
+save trials and, per backend, one prune and one gc trial per 6 save trials (at least
+one each); the full campaign is
 
     CLOUDCKPT_KILL_TRIALS=24 .venv/bin/python -m pytest tests/faults/test_kill.py
 
-(24 save trials: S3, GCS and local, sync and async, 4 each; 6 prune and 6 gc trials).
+(24 save trials, 4 per backend and mode; 4 prune and 4 gc trials per backend).
 ``CLOUDCKPT_KILL_SEED`` picks another family of seeds.
 """
 
@@ -19,7 +21,7 @@ import time
 import pytest
 
 from cloudckpt import Checkpointer, CheckpointConfig
-from cloudckpt.checkpoint import discovery, retention
+from cloudckpt.checkpoint import discovery, layout, retention
 from cloudckpt.errors import NotACheckpoint
 from cloudckpt.storage import clear_cache, open_store
 from cloudckpt.storage import url as urls
@@ -27,9 +29,10 @@ from cloudckpt.testing.faultproxy import Rule
 
 from . import checks, workers
 
-KILL_TRIALS = int(os.environ.get("CLOUDCKPT_KILL_TRIALS", "4"))
-SEED = int(os.environ.get("CLOUDCKPT_KILL_SEED", "0"))
 COMBOS = [("s3", "sync"), ("s3", "async"), ("gcs", "sync"), ("gcs", "async"), ("local", "sync"), ("local", "async")]
+KILL_TRIALS = int(os.environ.get("CLOUDCKPT_KILL_TRIALS", str(len(COMBOS))))  # default: every backend and mode once
+SEED = int(os.environ.get("CLOUDCKPT_KILL_SEED", "0"))
+BACKENDS = ["s3", "gcs", "local"]
 NUMEL = 256 * 1024  # 1 MiB + 0.5 MiB per rank per step
 KILL_WINDOW = 4.0  # seconds after both ranks are ready: a few saves long
 
@@ -86,7 +89,7 @@ def assert_no_partial_step_is_visible(folder: str, work_dir: str, *, world_size:
     return committed
 
 
-@pytest.mark.parametrize("trial", range(KILL_TRIALS))
+@pytest.mark.parametrize("trial", [pytest.param(t, id=f"{t}-{'-'.join(COMBOS[t % len(COMBOS)])}") for t in range(KILL_TRIALS)])
 def test_kill9_of_one_rank_at_a_random_moment_of_a_save_never_exposes_a_partial_step(trial, request, tmp_path, secret_scan):
     backend, mode = COMBOS[trial % len(COMBOS)]
     rng = random.Random(f"{SEED}-save-{trial}")
@@ -129,7 +132,32 @@ def test_kill9_of_one_rank_at_a_random_moment_of_a_save_never_exposes_a_partial_
 
 
 # ------------------------------------------------------------------ prune and gc
-MAINT_TRIALS = max(1, KILL_TRIALS // 4)
+MAINT_ROUNDS = max(1, KILL_TRIALS // len(COMBOS))  # prune and gc trials per backend
+MAINT = [pytest.param(b, r, id=f"{r}-{b}") for r in range(MAINT_ROUNDS) for b in BACKENDS]
+# round 0 kills right after the first delete (part-way, whatever the machine's speed: a
+# proxied prune or gc goes on for about a second more); later rounds at a random moment
+# how long after the worker is ready the kill may come: a proxied prune or gc (+40 ms per
+# request) takes about a second; a local one a few milliseconds
+KILL_WINDOWS = {"s3": 1.5, "gcs": 1.5, "local": 0.05}
+
+
+def _maint_root(backend: str, request, tmp_path):
+    """A run folder on ``backend`` and, for S3 and GCS, the fault proxy in front of it."""
+    if backend == "local":
+        return str(tmp_path / "ckpt" / "run"), None
+    proxy = request.getfixturevalue(f"{backend}_proxy")
+    return proxy.bucket + "/run", proxy
+
+
+def _slowed(proxy):
+    """Every request 40 ms slower: the kill lands part-way through the deletes."""
+    if proxy is not None:
+        proxy.add(Rule("latency", delay=0.04))
+
+
+def _unslowed(proxy):
+    if proxy is not None:
+        proxy.clear()
 
 
 def _committed_run(folder: str, work_dir: str, steps: range, *, ephemeral_every: int = 2) -> None:
@@ -139,37 +167,68 @@ def _committed_run(folder: str, work_dir: str, steps: range, *, ephemeral_every:
     ck.close()
 
 
-def _kill_during(fn, args, rng, window: float, tmp_path) -> float:
+def _kill_during(fn, args, rng, window: float, tmp_path, *, after=None) -> float:
+    """Run ``fn`` in a spawned process and kill -9 it: as soon as ``after()`` is true (polled),
+    else at a random moment of ``window`` seconds after it is ready. Returns when, after ready."""
     progress = tmp_path / "maint"
     progress.mkdir(exist_ok=True)
     job = workers.Job(1, fn, *args, str(progress), env=checks.rank_env(), tmp=str(tmp_path))
     try:
         _wait_for([str(progress / "ready0")], timeout=120)
-        delay = rng.uniform(0, window)
-        time.sleep(delay)
+        t0 = time.monotonic()
+        if after is None:
+            time.sleep(rng.uniform(0, window))
+        else:
+            while not after() and job.procs[0].is_alive():
+                assert time.monotonic() - t0 < 60, "the worker deleted nothing within 60 s"
+        delay = time.monotonic() - t0
     finally:
         job.kill_all()
     return delay
 
 
-@pytest.mark.parametrize("trial", range(MAINT_TRIALS))
-def test_kill9_during_prune_never_leaves_a_committed_step_partially_deleted(trial, s3_proxy, tmp_path, secret_scan):
-    rng = random.Random(f"{SEED}-prune-{trial}")
-    folder = s3_proxy.bucket + "/run"
-    _committed_run(folder, str(tmp_path / "w"), range(1, 9))
+PRUNE_STEPS = range(1, 9)  # odd steps ephemeral (``_committed_run``)
+# workers.prune_all applies Policy(keep_last_ephemeral=1, max_checkpoints=1): it keeps the
+# newest ephemeral step (7) and the newest persistent one (8) and drops the other six
+PRUNE_KEEPS = {7, 8}
+
+
+@pytest.mark.parametrize("backend,trial", MAINT)
+def test_kill9_during_prune_keeps_every_step_the_policy_keeps_and_leaves_no_dropped_step_partial(
+        backend, trial, request, tmp_path, secret_scan):
+    rng = random.Random(f"{SEED}-prune-{backend}-{trial}")
+    folder, proxy = _maint_root(backend, request, tmp_path)
+    _committed_run(folder, str(tmp_path / "w"), PRUNE_STEPS)
     before = checks.committed_steps(folder)
-    s3_proxy.add(Rule("latency", delay=0.04))  # a prune of 7 steps takes about a second: kill somewhere inside it
-    delay = _kill_during(workers.prune_all, (folder,), rng, 1.5, tmp_path)
-    s3_proxy.clear()
+    assert before == list(PRUNE_STEPS)
+    policy = retention.Policy(keep_last_ephemeral=1, max_checkpoints=1)
+    assert set(before) - set(retention.steps_to_prune([(s, s % 2 == 1) for s in before], policy)) == PRUNE_KEEPS
+    store = open_store(folder)
+    first_gone = (lambda: not store.exists(layout.marker_url(checks.step_dir(folder, 1)))) if trial == 0 else None
+    _slowed(proxy)
+    delay = _kill_during(workers.prune_all, (folder,), rng, KILL_WINDOWS[backend], tmp_path, after=first_gone)
+    _unslowed(proxy)
     after = assert_no_partial_step_is_visible(folder, str(tmp_path / "check"), world_size=1, numel=64 * 1024)
-    print(f"prune trial {trial}: killed after {delay:.2f}s; committed {before} -> {after}")
-    assert set(after) <= set(before) and max(after) == max(before), "prune never deletes the newest step"
+    print(f"prune trial {backend}/{trial}: killed after {delay:.2f}s; committed {before} -> {after}")
+    # kept steps: still committed, and (like every committed step above) complete
+    assert PRUNE_KEEPS <= set(after), f"prune deleted a step the policy keeps: {sorted(PRUNE_KEEPS - set(after))}"
+    assert set(after) <= set(before)
+    # a dropped step is still complete (committed: verified above) or gone: its marker went
+    # first, so no reader sees it, and what the kill left of its objects is gc's to remove
+    gone = sorted(set(before) - set(after))
+    for s in gone:
+        with pytest.raises(NotACheckpoint):
+            Checkpointer(work_dir=str(tmp_path / "check")).load(checks.step_dir(folder, s), checks.zero_state(1))
+    retention.gc(folder, older_than=0)
+    for s in gone:
+        assert checks.objects_under(checks.step_dir(folder, s)) == [], f"objects of pruned step{s} are left after gc"
+    assert checks.committed_steps(folder) == after, "gc touched no committed step"
 
 
-@pytest.mark.parametrize("trial", range(MAINT_TRIALS))
-def test_kill9_during_gc_never_touches_a_committed_step(trial, s3_proxy, tmp_path, secret_scan):
-    rng = random.Random(f"{SEED}-gc-{trial}")
-    folder = s3_proxy.bucket + "/run"
+@pytest.mark.parametrize("backend,trial", MAINT)
+def test_kill9_during_gc_never_touches_a_committed_step(backend, trial, request, tmp_path, secret_scan):
+    rng = random.Random(f"{SEED}-gc-{backend}-{trial}")
+    folder, proxy = _maint_root(backend, request, tmp_path)
     _committed_run(folder, str(tmp_path / "w"), range(1, 5))
     store = open_store(folder)
     for s in range(5, 10):  # crashed saves: objects without a marker (and a lock)
@@ -177,14 +236,16 @@ def test_kill9_during_gc_never_touches_a_committed_step(trial, s3_proxy, tmp_pat
         for name in ("model_and_optim/__0_0.distcp", "model_and_optim/.metadata", "train/rank0.pt", ".lock"):
             store.put_bytes(urls.join(d, name), os.urandom(1000))
     before = checks.committed_steps(folder)
-    s3_proxy.add(Rule("latency", delay=0.04))
-    delay = _kill_during(workers.gc_all, (folder,), rng, 1.0, tmp_path)
-    s3_proxy.clear()
+    crashed5 = urls.as_prefix(checks.step_dir(folder, 5))
+    first_gone = (lambda: len(list(store.walk(crashed5))) < 4) if trial == 0 else None
+    _slowed(proxy)
+    delay = _kill_during(workers.gc_all, (folder,), rng, KILL_WINDOWS[backend] * 2 / 3, tmp_path, after=first_gone)
+    _unslowed(proxy)
     after = assert_no_partial_step_is_visible(folder, str(tmp_path / "check"), world_size=1, numel=64 * 1024)
-    print(f"gc trial {trial}: killed after {delay:.2f}s; committed {before} -> {after}")
+    print(f"gc trial {backend}/{trial}: killed after {delay:.2f}s; committed {before} -> {after}")
     assert after == before, "gc never deletes a committed step"
     rep = retention.gc(folder, older_than=0)  # a later gc finishes the job
     assert [discovery.dir_is_checkpoint(d) for d in rep.step_dirs] == [False] * len(rep.step_dirs)
     for s, d in discovery.list_step_dirs(folder):
-        # SeaweedFS's filer keeps emptied folders, so a gc'ed step can still be listed as a prefix: with no object
+        # SeaweedFS's filer (and a local folder) keeps emptied folders, so a gc'ed step can still be listed as a prefix: with no object
         assert s in before or checks.objects_under(d) == [], f"gc left objects of uncommitted {d}"

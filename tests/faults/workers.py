@@ -145,6 +145,7 @@ class Job:
         if p.is_alive():
             os.kill(p.pid, signal.SIGKILL)
         p.join(10)
+        assert not p.is_alive(), f"rank {rank} (pid {p.pid}) is still alive 10 s after SIGKILL"
 
     def kill_all(self) -> None:
         for r in range(len(self.procs)):
