@@ -25,12 +25,12 @@ URL = "s3://b/ck/model_and_optim/__0_0.distcp"
 
 class Body:
     """A RangeReader over ``data[pos:]``; ``fail_after`` reads raise Transient;
-    ``block_at`` makes the read that would cross that offset wait for ``gate``."""
+    ``block_at`` makes the read that would cross that offset set ``reached`` and wait for ``gate``."""
 
     def __init__(self, data: bytes, pos: int, *, fail_after: int | None = None, block_at: int | None = None,
-                 gate: threading.Event | None = None):
+                 gate: threading.Event | None = None, reached: threading.Event | None = None):
         self.data, self.pos = data, pos
-        self.fail_after, self.block_at, self.gate = fail_after, block_at, gate
+        self.fail_after, self.block_at, self.gate, self.reached = fail_after, block_at, gate, reached
         self.reads = 0
         self.closed = False
 
@@ -38,6 +38,8 @@ class Body:
         if self.fail_after is not None and self.reads >= self.fail_after:
             raise Transient(f"get {URL}: connection problem (reset)", url=URL)
         if self.block_at is not None and self.pos <= self.block_at < self.pos + n:
+            if self.reached is not None:
+                self.reached.set()
             self.gate.wait(10)
         self.reads += 1
         out = self.data[self.pos:self.pos + n]
@@ -84,6 +86,12 @@ class Placed:
         return True
 
 
+def _joined(*threads: threading.Thread, timeout: float = 10) -> None:
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), f"still running after {timeout}s: {[t.name for t in threads if t.is_alive()]}"
+
+
 def opener(data, opened):
     """``open_from(fail_after)``: an ``open_from`` that records where each attempt opens
     and whose Body raises Transient after ``fail_after`` reads (None: never)."""
@@ -126,23 +134,22 @@ def test_a_superseded_attempt_that_wakes_up_puts_nothing_in_place():
     one's socket delivers after all, it stops: each item is put in place once."""
     data, parts, sums = _items()
     st, tally, placed = _stream(data, parts, sums)
-    gate = threading.Event()
+    gate, reached = threading.Event(), threading.Event()
     errors = []
 
     def first():
         try:
-            st(lambda pos: Body(data, pos, block_at=parts[1][0] + 10, gate=gate), lambda n: None)
+            st(lambda pos: Body(data, pos, block_at=parts[1][0] + 10, gate=gate, reached=reached), lambda n: None)
         except R._Stopped:
             errors.append("stopped")
 
-    t = threading.Thread(target=first)
+    t = threading.Thread(target=first, daemon=True)
     t.start()
-    deadline = time.monotonic() + 5
-    while st._next < 1 and time.monotonic() < deadline:  # item0 in place, item1 blocked in the socket
-        time.sleep(0.01)
+    assert reached.wait(10), "the first attempt never reached item1"  # item0 in place, item1 blocked in the socket
+    assert [r for r, _ in placed.items] == ["item0"]
     assert st(lambda pos: Body(data, pos), lambda n: None) == 4 * 1000  # the second attempt does the rest
     gate.set()
-    t.join(5)
+    _joined(t)
     assert errors == ["stopped"]
     assert [r for r, _ in placed.items] == [f"item{i}" for i in range(5)]
     assert tally.items == 5
@@ -157,16 +164,18 @@ def test_streams_share_the_byte_budget_and_a_waiting_one_says_it_is_alive():
     a, _, _ = _stream(data, parts[:1], sums, tally, placed)
     b, _, _ = _stream(data, parts[1:], sums, tally, placed)
     alive = []
-    ta = threading.Thread(target=lambda: a(lambda pos: Body(data, pos), lambda n: None))
+    ta = threading.Thread(target=lambda: a(lambda pos: Body(data, pos), lambda n: None), daemon=True)
     ta.start()
     assert placed.holding.wait(5)
-    tb = threading.Thread(target=lambda: b(lambda pos: Body(data, pos), alive.append))
+    tb = threading.Thread(target=lambda: b(lambda pos: Body(data, pos), alive.append), daemon=True)
     tb.start()
-    time.sleep(1.3)
-    assert placed.items == [] and 0 in alive, "B waited for room, saying it is alive"
+    deadline = time.monotonic() + 10  # the waiting stream says so once a second
+    while 0 not in alive:
+        assert time.monotonic() < deadline, "B never reported progress(0) while waiting for room"
+        time.sleep(0.01)
+    assert placed.items == [], "B waited for room (A holds the budget), saying it is alive"
     placed.gate.set()
-    ta.join(5)
-    tb.join(5)
+    _joined(ta, tb)
     assert [r for r, _ in placed.items] == ["item0", "item1"]
     tally.wait(2)
 
@@ -183,7 +192,7 @@ def test_a_stream_from_a_store_that_fetches_it_whole_reserves_all_of_it_first():
     assert placed.holding.wait(5)
     assert tally._held == 3000, "all three items reserved (alone, it may exceed the budget)"
     placed.gate.set()
-    t.join(5)
+    _joined(t)
     assert tally._held == 0 and tally.items == 3
 
 
@@ -232,7 +241,7 @@ def test_closing_stops_streams_before_their_next_item_and_waits_for_the_one_bein
     assert not closed.wait(0.3), "close waits while item1 is being put in place"
     placed.gate.set()
     assert closed.wait(5)
-    t.join(5)
+    _joined(t, tc)
     assert stopped == [True] and [r for r, _ in placed.items] == ["item0", "item1"]
 
 
