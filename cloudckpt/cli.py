@@ -13,9 +13,11 @@ SDKs' wire logs, which carry signed headers). Exit codes:
     1  the answer is "no" / a check failed: ``latest`` found no committed step,
        ``verify`` or ``download`` found missing or corrupt objects, an unreadable marker
     2  usage: bad arguments, a malformed URL or duration
-    3  not found: bucket, folder or object missing; not a committed checkpoint
+    3  not found: bucket, folder or object missing; not a committed checkpoint;
+       ``list`` / ``latest`` of a folder that holds no step{N} folder at all
     4  access denied or no usable credentials
-    5  any other error (network, throttling after retries, local I/O)
+    5  any other error (network, no answer within ``--timeout``, throttling after
+       retries, local I/O)
     130 interrupted
 
 Heavy imports (torch) happen only in the commands that need them (``inspect``).
@@ -65,7 +67,31 @@ class CliError(Exception):
 def _storage_options(args):
     from .storage import StorageOptions
 
-    return StorageOptions(endpoint_url=args.endpoint_url, profile=args.profile, region=args.region)
+    times = {"operation_timeout": args.timeout, "connect_timeout": args.connect_timeout}
+    return StorageOptions(endpoint_url=args.endpoint_url, profile=args.profile, region=args.region,
+                          **{k: v for k, v in times.items() if v is not None})
+
+
+def _seconds_arg(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = 0.0
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: use a number of seconds > 0, e.g. 30")
+    return v
+
+
+def _no_steps(folder: str) -> int:
+    """``list`` / ``latest`` of a folder without any step{N} folder: one line, exit 3."""
+    from .checkpoint import layout
+    from .storage import url as urls
+
+    hint = "is the path right?"
+    if layout.step_of_name(urls.basename(folder)) is not None:
+        hint = f"it looks like a step folder itself: use its save folder {urls.parent(folder)}"
+    print(f"cloudckpt: no checkpoints in {folder}: it holds no step{{N}} folder ({hint})", file=sys.stderr)
+    return EXIT_NOT_FOUND
 
 
 def _age(seconds: float) -> str:
@@ -189,7 +215,7 @@ def _manifest_path(root: str, rel: str, where: str) -> str:
 
 # ====================================================================== list
 def cmd_list(args) -> int:
-    from .checkpoint import discovery, layout
+    from .checkpoint import discovery
     from .storage import url as urls
 
     so = _storage_options(args)
@@ -232,15 +258,11 @@ def cmd_list(args) -> int:
                      "format": m.kind, "writer": m.writer, "verified": m.verified})
     if args.json:
         _print_json({"folder": args.folder, "steps": rows})
-        return EXIT_OK
+        return EXIT_OK if steps else _no_steps(args.folder)
+    if not steps:
+        return _no_steps(args.folder)
     if not rows:
-        what = "step folders" if args.all else "committed checkpoints"
-        hint = ""
-        if not steps and layout.step_of_name(urls.basename(args.folder)) is not None:
-            hint = f"; {args.folder} looks like a step folder itself: list its save folder {urls.parent(args.folder)}"
-        elif not steps:
-            hint = " (no step{N} folders at all: is the path right?)"
-        print(f"no {what} in {args.folder}{hint}")
+        print(f"no {'step folders' if args.all else 'committed checkpoints'} in {args.folder}")
         return EXIT_OK
     table = []
     for r in rows:
@@ -276,6 +298,8 @@ def cmd_latest(args) -> int:
         # Listing by default: correct even if something wrote a step without moving the pointer.
         url = discovery.latest_checkpoint(args.folder, storage_options=_storage_options(args), use_pointer=args.pointer)
     except NotACheckpoint:
+        if not discovery.list_step_dirs(args.folder, storage_options=_storage_options(args)):
+            return _no_steps(args.folder)
         print(f"cloudckpt: no committed checkpoint in {args.folder} (run `cloudckpt list --all {args.folder}` "
               "to see step folders)", file=sys.stderr)
         return EXIT_NO
@@ -797,6 +821,11 @@ def _add_common(p: argparse.ArgumentParser, *, suppress: bool) -> None:
                         "STORAGE_EMULATOR_HOST for GCS emulators)")
     g.add_argument("--profile", default=d(None), help="AWS profile (default: AWS_PROFILE)")
     g.add_argument("--region", default=d(None), help="S3 region (default: AWS_REGION)")
+    g.add_argument("--timeout", type=_seconds_arg, default=d(None), metavar="SECONDS",
+                   help="deadline of each request over all its retries; a store that does not answer fails the "
+                        "command after about this long (default 60; transfers that make progress are not cut)")
+    g.add_argument("--connect-timeout", type=_seconds_arg, default=d(None), metavar="SECONDS",
+                   help="wait at most this long to open a connection (default 10)")
     g.add_argument("--json", action="store_true", default=d(False), help="print one JSON document for scripts")
     g.add_argument("--debug", action="store_true", default=d(False), help="show tracebacks and cloudckpt debug logs")
 
@@ -825,7 +854,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = command("list", cmd_list, "committed steps of a save folder",
                 "Committed steps of a save folder: kind, size, objects, world size, age. One LIST of the "
-                "folder plus concurrent marker reads.")
+                "folder plus concurrent marker reads. Exit 3 if the folder holds no step folder at all.")
     s.add_argument("folder", metavar="FOLDER", help="the save folder (local path, s3://bucket/prefix, gs://bucket/prefix)")
     s.add_argument("--all", action="store_true", help="also show uncommitted step folders (marked incomplete)")
     g = s.add_mutually_exclusive_group()
@@ -833,7 +862,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--persistent", action="store_true", help="only persistent checkpoints")
 
     s = command("latest", cmd_latest, "URL of the newest committed step (exit 1 if none)",
-                "URL of the newest committed step, found by listing the folder; exit 1 if there is none.")
+                "URL of the newest committed step, found by listing the folder; exit 1 if there is none, "
+                "3 if the folder holds no step folder at all.")
     s.add_argument("folder", metavar="FOLDER")
     s.add_argument("--pointer", action="store_true",
                    help="also read the folder's `latest` pointer and warn when a step another tool wrote is newer "

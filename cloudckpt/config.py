@@ -1,15 +1,22 @@
 """CheckpointConfig: the trainer-facing settings, validated, from kwargs, a dict,
 a YAML file, and ``CLOUDCKPT_*`` environment overrides.
 
-Precedence (stated once): defaults < the dict / YAML file / keyword arguments you
-pass < environment variables ``CLOUDCKPT_<FIELD>`` (e.g. ``CLOUDCKPT_SAVE_FOLDER``,
+Precedence (stated once): defaults < the dict / YAML file you pass < environment
+variables ``CLOUDCKPT_<FIELD>`` (e.g. ``CLOUDCKPT_SAVE_FOLDER``,
 ``CLOUDCKPT_ASYNC_SAVE=true``), so an operator can redirect a job without editing
-its config. Every error names the field, the bad value and what is allowed.
+its config (``from_dict`` / ``from_yaml`` apply them; keyword arguments to the class
+are taken as given). Every error names the field, the bad value and what is allowed.
+
+Unknown ``CLOUDCKPT_*`` variables are an error too, with a did-you-mean: a misspelt
+variable would otherwise be ignored while the job runs with the default. The few
+``CLOUDCKPT_*`` variables that are not config fields (knobs of the test suite and
+benchmarks) are listed in :data:`NON_CONFIG_ENV`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -21,6 +28,16 @@ from .storage import url as urls
 from .transfer import TransferConfig
 
 ENV_PREFIX = "CLOUDCKPT_"
+#: ``CLOUDCKPT_*`` variables that are not config fields: knobs of the test suite and
+#: benchmarks in this repository. Any other unknown ``CLOUDCKPT_*`` variable is an error.
+NON_CONFIG_ENV = frozenset({
+    "CLOUDCKPT_BENCH",  # bench/: set in benchmark child processes
+    "CLOUDCKPT_FAULT_SEED",  # tests/faults: seed of the fault proxies
+    "CLOUDCKPT_FUZZ_EXAMPLES",  # tests/security/test_fuzz.py: hypothesis examples
+    "CLOUDCKPT_KEEP_SERVER_DIRS",  # cloudckpt.testing.servers: keep the emulators' data folders
+    "CLOUDCKPT_KILL_SEED",  # tests/faults/test_kill.py
+    "CLOUDCKPT_KILL_TRIALS",  # tests/faults/test_kill.py
+})
 _MiB = 1024 * 1024
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*(?:/s)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -56,6 +73,9 @@ class CheckpointConfig:
     - ``max_concurrency``, ``bandwidth_limit`` (bytes/s or '200MB/s'), ``part_size`` (None: the backend's
       default, S3 64 MiB, GCS 16 MiB), ``stall_timeout`` (s): transfer knobs.
     - ``endpoint_url``, ``profile``, ``region``, ``addressing_style``: storage options (None: the SDK's env/config chain).
+    - ``connect_timeout``, ``read_timeout`` (s): one attempt's wait to connect / for the next bytes of an answer.
+    - ``operation_timeout`` (s): one request's deadline over all the SDK's retries; a transfer that moved no new
+      bytes for this long is not re-attempted either (StorageOptions says how they combine).
     - ``sign_payload``: S3 only: SHA-256 every request body into its SigV4 signature (off: CRC32C checks instead).
     - ``gc_grace_seconds``: uncommitted step folders and multipart uploads older than this are garbage-collected.
     - ``verify_checksums``: check CRC32C of what is loaded.
@@ -83,6 +103,9 @@ class CheckpointConfig:
     region: Optional[str] = None
     addressing_style: Optional[str] = None
     sign_payload: bool = False
+    connect_timeout: float = StorageOptions.connect_timeout  # the defaults are StorageOptions'
+    read_timeout: float = StorageOptions.read_timeout
+    operation_timeout: float = StorageOptions.operation_timeout
     gc_grace_seconds: float = 3600.0
     verify_checksums: bool = True
     pre_download: bool = False
@@ -132,13 +155,25 @@ class CheckpointConfig:
 
     @classmethod
     def _env_overrides(cls, env: Mapping[str, str]) -> dict[str, Any]:
-        out = {}
-        names = set(cls.field_names())
+        """``CLOUDCKPT_<FIELD>`` values by field name. Raises ConfigError naming every
+        unknown ``CLOUDCKPT_*`` variable (not a field, not in NON_CONFIG_ENV)."""
+        out, unknown = {}, []
+        names = cls.field_names()
         for k, v in env.items():
-            if k.startswith(ENV_PREFIX):
+            if k.startswith(ENV_PREFIX) and k not in NON_CONFIG_ENV:
                 name = k[len(ENV_PREFIX):].lower()
                 if name in names:
                     out[name] = v
+                else:
+                    unknown.append(k)
+        if unknown:
+            known = [ENV_PREFIX + n.upper() for n in names]
+            hints = []
+            for k in sorted(unknown):
+                close = difflib.get_close_matches(k, known, n=1, cutoff=0.8)
+                hints.append(f"{k} (did you mean {close[0]}?)" if close else k)
+            raise ConfigError(f"unknown environment variable(s) {', '.join(hints)}: CLOUDCKPT_* variables override "
+                              f"checkpoint config fields; known: {', '.join(known)}")
         return out
 
     def replace(self, **kw) -> "CheckpointConfig":
@@ -202,7 +237,8 @@ class CheckpointConfig:
     def storage_options(self) -> StorageOptions:
         return StorageOptions(endpoint_url=self.endpoint_url, profile=self.profile, region=self.region,
                               addressing_style=self.addressing_style, part_size=self.part_size,
-                              sign_payload=self.sign_payload)
+                              sign_payload=self.sign_payload, connect_timeout=self.connect_timeout,
+                              read_timeout=self.read_timeout, operation_timeout=self.operation_timeout)
 
     def transfer_config(self) -> TransferConfig:
         return TransferConfig(max_concurrency=self.max_concurrency, bandwidth_limit=self.bandwidth_limit,

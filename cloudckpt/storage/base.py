@@ -12,6 +12,7 @@ Thread safety: a store instance is shared by all threads of a process.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from abc import ABC, abstractmethod
@@ -46,8 +47,17 @@ class StorageOptions:
     part_size: int | None = None
     max_pool_connections: int = 64
     max_attempts: int = 8  # SDK-level attempts per request (retries on 5xx/throttling/resets)
+    # Time bounds (seconds). connect_timeout / read_timeout bound one attempt's wait to open a
+    # connection / for the next bytes of an answer (each capped at operation_timeout).
+    # operation_timeout is one request's deadline over all the SDK's attempts: once it is spent
+    # the request is not retried again, and the transfer engine does not re-attempt a transfer
+    # that made no progress for that long. An attempt under way is never cut by it: a slow but
+    # progressing upload or download is judged by the engine's stall watchdog (stall_timeout).
+    # Against an endpoint that never answers a request fails with Timeout after about
+    # operation_timeout, at most operation_timeout + connect + read (docs/configuration.md).
     connect_timeout: float = 10.0
-    read_timeout: float = 60.0
+    read_timeout: float = 30.0
+    operation_timeout: float = 60.0
     min_delete_depth: int = 1  # delete_prefix refuses prefixes shallower than this
     # S3: SHA-256 every request body for its SigV4 signature (client and server each hash
     # every byte, ~1 CPU-s/GiB apiece here). Off by default: TLS protects the bytes in
@@ -69,6 +79,49 @@ class StorageOptions:
                 raise ConfigError(f"storage option {name}={v!r} is not allowed: use a positive integer")
         if self.part_size is not None and self.part_size < 5 * MiB:
             raise ConfigError(f"storage option part_size={self.part_size} is too small: S3 needs at least 5 MiB (5242880)")
+        for name in ("connect_timeout", "read_timeout", "operation_timeout"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                raise ConfigError(f"storage option {name}={v!r} is not allowed: use a number of seconds > 0")
+        if self.endpoint_url is not None:
+            check_endpoint_url(self.endpoint_url)
+
+    @property
+    def attempt_timeouts(self) -> tuple[float, float]:
+        """``(connect, read)`` seconds for one attempt: the options, capped at ``operation_timeout``."""
+        return min(self.connect_timeout, self.operation_timeout), min(self.read_timeout, self.operation_timeout)
+
+
+def check_endpoint_url(endpoint: str) -> None:
+    """Raise ConfigError unless ``endpoint`` is an ``http://`` or ``https://`` URL with a host."""
+    from urllib.parse import urlsplit
+
+    from ..errors import ConfigError
+
+    if not isinstance(endpoint, str):
+        raise ConfigError(f"storage option endpoint_url={endpoint!r} is not a URL: write e.g. http://127.0.0.1:9000")
+    try:
+        p = urlsplit(endpoint)
+        host, _ = p.hostname, p.port
+    except ValueError:
+        host, p = None, None
+    if p is not None and p.scheme in ("http", "https") and host:
+        return
+    shown = redact_endpoint(endpoint)
+    where = f"storage option endpoint_url={shown!r} (--endpoint-url, CLOUDCKPT_ENDPOINT_URL)"
+    if "://" not in endpoint:
+        raise ConfigError(f"{where} has no scheme: write http://{shown} (or https://{shown} for TLS)")
+    raise ConfigError(f"{where} is not an http:// or https:// URL with a host: write e.g. http://127.0.0.1:9000")
+
+
+def redact_endpoint(endpoint: str) -> str:
+    """``endpoint`` without any ``user:password@`` part (for messages)."""
+    head, sep, rest = str(endpoint).partition("://")
+    if not sep:
+        head, rest = "", head
+    netloc, slash, path = rest.partition("/")
+    netloc = netloc.rpartition("@")[2]
+    return f"{head}{sep}{netloc}{slash}{path}"
 
 
 @dataclass(frozen=True)

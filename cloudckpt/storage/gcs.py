@@ -9,7 +9,11 @@ when the client is first needed, not at import.
 
 Request retries are google-api-core's, as the library's ``DEFAULT_RETRY`` (its
 predicate: 408, 429, 5xx, connection resets and timeouts; exponential backoff with
-jitter, at most ``_RETRY_TIMEOUT`` seconds per request or per upload chunk). Every retry
+jitter). api-core's ``Retry(timeout=...)`` is already a deadline over a request's
+attempts (no retry starts after it): it is ``StorageOptions.operation_timeout``, per
+request or per upload chunk, and each attempt's socket waits are
+``StorageOptions.attempt_timeouts``. A request whose deadline passed without an answer
+raises :class:`~cloudckpt.errors.Timeout` naming the endpoint. Every retry
 is reported to the retry listeners (``"throttled"`` for 429/503, ``"transient"``
 otherwise), which is how the transfer engine sees throttling. ``max_attempts=1``
 turns retries off.
@@ -57,14 +61,14 @@ from ..errors import (
     PreconditionFailed,
     StorageError,
     Throttled,
+    Timeout,
     Transient,
 )
-from .base import ListEntry, ObjectInfo, ObjectStore, PendingUpload, Progress
+from .base import ListEntry, ObjectInfo, ObjectStore, PendingUpload, Progress, redact_endpoint
 from .url import parse_url
 
 _CHUNK_MULTIPLE = 256 * 1024  # GCS resumable chunks must be multiples of 256 KiB
 _SINGLE_REQUEST_MAX = 8 * 1024 * 1024  # google-cloud-storage sends up to this in one multipart request
-_RETRY_TIMEOUT = 120.0  # seconds of retrying per request before giving up
 _EMULATOR_PROJECT = "cloudckpt-emulator"
 _THROTTLE_STATUS = (429, 503)
 _ADC_HINT = (
@@ -125,16 +129,28 @@ _CONNECTION_ERRORS = (
 )
 
 
-def translate(e: BaseException, url: str, op: str, *, bucket_exists: Callable[[], bool] | None = None) -> BaseException:
+_TIMEOUT_ERRORS = (requests.exceptions.Timeout, urllib3.exceptions.TimeoutError, TimeoutError)
+
+
+def translate(e: BaseException, url: str, op: str, *, bucket_exists: Callable[[], bool] | None = None,
+              endpoint: str | None = None, deadline: float | None = None) -> BaseException:
     """Map a google-cloud-storage / google-auth / requests exception to the cloudckpt
     error tree. ``bucket_exists`` is asked when a 404 does not say whether the bucket
-    or the object is missing."""
+    or the object is missing; ``endpoint`` and ``deadline`` (the operation_timeout) are
+    named in Timeout messages."""
     if isinstance(e, StorageError):
         return e
+    where = f" from {redact_endpoint(endpoint)}" if endpoint else ""
     if isinstance(e, gexc.RetryError):
         cause = e.cause
+        if isinstance(cause, _TIMEOUT_ERRORS) or (cause is None and str(e).startswith("Timeout")):
+            within = f"operation_timeout={deadline:g}s" if deadline else "the deadline"
+            return Timeout(f"{op} {url}: no answer{where} within {within} (the last: "
+                           f"{type(cause).__name__ if cause is not None else 'timeout'}); check the endpoint "
+                           "(STORAGE_EMULATOR_HOST / endpoint_url) and network, or raise operation_timeout (--timeout)",
+                           url=url)
         if cause is not None and cause is not e:
-            out = translate(cause, url, op, bucket_exists=bucket_exists)
+            out = translate(cause, url, op, bucket_exists=bucket_exists, endpoint=endpoint, deadline=deadline)
             if isinstance(out, Transient):
                 return type(out)(f"{out}; retries were exhausted", url=url)
             return out
@@ -196,8 +212,8 @@ class GCSStore(ObjectStore):
         self._lock = threading.Lock()
         self._client: storage.Client | None = None
         self._known_buckets: set[str] = set()
-        o = self.options
-        self._timeout = (o.connect_timeout, o.read_timeout)
+        self._timeout = self.options.attempt_timeouts
+        self._endpoint: str | None = None  # named in Timeout messages once the client exists
 
     # ------------------------------------------------------------ client
     @property
@@ -219,6 +235,7 @@ class GCSStore(ObjectStore):
             endpoint = o.endpoint_url
             credentials, adc_project = google.auth.default(scopes=storage.Client.SCOPE)  # callers translate
             project = o.project or adc_project
+        self._endpoint = endpoint or "https://storage.googleapis.com"
         session = AuthorizedSession(credentials)
         adapter = requests.adapters.HTTPAdapter(
             pool_connections=o.max_pool_connections, pool_maxsize=o.max_pool_connections, max_retries=0
@@ -242,8 +259,8 @@ class GCSStore(ObjectStore):
                 on_retry()
             self._notify_retry(_retry_kind(exc))
 
-        # api-core's default backoff (1 s doubling to 60 s, with jitter) within _RETRY_TIMEOUT
-        return Retry(predicate=_should_retry, timeout=_RETRY_TIMEOUT, on_error=on_error)
+        # api-core's default backoff (1 s doubling to 60 s, with jitter); no retry starts after the deadline
+        return Retry(predicate=_should_retry, timeout=self.options.operation_timeout, on_error=on_error)
 
     def _bucket_exists(self, bucket: str) -> Callable[[], bool]:
         def check() -> bool:
@@ -260,11 +277,12 @@ class GCSStore(ObjectStore):
         return check
 
     def _translate(self, e: BaseException, url: str, op: str) -> BaseException:
+        kw = {"endpoint": self._endpoint, "deadline": self.options.operation_timeout}
         try:
             bucket = parse_url(url).bucket
         except InvalidURL:
-            return translate(e, url, op)
-        return translate(e, url, op, bucket_exists=self._bucket_exists(bucket))
+            return translate(e, url, op, **kw)
+        return translate(e, url, op, bucket_exists=self._bucket_exists(bucket), **kw)
 
     def connect(self) -> None:
         self.client  # noqa: B018 (the property builds it)
@@ -431,7 +449,7 @@ class GCSStore(ObjectStore):
                 for b in page:
                     yield ListEntry(base + b.name, size=int(b.size or 0), mtime=_ts(b.updated))
         except Exception as e:  # noqa: BLE001 - translated below
-            err = translate(e, prefix, "list")
+            err = translate(e, prefix, "list", endpoint=self._endpoint, deadline=self.options.operation_timeout)
             if type(err) is NotFound:  # listing an existing bucket never answers 404
                 err = BucketNotFound(f"list {prefix}: bucket {bucket!r} does not exist; create it or fix the URL", url=prefix)
             raise err from None

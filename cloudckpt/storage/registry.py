@@ -12,7 +12,7 @@ from typing import Dict, Tuple
 
 from ..errors import BackendUnavailable, InvalidURL
 from .base import ObjectStore, StorageOptions
-from .url import scheme_of
+from .url import http_url_message, scheme_of
 
 # scheme -> ("module:Class", pip extra that provides its dependencies)
 _BACKENDS: Dict[str, Tuple[str, str]] = {
@@ -56,6 +56,8 @@ def open_store(url: str, options: StorageOptions | None = None) -> ObjectStore:
     """The (shared, thread-safe) store that serves ``url``. Raises InvalidURL for
     malformed URLs or unknown schemes, BackendUnavailable when an extra is missing."""
     scheme = _ALIASES.get(scheme_of(url), scheme_of(url))
+    if scheme in ("http", "https") and scheme not in _BACKENDS:
+        raise InvalidURL(http_url_message(url), url=url)
     cls = backend_class(scheme)
     options = options or StorageOptions()
     key = (scheme, options)

@@ -7,15 +7,26 @@ connection resets) are botocore's ``standard`` mode; multipart uploads and
 parallel ranged downloads are s3transfer's. Every retry botocore decides on is
 reported to the retry listeners, which is how the transfer engine sees throttling.
 
+Time bounds: botocore has per-attempt connect/read timeouts and an attempt count,
+but no deadline over a request's attempts (8 attempts of a 60 s read timeout would
+make a LIST against an endpoint that never answers take 8 minutes). Every API call,
+ours and s3transfer's, is stamped when it starts (``before-call``); once
+``operation_timeout`` has passed, a retry botocore would make is refused instead
+(``needs-retry``, and ``request-created`` when a backoff ended past the deadline) and
+the call fails with :class:`~cloudckpt.errors.Timeout` naming the endpoint. An
+attempt under way is not cut: its socket waits are bounded by
+``StorageOptions.attempt_timeouts``.
+
 Raises (translated at this boundary): NotFound, BucketNotFound, AlreadyExists,
-PreconditionFailed, AccessDenied, Throttled, Transient, InvalidURL.
+PreconditionFailed, AccessDenied, Throttled, Timeout, Transient, InvalidURL;
+ConfigError for an endpoint that is not a URL.
 """
 
 from __future__ import annotations
 
 import os
-
 import threading
+import time
 from datetime import datetime
 from typing import BinaryIO, Iterable, Iterator
 from urllib.parse import urlsplit
@@ -23,6 +34,7 @@ from urllib.parse import urlsplit
 import boto3
 import botocore.exceptions as bex
 from botocore.config import Config
+from botocore.retries.standard import RetryEventAdapter, StandardRetryConditions
 from s3transfer.manager import TransferConfig, TransferManager
 from s3transfer.subscribers import BaseSubscriber
 
@@ -30,20 +42,37 @@ from ..errors import (
     AccessDenied,
     AlreadyExists,
     BucketNotFound,
+    ConfigError,
     InvalidURL,
     NotFound,
     PreconditionFailed,
     StorageError,
     Throttled,
+    Timeout,
     Transient,
 )
-from .base import MiB, ListEntry, ObjectInfo, ObjectStore, PendingUpload, Progress, RangeReader
+from .base import MiB, ListEntry, ObjectInfo, ObjectStore, PendingUpload, Progress, RangeReader, redact_endpoint
 from .url import parse_url
 
 _THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
                    "RequestThrottled", "ProvisionedThroughputExceededException", "503", "429"}
 _DENIED_CODES = {"AccessDenied", "403", "SignatureDoesNotMatch", "InvalidAccessKeyId", "ExpiredToken",
                  "InvalidToken", "AllAccessDisabled", "AccountProblem", "TokenRefreshRequired", "Forbidden"}
+
+
+_RETRY_EVENTS = RetryEventAdapter()  # needs-retry kwargs -> botocore's RetryContext
+_STARTED = "cloudckpt_started"  # request-context keys: time.monotonic() when the API call began,
+_LAST = "cloudckpt_last_failure"  # and (what the last failed attempt got, whether it was throttled)
+
+
+class _DeadlineSpent(Exception):
+    """Raised from botocore's needs-retry event to refuse a retry after the deadline.
+    Not an OSError, so s3transfer's own download retries do not retry it either;
+    :func:`translate` turns it into Timeout (Throttled when the store was throttling)."""
+
+    def __init__(self, message: str, *, throttled: bool = False):
+        super().__init__(message)
+        self.throttled = throttled
 
 
 def _split(url: str) -> tuple[str, str]:
@@ -57,6 +86,8 @@ def translate(e: BaseException, url: str, op: str) -> BaseException:
     """Map a botocore/boto3 exception to the cloudckpt error tree."""
     if isinstance(e, StorageError):
         return e
+    if isinstance(e, _DeadlineSpent):
+        return (Throttled if e.throttled else Timeout)(f"{op} {url}: {e}", url=url)
     if isinstance(e, bex.ClientError):
         err = e.response.get("Error", {})
         code = str(err.get("Code", ""))
@@ -105,7 +136,11 @@ def translate(e: BaseException, url: str, op: str) -> BaseException:
 
 def _endpoint_of(e: BaseException) -> str | None:
     """scheme://host[:port] botocore was connecting to, without any user info."""
-    raw = getattr(e, "kwargs", {}).get("endpoint_url")
+    return _endpoint_of_url(getattr(e, "kwargs", {}).get("endpoint_url"))
+
+
+def _endpoint_of_url(raw: str | None) -> str | None:
+    """scheme://host[:port] of a URL, without user info or path."""
     if not raw:
         return None
     try:
@@ -134,27 +169,66 @@ class S3Store(ObjectStore):
         self._lock = threading.Lock()
         self._client = None
         self._manager: TransferManager | None = None
+        self._would_retry = StandardRetryConditions(max_attempts=self.options.max_attempts)
 
     # ------------------------------------------------------------ clients
 
+    @staticmethod
+    def _on_before_call(context=None, **kw):
+        if context is not None:
+            context.setdefault(_STARTED, time.monotonic())
+        return None  # a non-None value would replace the request
+
     def _on_needs_retry(self, response=None, attempts=None, caught_exception=None, **kw):
-        # Observe only (return None): botocore's own handler decides on the retry.
+        # Observe (return None: botocore's own handler decides on the retry and its delay),
+        # except that a retry botocore would make once the request's deadline is spent is
+        # refused (raised).
         if attempts is None or attempts >= self.options.max_attempts:
             return None
-        kind = None
+        request_dict = kw.get("request_dict") or {}
+        context = request_dict.get("context")
+        kind, last = None, None
         if caught_exception is not None:
-            kind = "transient"
+            kind, last = "transient", type(caught_exception).__name__
         elif response is not None:
             http, parsed = response
             status = getattr(http, "status_code", 0)
             code = (parsed or {}).get("Error", {}).get("Code", "")
+            last = str(code or status)
             if status in (429, 503) or code in _THROTTLE_CODES:
                 kind = "throttled"
             elif status >= 500:
                 kind = "transient"
+        if context is not None and last is not None:
+            context[_LAST] = (last, kind == "throttled")
+            if self._deadline_spent(context) and self._would_retry.is_retryable(_RETRY_EVENTS.create_retry_context(
+                    response=response, attempts=attempts, caught_exception=caught_exception, **kw)):
+                raise self._deadline_error(context, request_dict.get("url")) from caught_exception
         if kind:
             self._notify_retry(kind)
         return None
+
+    def _on_request_created(self, request=None, **kw):
+        # each attempt: a retry (one with a failure before it) does not start after the deadline
+        context = getattr(request, "context", None)
+        if context and _LAST in context and self._deadline_spent(context):
+            raise self._deadline_error(context, getattr(request, "url", None))
+
+    def _deadline_spent(self, context: dict) -> bool:
+        started = context.get(_STARTED)
+        return started is not None and time.monotonic() - started >= self.options.operation_timeout
+
+    def _deadline_error(self, context: dict, request_url: str | None) -> _DeadlineSpent:
+        o = self.options
+        last, throttled = context[_LAST]
+        attempts = (context.get("retries") or {}).get("attempt", "?")
+        endpoint = _endpoint_of_url(request_url)
+        return _DeadlineSpent(
+            f"no successful answer{' from ' + endpoint if endpoint else ''} within operation_timeout="
+            f"{o.operation_timeout:g}s ({attempts} attempt(s), the last: {last}; read_timeout {o.attempt_timeouts[1]:g}s); "
+            "check the endpoint (AWS_ENDPOINT_URL / endpoint_url) and network, or raise operation_timeout (--timeout)",
+            throttled=throttled,
+        )
 
     @property
     def client(self):
@@ -165,11 +239,12 @@ class S3Store(ObjectStore):
                 s3cfg: dict = {"payload_signing_enabled": o.sign_payload}
                 if o.addressing_style:
                     s3cfg["addressing_style"] = o.addressing_style
+                connect_timeout, read_timeout = o.attempt_timeouts
                 cfg = Config(
                     retries={"mode": "standard", "total_max_attempts": o.max_attempts},
                     max_pool_connections=o.max_pool_connections,
-                    connect_timeout=o.connect_timeout,
-                    read_timeout=o.read_timeout,
+                    connect_timeout=connect_timeout,
+                    read_timeout=read_timeout,
                     s3=s3cfg,
                     signature_version="s3v4",
                     # cloudckpt records and verifies CRC32C end to end (marker manifest); botocore's own
@@ -179,9 +254,16 @@ class S3Store(ObjectStore):
                 )
                 try:
                     self._client = session.client("s3", endpoint_url=o.endpoint_url, region_name=o.region, config=cfg)
-                except (bex.BotoCoreError, ValueError) as e:
+                except ValueError:  # botocore's "Invalid endpoint" (e.g. AWS_ENDPOINT_URL without a scheme)
+                    endpoint = o.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
+                    raise ConfigError(f"the S3 endpoint {redact_endpoint(endpoint)!r} (endpoint_url / AWS_ENDPOINT_URL) is "
+                                      "not a URL: write it as http://host:port or https://host") from None
+                except bex.BotoCoreError as e:
                     raise translate(e, o.endpoint_url or "s3://", "connect") from None
-                self._client.meta.events.register_first("needs-retry.s3", self._on_needs_retry)
+                events = self._client.meta.events
+                events.register_first("before-call.s3", self._on_before_call)
+                events.register_first("request-created.s3", self._on_request_created)
+                events.register_first("needs-retry.s3", self._on_needs_retry)
             return self._client
 
     @property

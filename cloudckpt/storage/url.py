@@ -49,6 +49,8 @@ def parse_url(url: str) -> ParsedURL:
     if scheme == "file":
         path = url[len("file://"):] if url.startswith("file://") else url
         return ParsedURL("file", "", os.path.abspath(os.path.expanduser(path)) + ("/" if path.endswith("/") and path != "/" else ""))
+    if scheme in ("http", "https"):
+        raise InvalidURL(http_url_message(url), url=url)
     rest = _SCHEME_RE.match(url).group(2)  # type: ignore[union-attr]
     bucket, _, key = rest.partition("/")
     if not bucket:
@@ -143,3 +145,22 @@ def resolve_step_dir(url: str) -> str:
         return os.path.join(os.path.realpath(head), tail) if tail else os.path.realpath(path)
 
     return _resolved(url, resolve)
+
+
+def http_url_message(url: str) -> str:
+    """What to write instead of an ``http(s)://host/bucket/prefix`` location: cloudckpt
+    reads s3://, gs:// and local paths; an S3-compatible endpoint goes into endpoint_url.
+    User info (``user:password@``) in the URL is not repeated."""
+    m = _SCHEME_RE.match(os.fspath(url))
+    scheme, rest = (m.group(1).lower(), m.group(2)) if m else ("http", "")
+    host, _, path = rest.partition("/")
+    host = host.rpartition("@")[2]
+    shown = f"{scheme}://{host}/{path}"
+    if host.endswith("storage.googleapis.com"):
+        return (f"{shown!r} is an HTTP URL: cloudckpt reads s3://, gs:// and local paths; "
+                f"write gs://{path.strip('/') or 'BUCKET/PREFIX'}")
+    path = path.strip("/")
+    target = f"s3://{path}" if "/" in path else f"s3://{path or 'BUCKET'}/PREFIX"
+    return (f"{shown!r} is an HTTP URL: cloudckpt reads s3://, gs:// and local paths. For an S3-compatible store "
+            f"(MinIO, SeaweedFS, R2, ...) write {target} and put the endpoint {scheme}://{host} into endpoint_url "
+            "(--endpoint-url, CLOUDCKPT_ENDPOINT_URL or AWS_ENDPOINT_URL)")

@@ -66,7 +66,9 @@ class TransferConfig:
       stall_timeout: seconds without progress before an attempt fails with
         TransferStalled; 0 disables the watchdog.
       max_attempts: engine-level attempts per transfer on Transient errors
-        (Throttled, TransferStalled, 5xx, resets), on top of the SDK's own retries.
+        (Throttled, Timeout, TransferStalled, 5xx, resets), on top of the SDK's own
+        retries; a transfer that moved no new bytes for ``operation_timeout``
+        (StorageOptions) is not re-attempted, whatever is left of them.
       backoff_base, backoff_max: exponential backoff with full jitter:
         sleep uniform(0, min(backoff_max, backoff_base * 2**(attempt-1))).
       checksum: compute CRC32C of every uploaded/downloaded file.

@@ -14,11 +14,17 @@ they lack: a budget across files, a bandwidth cap, whole-transfer retries, a
 stall watchdog and CRC32C.
 
 Retry policy (engine level): an attempt that raises
-:class:`~cloudckpt.errors.Transient` (which includes Throttled and
+:class:`~cloudckpt.errors.Transient` (which includes Throttled, Timeout and
 TransferStalled) is retried, up to ``max_attempts`` attempts in all, after a
 full-jitter exponential backoff, from the start (uploads re-open the file, so the
-CRC starts over). Everything else fails the transfer at once: AccessDenied,
-NotFound, PreconditionFailed, AlreadyExists, InvalidURL, local OSErrors.
+CRC starts over), while the transfer is making progress: it moved new bytes within
+the last ``operation_timeout`` (:class:`~cloudckpt.storage.StorageOptions`), or the
+attempt that stalled had moved new bytes. Bytes sent again (an SDK retry rewinds the
+body and sends it anew) are not new. So a store that never answers fails a transfer
+once the SDK's own deadline is spent, instead of the SDK's attempts times the
+engine's, while a slow transfer that keeps moving is never cut. Everything else fails
+the transfer at once: AccessDenied, NotFound, PreconditionFailed, AlreadyExists,
+InvalidURL, local OSErrors.
 
 Stalls: one watchdog thread fails an attempt that reported no progress for
 ``stall_timeout`` seconds (a range read reports none: the whole request counts; a
@@ -66,7 +72,7 @@ class _Abandoned(Exception):
 
 class _Task:
     __slots__ = ("kind", "url", "local_path", "start", "end", "if_absent", "size", "future", "attempts",
-                 "t0", "last_exc", "crc32c", "job")
+                 "t0", "last_exc", "crc32c", "job", "progress_at", "high")
 
     def __init__(self, kind: str, url: str, *, local_path=None, start=None, end=None, if_absent=False, size=0,
                  crc32c=None, job=None):
@@ -83,6 +89,8 @@ class _Task:
         self.last_exc: BaseException | None = None
         self.crc32c: str | None = crc32c  # known in advance (uploads): not computed again
         self.job = job  # streams: job(reader, progress), called once per attempt
+        self.progress_at: float | None = None  # when new bytes last moved (the retry budget counts from it)
+        self.high = 0  # most bytes one attempt moved (a retry starts over: only more is new; streams resume)
 
     def describe(self) -> str:
         if self.kind == "upload":
@@ -93,7 +101,7 @@ class _Task:
 
 
 class _Attempt:
-    __slots__ = ("task", "number", "last_progress", "settled", "reported", "lock")
+    __slots__ = ("task", "number", "last_progress", "settled", "reported", "lock", "high", "moved")
 
     def __init__(self, task: _Task, number: int):
         self.task = task
@@ -102,6 +110,8 @@ class _Attempt:
         self.settled = False
         self.reported = 0  # bytes reported to subscribers by this attempt
         self.lock = threading.Lock()
+        self.high = 0 if task.kind == "stream" else task.high  # bytes beyond this are new
+        self.moved = False  # this attempt moved new bytes
 
 
 class TransferEngine:
@@ -152,6 +162,7 @@ class TransferEngine:
         self._last_decrease = -float("inf")
         self._stats = TransferStats(concurrency=self._limit, min_concurrency_seen=self._limit)
         self._stores: dict[int, ObjectStore] = {}
+        self._deadline = (storage_options or StorageOptions()).operation_timeout
         self._closed = False
         self._tls = threading.local()
         self._watchdog: threading.Thread | None = None
@@ -344,7 +355,7 @@ class TransferEngine:
                 return
             att.last_progress = self._clock()
             if task.t0 is None:
-                task.t0 = att.last_progress
+                task.t0 = task.progress_at = att.last_progress
             self._running.add(att)
             self._ensure_watchdog()
         try:
@@ -380,7 +391,10 @@ class TransferEngine:
             self._admitted -= 1
             self._bytes -= task.size
             retry = (retry_ok and exc is not None and isinstance(exc, Transient)
-                     and att.number < self.config.max_attempts and not self._stop.is_set())
+                     and att.number < self.config.max_attempts and not self._stop.is_set()
+                     and self._progressing(att, exc))
+            if task.kind != "stream":
+                task.high = max(task.high, att.high)
             s = self._stats
             if isinstance(exc, TransferStalled):
                 s.stalls += 1
@@ -413,6 +427,15 @@ class TransferEngine:
             task.future.set_exception(exc)
         self._pump()
         return None
+
+    def _progressing(self, att: _Attempt, exc: BaseException) -> bool:
+        """May a failed transfer be re-attempted (the retry budget, see the module docstring)?"""
+        idle = self._clock() - (att.task.progress_at or 0.0)
+        if idle < self._deadline or (isinstance(exc, TransferStalled) and att.moved):
+            return True
+        log.info("%s: not retried: no new bytes for %.0fs (operation_timeout %gs)", att.task.describe(), idle,
+                 self._deadline)
+        return False
 
     def _retry_later(self, task: _Task, delay: float) -> None:
         if delay > 0:
@@ -474,7 +497,7 @@ class TransferEngine:
         return store
 
     def _progress_fn(self, att: _Attempt) -> Callable[[int], None]:
-        bucket, url, clock = self._bucket, att.task.url, self._clock
+        bucket, url, clock, task = self._bucket, att.task.url, self._clock, att.task
         notify = self._progress is not None
 
         def progress(nbytes: int) -> None:
@@ -486,6 +509,12 @@ class TransferEngine:
                 att.last_progress = clock()
             with att.lock:
                 att.reported += nbytes
+                # new bytes, or a stream saying it waits for its consumer (0), renew the retry
+                # budget; bytes sent again after a rewind (negative, then up to the mark) do not
+                if nbytes == 0 or att.reported > att.high:
+                    att.high = max(att.high, att.reported)
+                    att.moved = att.moved or nbytes > 0
+                    task.progress_at = att.last_progress
             if notify:
                 self._notify("on_progress", url, nbytes)
 

@@ -97,12 +97,12 @@ def test_list_filters_ephemeral_and_persistent(runs):
     assert [int(ln.split()[0]) for ln in r.out.splitlines()[1:-1]] == [10, 30]
 
 
-def test_list_of_an_empty_folder_says_so_and_exits_0(fresh):
+def test_list_of_an_empty_folder_says_so_and_exits_3(fresh):
     folder = fresh("s3")
     r = cli("list", folder)
-    assert r.code == 0 and "no committed checkpoints in" in r.out
+    assert r.code == 3 and r.out == "" and "no checkpoints in " + folder in r.assert_one_line_error()
     r = cli("list", folder, "--json")
-    assert r.code == 0 and r.json() == {"folder": folder, "steps": []}
+    assert r.code == 3 and r.json() == {"folder": folder, "steps": []}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -467,6 +467,48 @@ def test_a_local_io_error_is_one_line_with_exit_5(runs, tmp_path):
     r = cli("download", runs["local"] + "/step10", blocker / "step10")
     assert r.code == 5, r.out + r.err
     assert "check the local path" in r.assert_one_line_error()
+
+
+# ------------------------------------------------------------------ typed errors and exit 3
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_latest_of_a_folder_without_any_step_exits_3_and_list_of_uncommitted_steps_exits_0(fresh, backend):
+    folder = fresh(backend)
+    r = cli("latest", folder)
+    assert r.code == 3 and r.out == "" and "no checkpoints in " + folder in r.assert_one_line_error()
+    write_incomplete_step(folder, 5)
+    r = cli("list", folder)
+    assert r.code == 0 and "no committed checkpoints in" in r.out  # there are steps: not "nothing at all"
+    assert cli("latest", folder).code == 1
+
+
+def test_list_of_a_step_folder_exits_3_and_names_its_save_folder(runs):
+    r = cli("list", runs["local"] + "/step10/model_and_optim")
+    assert r.code == 3
+    r = cli("list", runs["s3"] + "/step10")
+    assert r.code == 3 and "use its save folder " + runs["s3"] in r.assert_one_line_error()
+
+
+def test_an_endpoint_url_without_a_scheme_is_a_usage_error_saying_what_to_write(runs):
+    r = cli("list", runs["s3"], "--endpoint-url", "127.0.0.1:9000")
+    assert r.code == 2, r.out + r.err
+    line = r.assert_one_line_error()
+    assert "endpoint_url" in line and "write http://127.0.0.1:9000" in line and "unexpected" not in line
+
+
+def test_an_http_folder_says_to_write_s3_and_put_the_endpoint_into_endpoint_url():
+    r = cli("list", "http://user:pw@127.0.0.1:9000/bucket/run")
+    assert r.code == 2, r.out + r.err
+    line = r.assert_one_line_error()
+    assert "s3://bucket/run" in line and "endpoint_url" in line and "http://127.0.0.1:9000" in line
+    assert "user:pw" not in line and "invalid bucket name" not in line
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "soon", "inf"])
+def test_timeout_options_take_positive_seconds(runs, value):
+    for opt in ("--timeout", "--connect-timeout"):
+        r = cli("list", runs["local"], opt, value)
+        assert r.code == 2 and "seconds > 0" in r.err, r.err
+    assert cli("list", runs["local"], "--timeout", "5", "--connect-timeout", "2").code == 0
 
 
 # ------------------------------------------------------------------ export

@@ -234,6 +234,58 @@ def test_stalled_attempt_is_retried_and_the_stuck_attempt_is_ignored(faulty, mak
     assert (stats.stalls, stats.retries, stats.transfers) == (1, 1, 1)
 
 
+class _MaxDelay(random.Random):
+    """Backoff delays at their upper bound (full jitter drawn at its maximum)."""
+
+    def uniform(self, a, b):
+        return b
+
+
+@pytest.mark.parametrize("backoff,attempts", [(100, 2), (10, 4)])
+def test_re_attempts_stop_once_no_new_bytes_moved_for_operation_timeout(make_files, clock, backoff, attempts):
+    """Every attempt sends the same first half of the file and fails (only the first
+    one's bytes are new); operation_timeout is 50 s. A 100 s backoff: attempt 2 ends 100 s
+    after the last new bytes, so there is no third attempt although max_attempts allows 4.
+    10 s backoffs: each retry starts within 50 s of the last new bytes, so all 4
+    attempts run, and the last (the script is spent) succeeds."""
+    from cloudckpt.storage import StorageOptions
+
+    (path, data), = make_files(1, 256 * KiB)
+    url = f"faulty://bucket/no-new-bytes-{backoff}"
+    so = StorageOptions(operation_timeout=50)
+    store = open_store(url, so)
+    store.script(url, *[("midway", Transient(f"reset #{i}", url=url)) for i in range(3)])
+    cfg = TransferConfig(max_attempts=4, backoff_base=backoff, backoff_max=backoff, stall_timeout=0)
+    with TransferEngine(cfg, storage_options=so, executor=SerialExecutor(), clock=clock, sleep=clock.sleep,
+                        rng=_MaxDelay()) as engine:
+        fut = engine.submit_upload(path, url)
+        if attempts < 4:
+            with pytest.raises(Transient, match=f"reset #{attempts - 1}"):
+                fut.result()
+        else:
+            assert fut.result().attempts == 4 and store.objects[url] == data
+    assert store.calls.count(("upload", url)) == attempts and clock.sleeps == [backoff] * (attempts - 1)
+
+
+def test_a_stall_that_moved_no_bytes_is_not_retried_after_operation_timeout(make_files):
+    from cloudckpt.storage import StorageOptions
+
+    (path, _), = make_files(1, 256 * KiB)
+    url = "faulty://bucket/stuck-silent"
+    so = StorageOptions(operation_timeout=0.1)
+    store = open_store(url, so)
+    store.script(url, ("block",), ("block",))
+    try:
+        with TransferEngine(TransferConfig(stall_timeout=0.3, max_attempts=3, backoff_base=0.01),
+                            storage_options=so) as engine:
+            with pytest.raises(TransferStalled):
+                engine.submit_upload(path, url).result(timeout=5)
+            assert engine.stats().retries == 0
+    finally:
+        store.release()
+        _wait_idle(store)
+
+
 def test_a_stream_job_gets_an_opener_of_its_range_and_is_retried_whole_on_a_transient_error(faulty):
     url = "faulty://bucket/stream"
     data = os.urandom(10_000)
