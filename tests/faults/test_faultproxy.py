@@ -76,7 +76,7 @@ def test_truncate_stall_and_latency_on_downloads(proxied):
     t0 = time.monotonic()
     with pytest.raises(bex.ReadTimeoutError):
         c.get_object(Bucket=bucket, Key="d")["Body"].read()
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 5, "the client's read timeout ended the stall, not the proxy's 5 s hold"
     t0 = time.monotonic()
     assert c.get_object(Bucket=bucket, Key="d")["Body"].read() == b"z" * 100_000
     assert time.monotonic() - t0 >= 0.5

@@ -130,8 +130,8 @@ def test_wrong_secret_is_access_denied_at_once_without_retries(s3_bucket, tmp_pa
             engine.submit_upload(path, f"{s3_bucket}/denied.bin").result()
         elapsed = time.monotonic() - t0
         s = engine.stats()
-    assert (s.retries, s.sdk_retries) == (0, 0)
-    assert elapsed < 3.0
+    assert (s.retries, s.sdk_retries) == (0, 0)  # the mechanism; the time is a sanity bound with room for a loaded machine
+    assert elapsed < 10.0
 
 
 def test_round_trip_on_every_backend_with_matching_crc32c(any_root, tmp_path):
