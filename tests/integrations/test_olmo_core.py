@@ -153,6 +153,43 @@ def test_olmo_core_steps_are_found_listed_and_loaded_bitexactly_then_adopted(cas
         assert 4 in after["persistent"]
 
 
+class _OlmoShaped(torch.nn.Module):
+    """Parameters at OLMo-core's names and shapes (what its Transformer has), zeros."""
+
+    def __init__(self, shapes: dict[str, torch.Tensor]):
+        super().__init__()
+        for name, t in shapes.items():
+            mod = self
+            *path, leaf = name.split(".")
+            for p in path:
+                if not hasattr(mod, p):
+                    mod.add_module(p, torch.nn.Module())
+                mod = getattr(mod, p)
+            mod.register_parameter(leaf, torch.nn.Parameter(torch.zeros_like(t)))
+
+
+def test_appstate_with_a_flattened_optimizer_resumes_an_olmo_core_step(olmo_local_run, tmp_path):
+    """What docs/migration.md tells users: AppState with DCP's flatten_optimizer_state_dict=True
+    (OLMo-core's optimizer layout) and an LR scheduler (which adds initial_lr, as OLMo-core's do)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from cloudckpt import AppState
+
+    folder, ref_path = olmo_local_run
+    ref = torch.load(ref_path, weights_only=False)
+    model = _OlmoShaped(ref["model"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    with Checkpointer(work_dir=str(tmp_path / "w")) as ck:
+        ts = ck.load(layout.step_dir(folder, 4), AppState(model, opt, options=StateDictOptions(
+            flatten_optimizer_state_dict=True)))
+    assert _diff({k: v.detach() for k, v in model.state_dict().items()}, ref["model"]) == []
+    names = [n for n, _ in model.named_parameters()]
+    moments = {f"state.{names[i]}.{f}": t for i, st in opt.state_dict()["state"].items() for f, t in st.items()}
+    assert _diff(moments, {k: v for k, v in ref["optim"].items() if k.startswith("state.")}) == []
+    assert ts["global_step"] == 4 and _diff(ts, ref["train"][0]) == []
+
+
 def _save_ours(folder: str, steps: list[int], work: str, **cfg) -> None:
     with CheckpointConfig(save_folder=folder, save_interval=10, work_dir=work, async_save=False, **cfg).build() as mgr:
         for s in steps:
