@@ -55,7 +55,7 @@ def test_a_marker_write_that_keeps_failing_commits_nothing_and_the_next_attempt_
     folder = proxy.bucket + "/run"
     step = checks.step_dir(folder, 1)
     proxy.add(Rule("error500", method={"PUT", "POST"}, key=MARKER))
-    so = StorageOptions(max_attempts=2)
+    so = StorageOptions(max_attempts=2, operation_timeout=3)
     with Checkpointer(work_dir=str(tmp_path / "w"), storage_options=so) as ck:
         with pytest.raises(CloudCkptError) as ei:
             ck.save(step, checks.step_state(1, 0), {"step": 1})
@@ -85,7 +85,7 @@ def test_a_failing_latest_pointer_write_never_hides_the_newest_commit(proxy, fau
     """Step 1 commits with the pointer; the pointer writes of step 2 fail: step 2 still
     commits and discovery finds it (the pointer is removed rather than left behind)."""
     folder = proxy.bucket + "/run"
-    with Checkpointer(work_dir=str(tmp_path / "w"), storage_options=StorageOptions(max_attempts=2)) as ck:
+    with Checkpointer(work_dir=str(tmp_path / "w"), storage_options=StorageOptions(max_attempts=2, operation_timeout=3)) as ck:
         ck.save(checks.step_dir(folder, 1), checks.step_state(1, 0), {"step": 1})
         assert Checkpointer.latest_checkpoint(folder) == checks.step_dir(folder, 1)
         proxy.add(Rule(fault, method={"PUT", "POST"}, key=POINTER))
