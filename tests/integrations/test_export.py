@@ -21,8 +21,11 @@ from cloudckpt.export import export_weights
 from cloudckpt.storage import open_store
 from cloudckpt.testing.multiprocess import run_ranks
 
-safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors (test extra) reads the exported files back")
-from safetensors import safe_open  # noqa: E402
+try:
+    import safetensors.torch as safetensors_torch
+    from safetensors import safe_open
+except ImportError as e:  # a declared test dependency: missing means a broken install, not a reason to skip
+    raise ImportError("safetensors is not installed; it is in the test extra: pip install -e '.[test]'") from e
 
 _MiB = 1024 * 1024
 

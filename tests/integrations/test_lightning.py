@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("lightning", reason="the Lightning plugin tests need the lightning package (test extra)")
+try:
+    import lightning  # noqa: F401
+except ImportError as e:  # a declared test dependency: missing means a broken install, not a reason to skip
+    raise ImportError("lightning is not installed; it is in the test extra: pip install -e '.[test]'") from e
 
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
