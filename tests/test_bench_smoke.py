@@ -24,6 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # every bench case end to end: about a minute
 def test_smoke_bench_runs_every_case_and_reports_absent_peers_as_not_installed(tmp_path):
     out = tmp_path / "results"
     argv = [sys.executable, "-m", "bench.run", "--smoke", "--peer-venvs", str(tmp_path / "no-peer-venvs"),
@@ -81,6 +82,7 @@ def test_smoke_range_reads_reads_every_byte_with_every_reader(tmp_path):
     assert "| engine 8MiB |" in (out / "range_reads.md").read_text()
 
 
+@pytest.mark.slow  # exports a git revision and loads through both trees: half a minute
 def test_smoke_ab_load_runs_each_revision_from_its_own_tree(tmp_path):
     """``bench/ab_load.py`` (interleaved A/B of the load between git revisions): HEAD
     exported with ``git archive`` against the working tree, both load modes, a tiny
@@ -119,6 +121,7 @@ def test_go_symbols_names_functions_of_the_stripped_weed_binary():
     assert syms.name(md5 - 1) != "crypto/md5.block"
 
 
+@pytest.mark.slow  # profiles a save and an s5cmd upload under perf
 def test_smoke_server_profile_attributes_seaweedfs_samples_to_named_functions(tmp_path):
     """``bench/server_profile.py`` at 4 MiB: a cloudckpt save and s5cmd's upload, each
     profiled in SeaweedFS with perf; every row has samples, and the samples in the weed

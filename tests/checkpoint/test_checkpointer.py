@@ -93,6 +93,7 @@ def test_other_ranks_build_their_store_client_while_rank_0_reads_the_marker(s3_b
         _assert_bitexact(out["tensors"])
 
 
+@pytest.mark.slow  # 4, then 2, then 1 spawned ranks: about 20 s
 def test_resharding_4_to_2_to_1_with_streaming_and_pre_download(s3_bucket, tmp_path, caplog):
     step = s3_bucket + "/run/step7"
     work = str(tmp_path / "work")

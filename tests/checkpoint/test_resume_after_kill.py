@@ -43,7 +43,7 @@ def _uninterrupted(world_size, mode, bucket, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["helper", "manager"])
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2 ranks: 15-25 s each
 def test_resume_after_kill_9_restores_weights_optimizer_scheduler_loader_and_rng(world_size, mode, s3_bucket, tmp_path):
     straight = _uninterrupted(world_size, mode, s3_bucket, tmp_path)
     folder = s3_bucket + f"/killed-{mode}{world_size}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from cloudckpt import Checkpointer
@@ -62,6 +63,7 @@ def test_every_crc_in_the_marker_comes_from_the_writer_and_matches_the_bytes(tmp
     assert target["extra"] == {"name": "run-7", "lrs": [0.1, 0.01]}
 
 
+@pytest.mark.slow  # a 256 MiB shard and an 80 MiB warm-up upload
 def test_s3_upload_by_name_holds_no_parts_in_memory(s3_bucket, tmp_path, shard_file):
     """s3transfer reads a file object's parts into memory (16 MiB each, up to
     ``max_in_memory_upload_chunks``); by file name it reads each part as it sends it."""

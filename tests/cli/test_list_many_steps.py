@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from .helpers import cli, new_root, save_steps, write_fake_steps, write_incomplete_step
 
 N_FAKE = 1200
@@ -20,6 +22,7 @@ def _ephemeral(step: int) -> bool:
     return step % 3 != 0
 
 
+@pytest.mark.slow  # writes 1,200 markers: about 11 s
 def test_list_returns_every_one_of_1200_committed_steps_flagged(stores, tmp_path_factory):
     folder = new_root("s3", stores, tmp_path_factory) + "/run-big"
     t0 = time.perf_counter()

@@ -33,6 +33,16 @@ COMBOS = [("s3", "sync"), ("s3", "async"), ("gcs", "sync"), ("gcs", "async"), ("
 KILL_TRIALS = int(os.environ.get("CLOUDCKPT_KILL_TRIALS", str(len(COMBOS))))  # default: every backend and mode once
 SEED = int(os.environ.get("CLOUDCKPT_KILL_SEED", "0"))
 BACKENDS = ["s3", "gcs", "local"]
+
+
+def _marks(fast: bool):
+    """``make test-fast`` keeps one trial of each kind (local: the quickest); the rest are slow."""
+    return () if fast else (pytest.mark.slow,)
+
+
+SAVE_TRIALS = [pytest.param(t, id=f"{t}-{'-'.join(COMBOS[t % len(COMBOS)])}",
+                            marks=_marks(COMBOS[t % len(COMBOS)] == ("local", "sync") and t < len(COMBOS)))
+               for t in range(KILL_TRIALS)]
 NUMEL = 256 * 1024  # 1 MiB + 0.5 MiB per rank per step
 KILL_WINDOW = 4.0  # seconds after both ranks are ready: a few saves long
 
@@ -89,7 +99,7 @@ def assert_no_partial_step_is_visible(folder: str, work_dir: str, *, world_size:
     return committed
 
 
-@pytest.mark.parametrize("trial", [pytest.param(t, id=f"{t}-{'-'.join(COMBOS[t % len(COMBOS)])}") for t in range(KILL_TRIALS)])
+@pytest.mark.parametrize("trial", SAVE_TRIALS)
 def test_kill9_of_one_rank_at_a_random_moment_of_a_save_never_exposes_a_partial_step(trial, request, tmp_path, secret_scan):
     backend, mode = COMBOS[trial % len(COMBOS)]
     rng = random.Random(f"{SEED}-save-{trial}")
@@ -133,7 +143,7 @@ def test_kill9_of_one_rank_at_a_random_moment_of_a_save_never_exposes_a_partial_
 
 # ------------------------------------------------------------------ prune and gc
 MAINT_ROUNDS = max(1, KILL_TRIALS // len(COMBOS))  # prune and gc trials per backend
-MAINT = [pytest.param(b, r, id=f"{r}-{b}") for r in range(MAINT_ROUNDS) for b in BACKENDS]
+MAINT = [pytest.param(b, r, id=f"{r}-{b}", marks=_marks(b == "local" and r == 0)) for r in range(MAINT_ROUNDS) for b in BACKENDS]
 # round 0 kills right after the first delete (part-way, whatever the machine's speed: a
 # proxied prune or gc goes on for about a second more); later rounds at a random moment
 # how long after the worker is ready the kill may come: a proxied prune or gc (+40 ms per

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from cloudckpt import Checkpointer
 from cloudckpt.checkpoint import discovery, layout
 from cloudckpt.storage import StorageOptions, open_store
@@ -18,6 +20,7 @@ STORAGE = {"multipart_threshold": 5 * 1024 * 1024, "part_size": 5 * 1024 * 1024}
 TRANSFER = {"backoff_base": 0.05, "backoff_max": 0.5}
 
 
+@pytest.mark.slow  # 2 ranks through a storm of faults: 12-16 s per backend
 def test_throttle_storm_10pct_503_and_2pct_resets_save_commits_and_loads_bitexact(proxy, tmp_path, secret_scan):
     """10% of requests answered 503 SlowDown (S3) / 503 (GCS), 1% reset before reaching
     the store and 1% reset after it (answer lost), during two saves and their loads."""
@@ -65,6 +68,7 @@ STALL_TIMEOUT = 2.0
 MARGIN = 2.5  # one watchdog tick (0.5 s), the AGREE exchange and rank 0's clean-up, on a busy 2-core CI machine
 
 
+@pytest.mark.slow  # 2 ranks, a stalled upload, then a second save: 9-10 s per backend
 def test_stalled_upload_fails_the_save_on_every_rank_within_the_stall_timeout_and_the_next_save_commits(
         proxy, tmp_path, secret_scan):
     """Rank 1's shard upload stops being read after 4 KiB: every rank raises SaveFailed

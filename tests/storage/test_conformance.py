@@ -277,6 +277,7 @@ def _count_s3_calls(backend: Backend, operation: str):
     return calls
 
 
+@pytest.mark.slow  # 1,500 objects per backend: 4-8 s each
 def test_1500_keys_are_listed_across_all_pages_then_deleted_by_prefix_in_batches(backend):
     # One population serves both halves: creating 1,500 objects is the slow part on
     # every server, and the delete half needs exactly what the list half checked.
@@ -324,6 +325,7 @@ def big_file(tmp_path_factory):
     return str(path), _sha256_file(str(path))
 
 
+@pytest.mark.slow  # 200 MiB up and down per backend
 def test_200_mib_multipart_upload_round_trips_with_identical_checksum(backend, big_file, tmp_path):
     path, digest = big_file
     u = backend.url("big/big.bin")

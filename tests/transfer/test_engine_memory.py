@@ -7,6 +7,8 @@ import os
 import sys
 import weakref
 
+import pytest
+
 from cloudckpt.transfer import TransferEngine
 from memprobe import PeakRss
 
@@ -42,6 +44,7 @@ def test_read_all_keeps_no_reference_to_its_results(tmp_path):
             gc.enable()
 
 
+@pytest.mark.slow  # a 256 MiB shard up, then down twice
 def test_s3_download_to_a_file_holds_a_few_mib_of_pieces(s3_bucket, tmp_path, shard_file):
     """s3transfer hands each received piece to a writer thread through a bounded queue
     (cloudckpt: 16 x 256 KiB); what two downloads in a row hold must stay a few tens of MiB."""
