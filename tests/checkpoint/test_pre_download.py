@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -79,20 +78,20 @@ def test_a_superseded_download_writes_nothing_more(tmp_path, monkeypatch):
     monkeypatch.setattr(P.FileDownload, "PIECE", 1000)
     start, end = parts[0][0], len(data)
     dl = _download(tmp_path, data, start, end)
-    gate, results = threading.Event(), []
+    gate, reached, results = threading.Event(), threading.Event(), []
     stale = bytes(len(data))  # what the stalled attempt would write, if it wrote
 
     def first():
-        results.append(dl(lambda pos: Body(stale, pos, block_at=start + 2500, gate=gate), lambda n: None))
+        results.append(dl(lambda pos: Body(stale, pos, block_at=start + 2500, gate=gate, reached=reached), lambda n: None))
 
-    t = threading.Thread(target=first)
+    t = threading.Thread(target=first, daemon=True)
     t.start()
-    deadline = time.monotonic() + 5
-    while dl.landed < start + 2000 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert reached.wait(10), "the first attempt never reached its third piece"
+    assert dl.landed == start + 2000, "two pieces landed; the third one's read is blocked in the socket"
     assert dl(lambda pos: Body(data, pos), lambda n: None) == end - start - 2000
     gate.set()
-    t.join(5)
+    t.join(10)
+    assert not t.is_alive()
     assert results == [2000], "the woken attempt returned without writing its piece"
     assert dl.landed == end
     assert _on_disk(dl)[2000:] == data[start + 2000:end]
