@@ -97,11 +97,11 @@ def olmo_local_run(olmo_python, tmp_path_factory) -> tuple[str, Path]:
     return folder, tmp / "truth4.pt"
 
 
-def _load_bitexact(step: str, ref_path: Path, work: str) -> tuple[list[str], dict]:
+def _load_bitexact(step: str, ref_path: Path, work: str, **load) -> tuple[list[str], dict]:
     ref = torch.load(ref_path, weights_only=False)
     target = {"model": _zeros_like(ref["model"]), "optim": _zeros_like(ref["optim"])}
     with Checkpointer(work_dir=work) as ck:
-        ts = ck.load(step, target)
+        ts = ck.load(step, target, **load)
         info = ck.last_load_info
     return _diff(target, {"model": ref["model"], "optim": ref["optim"]}) + _diff(ts, ref["train"][0], "train"), info
 
@@ -129,6 +129,7 @@ def test_olmo_core_steps_are_found_listed_and_loaded_bitexactly_then_adopted(cas
 
     bad, info = _load_bitexact(step, ref, str(tmp_path / "w"))  # 2 ranks -> 1: resharding
     assert bad == [] and info["writer"] == "olmo-core" and info["verified"] is False
+    assert _load_bitexact(step, ref, str(tmp_path / "w"), pre_download=True)[0] == []
     if case != "local-1rank":  # and on 2 ranks, each with its own train state
         assert run_ranks(2, cc_ranks.load_and_compare, step, str(ref), str(tmp_path / "w2")) == [[], []]
 
