@@ -153,6 +153,7 @@ def test_every_operation_fails_with_timeout_within_a_small_explicit_timeout(sile
     _check(results, backend, silent.endpoint_url, SMALL_BOUND, f"--timeout {SMALL:g}")
 
 
+@pytest.mark.slow  # waits out the default timeouts on both backends: about a minute
 def test_default_bounds_end_every_operation_on_both_backends_within_120s(silent, tmp_path):
     """The defaults (connect 10 s, read 30 s, operation 60 s): about 60 s each."""
     ops = {}
