@@ -18,6 +18,7 @@ Callers canonicalise the user's own folder once (``url.resolve_local``), so a li
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -224,16 +225,27 @@ class LocalStore(ObjectStore):
 
     def put_bytes_if_match(self, url: str, data: bytes, version: str) -> None:
         """Compare-and-replace under an flock on a sidecar lock file; readers need no
-        lock because the replace is an atomic rename (a new inode)."""
+        lock because the replace is an atomic rename (a new inode). The holder removes
+        the sidecar before releasing it (no file is left behind: a folder holding only a
+        sidecar would never look empty to gc); a waiter that then gets the flock of the
+        removed file sees that the name no longer points at it and starts over."""
         import fcntl
 
         dfd, name, path = self._parent(url, "write")
         try:
             # the lock file's ".tmp-" name keeps it out of listings
             lock = ".tmp-cas-" + name
-            lk = _open_at(dfd, lock, os.O_RDWR | os.O_CREAT, path, os.path.join(os.path.dirname(path), lock))
-            try:
+            while True:
+                lk = _open_at(dfd, lock, os.O_RDWR | os.O_CREAT, path, os.path.join(os.path.dirname(path), lock))
                 fcntl.flock(lk, fcntl.LOCK_EX)
+                try:
+                    current = os.stat(lock, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    current = None
+                if current is not None and current.st_ino == os.fstat(lk).st_ino:
+                    break  # we hold the lock file that the name points at
+                os.close(lk)  # a former holder removed it: take the new one
+            try:
                 try:
                     st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
                 except FileNotFoundError:
@@ -244,6 +256,8 @@ class LocalStore(ObjectStore):
                     raise PreconditionFailed(f"put {url}: the object changed since it was read", url=url)
                 self._write_at(dfd, name, url, lambda f: f.write(data), if_absent=False)
             finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(lock, dir_fd=dfd)  # before releasing: waiters then see it is gone
                 os.close(lk)  # releases the flock
         except StorageError:
             raise  # already translated (NotFound is an OSError too)
