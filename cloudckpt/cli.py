@@ -357,10 +357,8 @@ def cmd_inspect(args) -> int:
         from .untrusted import MAX_METADATA_BYTES, loads_metadata
 
         url = urls.join(args.step, meta_rel)
-        prefix = layout.MODEL_DIR + "/"
-        files = {o.path[len(prefix):]: o.size for o in marker.objects if o.path.startswith(prefix)}
         md = loads_metadata(_checked_bytes(store, url, meta_entry, limit=MAX_METADATA_BYTES, what="DCP metadata"),
-                            url=url, files=files)
+                            url=url, files=marker.sizes_under(layout.MODEL_DIR))
         for key in sorted(md.state_dict_metadata):
             sm = md.state_dict_metadata[key]
             if isinstance(sm, TensorStorageMetadata):
@@ -504,7 +502,7 @@ def _verify_contents(store, step: str, marker) -> list[dict]:
     from .untrusted import MAX_METADATA_BYTES, MAX_TRAIN_STATE_BYTES, load_plain, loads_metadata
 
     prefix = layout.MODEL_DIR + "/"
-    files = {o.path[len(prefix):]: o.size for o in marker.objects if o.path.startswith(prefix)}
+    files = marker.sizes_under(layout.MODEL_DIR)
     bad = []
     for o in marker.objects:
         url = urls.join(step, o.path)

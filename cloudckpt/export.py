@@ -102,9 +102,7 @@ def read_dcp_metadata(step_url: str, *, storage_options: StorageOptions | None =
         raise CorruptCheckpoint(f"{url}: the checkpoint's marker lists no DCP metadata; there is nothing to export")
     data = read_checked(open_store(url, storage_options), url, entry, limit=MAX_METADATA_BYTES, what="DCP metadata",
                         verify=verify)
-    prefix = layout.MODEL_DIR + "/"
-    files = {o.path[len(prefix):]: o.size for o in marker.objects if o.path.startswith(prefix)}
-    return marker, loads_metadata(data, url=url, files=files)
+    return marker, loads_metadata(data, url=url, files=marker.sizes_under(layout.MODEL_DIR))
 
 
 @dataclass(frozen=True)
@@ -165,10 +163,8 @@ class _TensorReader:
         self.pool = pool
         self.verify = verify
         self.piece_size = piece_size
-        self.checksums: dict[str, dict[tuple[int, int], str]] = {}
-        for o in marker.objects:
-            if o.path.startswith(layout.MODEL_DIR + "/"):
-                self.checksums[o.path[len(layout.MODEL_DIR) + 1:]] = {(c[0], c[1]): c[2] for c in o.chunks}
+        self.checksums: dict[str, dict[tuple[int, int], str]] = {
+            rel: {(c[0], c[1]): c[2] for c in o.chunks} for rel, o in marker.files_under(layout.MODEL_DIR).items()}
         self.bytes_read = 0
 
     def _read_range(self, url: str, start: int, length: int) -> bytes:

@@ -111,7 +111,7 @@ def _check_complete(store, dir: str, marker: Marker) -> tuple[dict[str, str], di
     from ..untrusted.unpickle import validate_metadata
 
     prefix = layout.MODEL_DIR + "/"
-    files = {o.path[len(prefix):]: o.size for o in marker.objects if o.path.startswith(prefix)}
+    files = marker.sizes_under(layout.MODEL_DIR)
     meta = marker.object(prefix + ".metadata")
     url = urls.join(dir, meta.path)
     data = read_checked(store, url, meta, limit=MAX_METADATA_BYTES, what="DCP metadata", verify=False)

@@ -572,14 +572,10 @@ class Checkpointer:
             skipped.add("optim")
         optional = ("optim.",) if load_optim_state is None else ()
         checksums: dict = {}
-        files: dict[str, int] = {}  # the DCP folder's manifest: every item of .metadata must lie in one
-        for o in marker.objects:
-            if o.path.startswith(layout.MODEL_DIR + "/"):
-                rel = o.path[len(layout.MODEL_DIR) + 1:]
-                files[rel] = o.size
-                d = checksums.setdefault(rel, {(c[0], c[1]): c[2] for c in o.chunks})
-                if o.crc32c:
-                    d[(0, o.size)] = o.crc32c
+        for rel, o in marker.files_under(layout.MODEL_DIR).items():
+            d = checksums.setdefault(rel, {(c[0], c[1]): c[2] for c in o.chunks})
+            if o.crc32c:
+                d[(0, o.size)] = o.crc32c
         pre = self.pre_download if pre_download is None else pre_download
         local = None
         try:
@@ -597,7 +593,7 @@ class Checkpointer:
                 local_dir=local,
                 metadata_bytes=metadata,
                 streamed=store.streams_ranges,
-                files=files,
+                files=marker.sizes_under(layout.MODEL_DIR),  # every item of .metadata must lie in one
             )
             planner = _KeyCheckingPlanner(strict=strict, optional_prefixes=optional, url=model_url, step_url=dir,
                                           allow_partial=allow_partial, skipped=skipped, only=only)

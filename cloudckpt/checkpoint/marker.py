@@ -101,6 +101,17 @@ class Marker:
     def object(self, path: str) -> ObjectEntry | None:
         return self._by_path.get(path)
 
+    def files_under(self, folder: str) -> dict[str, ObjectEntry]:
+        """The manifest entries under ``folder`` (e.g. ``model_and_optim``), keyed by
+        their path relative to it."""
+        prefix = folder.rstrip("/") + "/"
+        return {o.path[len(prefix):]: o for o in self.objects if o.path.startswith(prefix)}
+
+    def sizes_under(self, folder: str) -> dict[str, int]:
+        """``{path relative to folder: size}``: what DCP's ``.metadata`` items must lie in
+        (``untrusted.loads_metadata(files=...)``)."""
+        return {rel: o.size for rel, o in self.files_under(folder).items()}
+
     @property
     def _by_path(self) -> dict[str, ObjectEntry]:
         cache = self.__dict__.get("_by_path_cache")
