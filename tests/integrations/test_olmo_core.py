@@ -42,7 +42,7 @@ from cloudckpt.testing.multiprocess import run_ranks
 from cloudckpt.testing.servers import free_port
 
 from .olmo import cc_ranks
-from .olmo.olmo_tool import _diff, _synthetic, _zeros_like
+from .olmo.olmo_tool import _diff, _synthetic, _zeros_like, load_reference
 
 pytestmark = pytest.mark.slow  # ~1.5 min on 2 cores (+ ~1 min for the venv on a fresh machine); CI runs slow tests
 
@@ -98,7 +98,7 @@ def olmo_local_run(olmo_python, tmp_path_factory) -> tuple[str, Path]:
 
 
 def _load_bitexact(step: str, ref_path: Path, work: str, **load) -> tuple[list[str], dict]:
-    ref = torch.load(ref_path, weights_only=False)
+    ref = load_reference(ref_path)
     target = {"model": _zeros_like(ref["model"]), "optim": _zeros_like(ref["optim"])}
     with Checkpointer(work_dir=work) as ck:
         ts = ck.load(step, target, **load)
@@ -177,7 +177,7 @@ def test_appstate_with_a_flattened_optimizer_resumes_an_olmo_core_step(olmo_loca
     from cloudckpt import AppState
 
     folder, ref_path = olmo_local_run
-    ref = torch.load(ref_path, weights_only=False)
+    ref = load_reference(ref_path)
     model = _OlmoShaped(ref["model"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -212,7 +212,7 @@ def test_a_folder_both_wrote_resumes_the_newest_step_and_olmo_core_reads_ours_af
     assert r.stdout.strip() == layout.step_dir(folder, 30) and "newer than step20 named by the latest pointer" in r.stderr
     cfg = CheckpointConfig(save_folder=folder, save_interval=10, work_dir=work, async_save=False, max_checkpoints=1,
                            gc_grace_seconds=0, exact_resume=False)  # train state exactly as given: compared below
-    ref30 = torch.load(tmp_path / "ref30.pt", weights_only=False)
+    ref30 = load_reference(tmp_path / "ref30.pt")
     with cfg.build() as mgr:
         target = _zeros_like(ref30["sd"])
         ts = mgr.resume(target)
@@ -319,7 +319,7 @@ def test_a_crafted_olmo_step_with_a_hostile_global_is_refused(case, backend, olm
     if os.path.exists(SENTINEL):
         os.unlink(SENTINEL)
     assert discovery.latest_checkpoint(folder) == step  # found (discovery parses no pickle) ...
-    ref = torch.load(olmo_local_run[1], weights_only=False)
+    ref = load_reference(olmo_local_run[1])
     target = {"model": _zeros_like(ref["model"]), "optim": _zeros_like(ref["optim"])}
     with Checkpointer(work_dir=str(tmp_path / "w")) as ck, pytest.raises(UnsafeCheckpoint) as e:
         ck.load(step, target)  # ... and refused when loaded

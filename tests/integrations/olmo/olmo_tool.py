@@ -26,6 +26,21 @@ import traceback
 from pathlib import Path
 
 
+def load_reference(path) -> object:
+    """A reference file these tests wrote themselves, or an OLMo-core train state:
+    ``torch.load(weights_only=True)`` with numpy's RNG state (which OLMo-core's train
+    state holds) admitted by exact name, as torch documents it. Runs in both venvs."""
+    import numpy as np
+    import torch
+
+    core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1
+    extra = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), type(np.dtype(np.float64)),
+             (core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+             (core.multiarray._reconstruct, "numpy._core.multiarray._reconstruct")]
+    with torch.serialization.safe_globals(extra):
+        return torch.load(path, weights_only=True)
+
+
 def _synthetic(seed: int) -> tuple[dict, dict]:
     import torch
 
@@ -139,11 +154,11 @@ def cmd_truth(a) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_path, optim_path = unshard_checkpoint(f"{a.step}/model_and_optim", tmp, optim=True, quiet=True)
-        ref = {"model": torch.load(model_path, weights_only=False), "optim": torch.load(optim_path, weights_only=False)}
+        ref = {"model": load_reference(model_path), "optim": load_reference(optim_path)}
     train = {}
     for path in list_directory(f"{a.step}/train"):
         name = os.path.basename(str(path))
-        train[int(name[len("rank"):-len(".pt")])] = torch.load(cached_path(str(path), quiet=True), weights_only=False)
+        train[int(name[len("rank"):-len(".pt")])] = load_reference(cached_path(str(path), quiet=True))
     ref["train"] = train
     torch.save(ref, a.ref)
     return {"ok": True, "ranks": sorted(train)}
@@ -176,7 +191,7 @@ def cmd_check(a) -> dict:
         out["persistent"], out["persistent_error"] = None, f"{type(e).__name__}: {e}"
     out["loads"] = {}
     for step, ref_path in a.load:
-        ref = torch.load(ref_path, weights_only=False)
+        ref = load_reference(ref_path)
         mod = _Module(_zeros_like(ref["sd"]))
         ts = Checkpointer(work_dir=Path(tempfile.mkdtemp())).load(step, mod, load_trainer_state=True)
         out["loads"][step] = _diff(mod.sd, ref["sd"]) + _diff(ts, ref["train"], "train")
