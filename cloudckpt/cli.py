@@ -313,13 +313,6 @@ def cmd_latest(args) -> int:
 
 
 # ====================================================================== inspect
-def _checked_bytes(store, url: str, entry, *, limit: int, what: str) -> bytes:
-    """Read one object of a step, checked against its manifest entry (untrusted.reads)."""
-    from .untrusted import read_checked
-
-    return read_checked(store, url, entry, limit=limit, what=what)
-
-
 def _describe_value(v: Any) -> tuple[str, Any, str]:
     """(type name, JSON-able scalar or None, short text) of a train-state value."""
     tname = type(v).__name__
@@ -354,10 +347,10 @@ def cmd_inspect(args) -> int:
         import torch  # noqa: F401 - the metadata holds torch dtypes/sizes
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from .untrusted import MAX_METADATA_BYTES, loads_metadata
+        from .untrusted import MAX_METADATA_BYTES, loads_metadata, read_checked
 
         url = urls.join(args.step, meta_rel)
-        md = loads_metadata(_checked_bytes(store, url, meta_entry, limit=MAX_METADATA_BYTES, what="DCP metadata"),
+        md = loads_metadata(read_checked(store, url, meta_entry, limit=MAX_METADATA_BYTES, what="DCP metadata"),
                             url=url, files=marker.sizes_under(layout.MODEL_DIR))
         for key in sorted(md.state_dict_metadata):
             sm = md.state_dict_metadata[key]
@@ -376,10 +369,10 @@ def cmd_inspect(args) -> int:
     ts_rel = layout.train_state_name(0)
     ts_entry = marker.object(ts_rel)
     if ts_entry is not None:
-        from .untrusted import MAX_TRAIN_STATE_BYTES, load_plain
+        from .untrusted import MAX_TRAIN_STATE_BYTES, load_plain, read_checked
 
         url = urls.join(args.step, ts_rel)
-        obj = load_plain(_checked_bytes(store, url, ts_entry, limit=MAX_TRAIN_STATE_BYTES, what="train state"), url=url)
+        obj = load_plain(read_checked(store, url, ts_entry, limit=MAX_TRAIN_STATE_BYTES, what="train state"), url=url)
         keys = []
         if isinstance(obj, dict):
             for k, v in obj.items():
@@ -499,7 +492,7 @@ def _verify_contents(store, step: str, marker) -> list[dict]:
     from .checkpoint import layout
     from .errors import CorruptCheckpoint as _Corrupt
     from .storage import url as urls
-    from .untrusted import MAX_METADATA_BYTES, MAX_TRAIN_STATE_BYTES, load_plain, loads_metadata
+    from .untrusted import MAX_METADATA_BYTES, MAX_TRAIN_STATE_BYTES, load_plain, loads_metadata, read_checked
 
     prefix = layout.MODEL_DIR + "/"
     files = marker.sizes_under(layout.MODEL_DIR)
@@ -508,10 +501,10 @@ def _verify_contents(store, step: str, marker) -> list[dict]:
         url = urls.join(step, o.path)
         try:
             if o.path == prefix + ".metadata":
-                loads_metadata(_checked_bytes(store, url, o, limit=MAX_METADATA_BYTES, what="DCP metadata"),
+                loads_metadata(read_checked(store, url, o, limit=MAX_METADATA_BYTES, what="DCP metadata"),
                                url=url, files=files)
             elif o.path.startswith(layout.TRAIN_DIR + "/"):
-                load_plain(_checked_bytes(store, url, o, limit=MAX_TRAIN_STATE_BYTES, what="train state"), url=url)
+                load_plain(read_checked(store, url, o, limit=MAX_TRAIN_STATE_BYTES, what="train state"), url=url)
         except _Corrupt as e:
             bad.append({"path": o.path, "url": url, "detail": str(e)})
     return bad
