@@ -31,20 +31,6 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def get_rank() -> int:
-    return dist.get_rank() if is_distributed() else 0
-
-
-def get_world_size() -> int:
-    return dist.get_world_size() if is_distributed() else 1
-
-
-def get_local_rank() -> int:
-    import os
-
-    return int(os.environ.get("LOCAL_RANK", get_rank()))
-
-
 @dataclass
 class _Outcome:
     ok: bool
@@ -133,15 +119,6 @@ class Coordinator:
             exc = (error or CollectiveError)(step, failures)
             raise exc from mine.error
         return [o.value for o in outs]
-
-    def barrier(self, step: str) -> None:
-        self.all_ranks(step, lambda: None)
-
-    def broadcast(self, value: Any) -> Any:
-        return self._broadcast(value)
-
-    def gather_values(self, value: Any) -> list:
-        return self._all_gather(value)
 
 
 def init_process_group(rank: int, world_size: int, *, init_method: str, timeout: float = 120.0) -> None:

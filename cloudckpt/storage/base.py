@@ -213,8 +213,6 @@ class ObjectStore(ABC):
     """One backend. Subclasses set ``scheme`` and implement the abstract primitives."""
 
     scheme: ClassVar[str]
-    #: Exceptions (already translated) worth retrying for this backend.
-    supports_multipart_listing: ClassVar[bool] = False
     #: ``open_range`` streams one request (S3: one GET read as the caller goes; local:
     #: the file). False (the default, GCS): it fetches ``part_size`` pieces, so a caller
     #: reading long ranges should keep them short (the DCP reader does).

@@ -153,7 +153,6 @@ def _endpoint_of_url(raw: str | None) -> str | None:
 
 class S3Store(ObjectStore):
     scheme = "s3"
-    supports_multipart_listing = True
     streams_ranges = True
     # Checkpoint shard files are ~256 MiB (the DCP writer's target): each goes up in one
     # PUT, larger ones in 64 MiB parts. Measured against 16 MiB parts on SeaweedFS (1 GiB,
