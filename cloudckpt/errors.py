@@ -32,6 +32,12 @@ class InvalidURL(StorageError, ValueError):
     """The URL cannot be parsed or names an unknown scheme."""
 
 
+class ReadOnlyLocation(InvalidURL):
+    """The location can be read but not written, deleted or listed: an ``http(s)://``
+    source (a published checkpoint). The message says where to save instead, or which
+    URL to pass (a step folder) to load."""
+
+
 class BackendUnavailable(StorageError, ImportError):
     """The backend for a scheme needs an optional dependency that is not installed."""
 

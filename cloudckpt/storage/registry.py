@@ -1,7 +1,8 @@
 """Maps a URL scheme to a lazily imported backend class.
 
-The only place that looks at a URL's scheme. A missing optional dependency gives
-an error with the install command instead of an ImportError deep in a call.
+The only place that looks at a URL's scheme. Each cloud backend's SDK is an extra
+(``cloudckpt[s3]``, ``cloudckpt[gcs]``): a missing one gives BackendUnavailable naming
+the URL and the install command, instead of an ImportError deep in a call.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from ..errors import BackendUnavailable, InvalidURL
 from .base import ObjectStore, StorageOptions
 from .url import http_url_message, scheme_of
 
-# scheme -> ("module:Class", pip extra that provides its dependencies)
+# scheme -> ("module:Class", pip extra that provides its dependencies; "" for none)
 _BACKENDS: Dict[str, Tuple[str, str]] = {
     "file": ("cloudckpt.storage.local:LocalStore", ""),
     "s3": ("cloudckpt.storage.s3:S3Store", "s3"),
     "gs": ("cloudckpt.storage.gcs:GCSStore", "gcs"),
+    "https": ("cloudckpt.storage.http:HTTPStore", "https"),  # read-only: loads of published steps
 }
-_ALIASES = {"gcs": "gs", "s3a": "s3"}
+_ALIASES = {"gcs": "gs", "s3a": "s3", "http": "https"}
 
 _lock = threading.Lock()
 _instances: Dict[Tuple[str, StorageOptions], ObjectStore] = {}
@@ -35,7 +37,8 @@ def known_schemes() -> list[str]:
     return sorted(set(_BACKENDS) | set(_ALIASES))
 
 
-def backend_class(scheme: str) -> type[ObjectStore]:
+def backend_class(scheme: str, url: str | None = None) -> type[ObjectStore]:
+    """The class serving ``scheme``, imported now. ``url`` is named in errors."""
     scheme = _ALIASES.get(scheme, scheme)
     if scheme not in _BACKENDS:
         raise InvalidURL(
@@ -48,7 +51,10 @@ def backend_class(scheme: str) -> type[ObjectStore]:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
         hint = f"pip install 'cloudckpt[{extra}]'" if extra else "reinstall cloudckpt"
-        raise BackendUnavailable(f"the {scheme}:// backend needs a package that is not installed ({e.name}): {hint}") from e
+        where = f"{url}: " if url else ""
+        raise BackendUnavailable(
+            f"{where}the {scheme}:// backend needs {e.name or 'a package'}, which is not installed: {hint}", url=url
+        ) from e
     return getattr(mod, cls_name)
 
 
@@ -58,7 +64,7 @@ def open_store(url: str, options: StorageOptions | None = None) -> ObjectStore:
     scheme = _ALIASES.get(scheme_of(url), scheme_of(url))
     if scheme in ("http", "https") and scheme not in _BACKENDS:
         raise InvalidURL(http_url_message(url), url=url)
-    cls = backend_class(scheme)
+    cls = backend_class(scheme, url)
     options = options or StorageOptions()
     key = (scheme, options)
     with _lock:

@@ -148,8 +148,8 @@ def resolve_step_dir(url: str) -> str:
 
 
 def http_url_message(url: str) -> str:
-    """What to write instead of an ``http(s)://host/bucket/prefix`` location: cloudckpt
-    reads s3://, gs:// and local paths; an S3-compatible endpoint goes into endpoint_url.
+    """What to write instead of an ``http(s)://host/bucket/prefix`` location to save to
+    (http(s):// is read-only: storage/http.py); an S3-compatible endpoint goes into endpoint_url.
     User info (``user:password@``) in the URL is not repeated."""
     m = _SCHEME_RE.match(os.fspath(url))
     scheme, rest = (m.group(1).lower(), m.group(2)) if m else ("http", "")
@@ -157,10 +157,12 @@ def http_url_message(url: str) -> str:
     host = host.rpartition("@")[2]
     shown = f"{scheme}://{host}/{path}"
     if host.endswith("storage.googleapis.com"):
-        return (f"{shown!r} is an HTTP URL: cloudckpt reads s3://, gs:// and local paths; "
+        return (f"{shown!r} is an HTTP URL: cloudckpt saves to s3://, gs:// and local paths (it only loads "
+                "published steps from http(s)://); "
                 f"write gs://{path.strip('/') or 'BUCKET/PREFIX'}")
     path = path.strip("/")
     target = f"s3://{path}" if "/" in path else f"s3://{path or 'BUCKET'}/PREFIX"
-    return (f"{shown!r} is an HTTP URL: cloudckpt reads s3://, gs:// and local paths. For an S3-compatible store "
+    return (f"{shown!r} is an HTTP URL: cloudckpt saves to s3://, gs:// and local paths (it only loads published "
+            "steps from http(s)://). For an S3-compatible store "
             f"(MinIO, SeaweedFS, R2, ...) write {target} and put the endpoint {scheme}://{host} into endpoint_url "
             "(--endpoint-url, CLOUDCKPT_ENDPOINT_URL or AWS_ENDPOINT_URL)")
