@@ -72,6 +72,13 @@ def _storage_options(args):
                           **{k: v for k, v in times.items() if v is not None})
 
 
+def _loc(args, url: str):
+    """``url`` with the storage options of the command line, as a Location."""
+    from .storage import Location
+
+    return Location.of(url, _storage_options(args))
+
+
 def _seconds_arg(text: str) -> float:
     try:
         v = float(text)
@@ -188,8 +195,9 @@ def _read_marker(dir: str, so) -> tuple[Any, bytes]:
     """The marker of a step folder and its raw bytes. Raises NotACheckpoint (no
     marker), BucketNotFound, CorruptCheckpoint / IncompatibleCheckpoint, storage errors."""
     from .checkpoint import discovery
+    from .storage import Location
 
-    return discovery.read_marker_bytes(dir, storage_options=so)
+    return discovery.read_marker_bytes(Location.of(dir, so))
 
 
 def _probe_marker(dir: str, so) -> tuple[Any, str | None]:
@@ -216,10 +224,11 @@ def _manifest_path(root: str, rel: str, where: str) -> str:
 # ====================================================================== list
 def cmd_list(args) -> int:
     from .checkpoint import discovery
+    from .storage import Location
     from .storage import url as urls
 
     so = _storage_options(args)
-    steps = discovery.list_step_dirs(args.folder, storage_options=so)
+    steps = discovery.list_step_dirs(Location.of(args.folder, so))
     with ThreadPoolExecutor(max_workers=_MARKER_READ_THREADS) as pool:
         probes = list(pool.map(lambda sd: _probe_marker(sd[1], so), steps))
     now = time.time()
@@ -227,12 +236,12 @@ def cmd_list(args) -> int:
     if args.all:
         # what an uncommitted folder holds; stores that keep emptied folders (SeaweedFS)
         # list them as prefixes, and an empty one is no step at all
-        from .storage import open_store
+        from .storage import Location, open_store
 
         loose = [dir for (step, dir), (m, problem) in zip(steps, probes) if m is None and not problem]
 
         def scan(dir: str) -> tuple[int, int, float | None]:
-            objs = list(open_store(dir, so).walk(urls.as_prefix(dir)))
+            objs = list(Location.of(dir, so).store.walk(urls.as_prefix(dir)))
             return len(objs), sum(o.size for o in objs), max((o.mtime for o in objs if o.mtime), default=None)
 
         with ThreadPoolExecutor(max_workers=_MARKER_READ_THREADS) as pool:
@@ -296,9 +305,9 @@ def cmd_latest(args) -> int:
 
     try:
         # Listing by default: correct even if something wrote a step without moving the pointer.
-        url = discovery.latest_checkpoint(args.folder, storage_options=_storage_options(args), use_pointer=args.pointer)
+        url = discovery.latest_checkpoint(_loc(args, args.folder), use_pointer=args.pointer)
     except NotACheckpoint:
-        if not discovery.list_step_dirs(args.folder, storage_options=_storage_options(args)):
+        if not discovery.list_step_dirs(_loc(args, args.folder)):
             return _no_steps(args.folder)
         print(f"cloudckpt: no committed checkpoint in {args.folder} (run `cloudckpt list --all {args.folder}` "
               "to see step folders)", file=sys.stderr)
@@ -330,12 +339,12 @@ def _describe_value(v: Any) -> tuple[str, Any, str]:
 
 def cmd_inspect(args) -> int:
     from .checkpoint import layout
-    from .storage import open_store
+    from .storage import Location, open_store
     from .storage import url as urls
 
     so = _storage_options(args)
     marker, _ = _read_marker(args.step, so)
-    store = open_store(args.step, so)
+    store = Location.of(args.step, so).store
     now = time.time()
 
     # DCP metadata: tensors and non-tensor entries
@@ -531,12 +540,12 @@ def _verify_unverified(args, store, marker) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .storage import open_store
+    from .storage import Location, open_store
     from .storage import url as urls
 
     so = _storage_options(args)
     marker, _ = _read_marker(args.step, so)
-    store = open_store(args.step, so)
+    store = Location.of(args.step, so).store
     if not marker.verified:
         return _verify_unverified(args, store, marker)
     objects = list(marker.objects)
@@ -587,7 +596,7 @@ def _local_matches(path: str, entry) -> bool:
 
 def cmd_download(args) -> int:
     from .checkpoint import layout
-    from .storage import open_store
+    from .storage import Location, open_store
     from .storage import url as urls
     from .transfer import TqdmProgress, TransferConfig, TransferEngine
 
@@ -678,8 +687,8 @@ def cmd_prune(args) -> int:
     if args.ephemeral_only and args.keep_last_ephemeral is not None:
         raise CliError("--keep-last-ephemeral cannot be combined with --ephemeral-only (there --keep-last counts "
                        "ephemeral steps)", EXIT_USAGE)
-    so = _storage_options(args)
-    found = list(discovery.find_checkpoints(args.folder, storage_options=so, with_markers=True))
+    folder = _loc(args, args.folder)
+    found = list(discovery.find_checkpoints(folder, with_markers=True))
     foreign = [s for s, _, m in found if m.foreign]
     if not args.include_foreign:  # steps other tools wrote are neither counted nor deleted
         found = [f for f in found if not f[2].foreign]
@@ -722,7 +731,7 @@ def cmd_prune(args) -> int:
                     for i in items], right=(0, 2))
     if args.yes:
         for i in items:
-            retention.delete_step(i["url"], storage_options=so)  # marker first, then the objects
+            retention.delete_step(folder.at(i["url"]))  # marker first, then the objects
             doc["deleted"].append(i["step"])
             if not args.json:
                 print(f"deleted {i['url']}")
@@ -737,8 +746,7 @@ def cmd_prune(args) -> int:
 def cmd_gc(args) -> int:
     from .checkpoint import retention
 
-    so = _storage_options(args)
-    rep = retention.gc(args.folder, older_than=args.older_than, dry_run=not args.yes, storage_options=so)
+    rep = retention.gc(_loc(args, args.folder), older_than=args.older_than, dry_run=not args.yes)
     if args.json:
         _print_json({"folder": args.folder, "dry_run": not args.yes, "older_than_seconds": args.older_than,
                      "step_dirs": rep.step_dirs, "uploads": rep.uploads})
@@ -764,7 +772,7 @@ def cmd_adopt(args) -> int:
 
     bar = _bar(args, 0, "adopt") if args.yes else None
     try:
-        rep = adopt(args.step, dry_run=not args.yes, storage_options=_storage_options(args), jobs=args.jobs,
+        rep = adopt(_loc(args, args.step), dry_run=not args.yes, jobs=args.jobs,
                     on_bytes=bar.update if bar else None)
     finally:
         if bar:

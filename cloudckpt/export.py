@@ -43,14 +43,12 @@ from typing import Any, BinaryIO
 
 import torch
 
-from .checkpoint import discovery, layout
+from .checkpoint import layout, step_files
 from .checkpoint.marker import Marker
-from .dcp.reader import METADATA_NAME
 from .errors import AlreadyExists, ConfigError, CorruptCheckpoint, MissingKeys
-from .storage import StorageOptions, open_store, resolve_step_dir
+from .storage import Location, StorageOptions, Where
 from .storage import url as urls
 from .transfer import TransferConfig, TransferEngine, crc32c_bytes
-from .untrusted import MAX_METADATA_BYTES, loads_metadata, read_checked
 from .untrusted.plain import load_tensor
 
 log = logging.getLogger(__name__)
@@ -89,20 +87,10 @@ def parse_dtype(dtype: "str | torch.dtype | None") -> torch.dtype | None:
 
 
 # ---------------------------------------------------------------- reading the checkpoint
-def read_dcp_metadata(step_url: str, *, storage_options: StorageOptions | None = None, verify: bool = True):
-    """The commit marker and the DCP ``Metadata`` of a committed step (unpickled with
-    the allowlist; size and CRC32C checked against the marker). Raises NotACheckpoint,
-    CorruptCheckpoint, storage errors."""
-    step_url = resolve_step_dir(step_url)
-    marker = discovery.read_marker(step_url, storage_options=storage_options)
-    rel = f"{layout.MODEL_DIR}/{METADATA_NAME}"
-    url = urls.join(step_url, rel)
-    entry = marker.object(rel)
-    if entry is None:
-        raise CorruptCheckpoint(f"{url}: the checkpoint's marker lists no DCP metadata; there is nothing to export")
-    data = read_checked(open_store(url, storage_options), url, entry, limit=MAX_METADATA_BYTES, what="DCP metadata",
-                        verify=verify)
-    return marker, loads_metadata(data, url=url, files=marker.sizes_under(layout.MODEL_DIR))
+def read_dcp_metadata(step: Where, *, verify: bool = True):
+    """The commit marker and the DCP ``Metadata`` of a committed step: see
+    :func:`cloudckpt.checkpoint.step_files.read_dcp_metadata`."""
+    return step_files.read_dcp_metadata(Location.of(step), verify=verify)
 
 
 @dataclass(frozen=True)
@@ -155,16 +143,15 @@ class _TensorReader:
     result alive until Python's cyclic garbage collector runs, which would let
     tensors already written pile up in memory."""
 
-    def __init__(self, step_url: str, marker: Marker, metadata, pool: ThreadPoolExecutor, *, verify: bool,
-                 piece_size: int, storage_options: StorageOptions | None):
-        self.model_url = urls.join(step_url, layout.MODEL_DIR)
-        self.store = open_store(self.model_url, storage_options)
+    def __init__(self, step: Location, marker: Marker, metadata, pool: ThreadPoolExecutor, *, verify: bool,
+                 piece_size: int):
+        self.model_url = step.join(layout.MODEL_DIR).url
+        self.store = step.store
         self.metadata = metadata
         self.pool = pool
         self.verify = verify
         self.piece_size = piece_size
-        self.checksums: dict[str, dict[tuple[int, int], str]] = {
-            rel: {(c[0], c[1]): c[2] for c in o.chunks} for rel, o in marker.files_under(layout.MODEL_DIR).items()}
+        self.checksums = step_files.item_checksums(marker)
         self.bytes_read = 0
 
     def _read_range(self, url: str, start: int, length: int) -> bytes:
@@ -295,11 +282,12 @@ def export_weights(
         dest_url = dest_url + ("model.safetensors" if fmt == "safetensors" else "model.pt")
     if sys.byteorder != "little":
         raise RuntimeError("export writes raw little-endian tensor bytes; this machine is big-endian")
-    dest_store = open_store(dest_url, storage_options)
-    if not overwrite and dest_store.exists(dest_url):
+    dest = Location.of(dest_url, storage_options)
+    if not overwrite and dest.store.exists(dest_url):
         raise AlreadyExists(f"{dest_url} already exists; pass overwrite=True (--force) to replace it", url=dest_url)
 
-    marker, metadata = read_dcp_metadata(step_url, storage_options=storage_options, verify=verify_checksums)
+    step = Location.of(step_url, storage_options).resolved_step()
+    marker, metadata = step_files.read_dcp_metadata(step, verify=verify_checksums)
     entries, skipped = _plan(metadata, key_prefix, out_dtype, safetensors=fmt == "safetensors")
     if skipped:
         log.warning("export skips %d non-tensor value(s) under %r: %s", len(skipped), key_prefix, ", ".join(skipped[:10]))
@@ -315,11 +303,10 @@ def export_weights(
     os.makedirs(tmp_dir, exist_ok=True)
     tmp = os.path.join(tmp_dir, f".export-{uuid.uuid4().hex}.part")  # open(..., "xb"): the umask applies, as for any file
     config = transfer or TransferConfig()
-    engine = TransferEngine(config, storage_options=storage_options, progress=progress)
+    engine = TransferEngine(config, storage_options=dest.options, progress=progress)
     pool = ThreadPoolExecutor(max_workers=max(1, min(config.max_concurrency, 16)), thread_name_prefix="cloudckpt-export")
     try:
-        reader = _TensorReader(step_url, marker, metadata, pool, verify=verify_checksums, piece_size=piece_size,
-                               storage_options=storage_options)
+        reader = _TensorReader(step, marker, metadata, pool, verify=verify_checksums, piece_size=piece_size)
         with open(tmp, "xb") as f:
             if fmt == "safetensors":
                 _write_safetensors(f, entries, reader, meta)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import AlreadyExists, CorruptCheckpoint
-from ..storage import StorageOptions, open_store, resolve_step_dir
+from ..storage import Location, Where
 from ..storage import url as urls
 from . import discovery, layout
 from .marker import ADOPTED_MANIFEST, Marker, ObjectEntry
@@ -54,7 +54,7 @@ class AdoptReport:
     already: bool  # the step already had a manifest (ours, or adopted before): nothing to do
 
 
-def adopt(dir: str, *, dry_run: bool = True, storage_options: StorageOptions | None = None, jobs: int = 8,
+def adopt(dir: Where, *, dry_run: bool = True, jobs: int = 8,
           on_bytes: Callable[[int], None] | None = None) -> AdoptReport:
     """Write our manifest for the foreign step ``dir`` (see the module docstring).
     ``dry_run`` checks the step (metadata, train state, nothing missing) and writes
@@ -62,12 +62,13 @@ def adopt(dir: str, *, dry_run: bool = True, storage_options: StorageOptions | N
     gets each piece's length) and the manifest is created if absent.
     Raises NotACheckpoint (no marker), CorruptCheckpoint (something missing or changed
     while adopting), UnsafeCheckpoint (refused by the untrusted-input checks), storage errors."""
-    dir = resolve_step_dir(dir)
-    marker, raw = discovery.read_marker_bytes(dir, storage_options=storage_options)
+    loc = Location.of(dir).resolved_step()
+    dir = loc.url
+    marker, raw = discovery.read_marker_bytes(loc)
     manifest_url = urls.join(dir, ADOPTED_MANIFEST)
     if not marker.foreign or marker.verified:
         return AdoptReport(dir, marker.writer, len(marker.objects), marker.total_bytes, manifest_url, False, True)
-    store = open_store(dir, storage_options)
+    store = loc.store
     sums, items = _check_complete(store, dir, marker)
     if dry_run:
         return AdoptReport(dir, marker.writer, len(marker.objects), marker.total_bytes, manifest_url, False, False)
@@ -88,7 +89,7 @@ def adopt(dir: str, *, dry_run: bool = True, storage_options: StorageOptions | N
                       writer=marker.writer, adopted_crc32c=crc32c_bytes(raw))
     body = manifest.to_bytes()
     Marker.from_bytes(body, url=manifest_url)  # what readers will parse: checked before it is written
-    _, again = discovery.read_marker_bytes(dir, storage_options=storage_options)
+    _, again = discovery.read_marker_bytes(loc)
     if again != raw:
         raise CorruptCheckpoint(f"{layout.marker_url(dir)} changed while adopting {dir}: the step was rewritten; "
                                 "nothing was written (run adopt again)")

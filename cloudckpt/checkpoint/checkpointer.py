@@ -44,7 +44,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .. import dist
 from .._version import __version__
 from ..dcp import StreamingReader, UploadingWriter
-from ..dcp.reader import METADATA_NAME
 from ..errors import (
     AlreadyExists,
     CheckpointExists,
@@ -59,11 +58,11 @@ from ..errors import (
     SaveInProgress,
     ShapeMismatch,
 )
-from ..storage import StorageOptions, open_store, resolve_step_dir
+from ..storage import Location, StorageOptions, Where, resolve_step_dir
 from ..storage import url as urls
 from ..transfer import TransferConfig, TransferEngine, crc32c_bytes
-from ..untrusted import MAX_METADATA_BYTES, MAX_TRAIN_STATE_BYTES, load_plain, read_checked
-from . import discovery, layout, pointer
+from ..untrusted import load_plain
+from . import discovery, layout, pointer, step_files
 from .async_save import AsyncSaver
 from .gcpause import gc_paused
 from .marker import Marker, ObjectEntry
@@ -326,7 +325,7 @@ class Checkpointer:
                            "created_unix": time.time(), "world_size": self.coord.world_size}).encode()
 
     def _prepare_step(self, dir: str, save_id: str) -> None:
-        store = open_store(dir, self.storage_options)
+        store = self._at(dir).store
         store.check_bucket(dir)  # a clear BucketNotFound; some S3-compatible stores would create it on PUT
         marker, lock = layout.marker_url(dir), urls.join(dir, layout.LOCK)
         if store.exists(marker):
@@ -453,7 +452,7 @@ class Checkpointer:
         return _Result()
 
     def _commit(self, dir: str, marker: Marker) -> None:
-        store = open_store(dir, self.storage_options)
+        store = self._at(dir).store
         url = layout.marker_url(dir)
         folder = urls.parent(dir) if layout.step_of_name(urls.basename(dir)) == marker.step else None
         if folder is not None:
@@ -479,19 +478,19 @@ class Checkpointer:
         """Keep the ``latest`` pointer from ever lagging behind the newest commit. If it
         cannot be advanced before the commit, remove it (readers then list)."""
         try:
-            pointer.advance(folder, step, pending=pending, storage_options=self.storage_options)
+            pointer.advance(self._at(folder), step, pending=pending)
         except NotImplementedError:
             return  # backend without conditional replace: discovery lists
         except CloudCkptError as e:
             log.warning("could not advance the latest pointer of %s to step %d (%s)", folder, step, e)
             if pending:
-                pointer.best_effort_clear(folder, storage_options=self.storage_options)
+                pointer.best_effort_clear(self._at(folder))
 
     def _cleanup_attempt(self, dir: str, save_id: str) -> None:
         """Best effort: remove what a failed attempt uploaded, if we still hold the lock."""
         import json
 
-        store = open_store(dir, self.storage_options)
+        store = self._at(dir).store
         try:
             if store.exists(layout.marker_url(dir)):
                 return  # committed after all (the error came later): keep it
@@ -571,11 +570,7 @@ class Checkpointer:
             sd.pop("optim", None)
             skipped.add("optim")
         optional = ("optim.",) if load_optim_state is None else ()
-        checksums: dict = {}
-        for rel, o in marker.files_under(layout.MODEL_DIR).items():
-            d = checksums.setdefault(rel, {(c[0], c[1]): c[2] for c in o.chunks})
-            if o.crc32c:
-                d[(0, o.size)] = o.crc32c
+        checksums = step_files.item_checksums(marker)
         pre = self.pre_download if pre_download is None else pre_download
         local = None
         try:
@@ -583,7 +578,7 @@ class Checkpointer:
                 os.makedirs(self.work_dir, exist_ok=True)
                 local = tempfile.mkdtemp(dir=self.work_dir, prefix=f"load-rank{self.coord.rank}-")
             model_url = urls.join(dir, layout.MODEL_DIR)
-            store = open_store(model_url, self.storage_options)
+            store = self._at(model_url).store
             reader = StreamingReader(
                 model_url,
                 self.engine.submit_stream,
@@ -625,7 +620,7 @@ class Checkpointer:
 
         def connect() -> None:
             with contextlib.suppress(Exception):
-                open_store(dir, self.storage_options).connect()
+                self._at(dir).store.connect()
 
         threading.Thread(target=connect, name="cloudckpt-connect", daemon=True).start()
 
@@ -634,19 +629,13 @@ class Checkpointer:
         would have each rank GET ``.metadata``, whose size grows with ranks x tensors).
         None if ``.metadata`` is not in the manifest or missing: each rank's reader then
         reports it. The bytes are checked against the manifest before they travel."""
-        marker = discovery.read_marker(dir, storage_options=self.storage_options)
+        step = self._at(dir)
+        marker = discovery.read_marker(step)
         if not marker.verified:
             # a foreign step: sizes from one listing bound every read; no CRC32C to check
             log.warning("loading %s, written by %s without a manifest: sizes are checked, checksums cannot be "
                         "(run `cloudckpt adopt %s --yes` to record them)", dir, marker.writer, dir)
-        rel = f"{layout.MODEL_DIR}/{METADATA_NAME}"
-        entry = marker.object(rel)
-        if entry is None:
-            return marker, None
-        url = urls.join(dir, rel)
-        data = read_checked(open_store(url, self.storage_options), url, entry, limit=MAX_METADATA_BYTES,
-                            what="DCP metadata", verify=self.verify_checksums)
-        return marker, data
+        return marker, step_files.metadata_bytes(step, marker, verify=self.verify_checksums)
 
     def _load_train_state(self, dir: str, marker: Marker, *, required: bool) -> Any:
         rank, ws = self.coord.rank, self.coord.world_size
@@ -655,32 +644,32 @@ class Checkpointer:
             rel = layout.train_state_name(0)
             log.warning("world size changed (%d saved, %d now): rank %d loads the train state of rank 0 (%s)",
                         marker.world_size, ws, rank, urls.join(dir, rel))
-        entry = marker.object(rel)
-        url = urls.join(dir, rel)
-        if entry is None:
-            if required:
-                raise CorruptCheckpoint(f"{url}: the train state file is not in this checkpoint; save a train state or pass load_trainer_state=None")
-            return None
-        data = read_checked(open_store(url, self.storage_options), url, entry, limit=MAX_TRAIN_STATE_BYTES,
-                            what="train state", verify=self.verify_checksums)
-        return load_plain(data, url=url, what="train state")
+        if required and marker.object(rel) is None:
+            raise CorruptCheckpoint(f"{urls.join(dir, rel)}: the train state file is not in this checkpoint; save a train "
+                                    "state or pass load_trainer_state=None")
+        return step_files.train_state(self._at(dir), marker, rel, verify=self.verify_checksums)
 
     # ================================================================ discovery
+    # Public entry points: a URL or path with optional StorageOptions (or a Location).
     @staticmethod
-    def find_checkpoints(folder: str, ephemeral: bool | None = None, *, storage_options: StorageOptions | None = None) -> Iterator[tuple[int, str]]:
-        return discovery.find_checkpoints(folder, ephemeral, storage_options=storage_options)
+    def find_checkpoints(folder: Where, ephemeral: bool | None = None, *, storage_options: StorageOptions | None = None) -> Iterator[tuple[int, str]]:
+        return discovery.find_checkpoints(Location.of(folder, storage_options), ephemeral)
 
     @staticmethod
-    def latest_checkpoint(folder: str, *, storage_options: StorageOptions | None = None) -> str:
-        return discovery.latest_checkpoint(folder, storage_options=storage_options)
+    def latest_checkpoint(folder: Where, *, storage_options: StorageOptions | None = None) -> str:
+        return discovery.latest_checkpoint(Location.of(folder, storage_options))
 
     @staticmethod
-    def dir_is_checkpoint(dir: str, *, storage_options: StorageOptions | None = None) -> bool:
-        return discovery.dir_is_checkpoint(dir, storage_options=storage_options)
+    def dir_is_checkpoint(dir: Where, *, storage_options: StorageOptions | None = None) -> bool:
+        return discovery.dir_is_checkpoint(Location.of(dir, storage_options))
 
     @staticmethod
-    def contains_checkpoint(folder: str, *, storage_options: StorageOptions | None = None) -> bool:
-        return discovery.contains_checkpoint(folder, storage_options=storage_options)
+    def contains_checkpoint(folder: Where, *, storage_options: StorageOptions | None = None) -> bool:
+        return discovery.contains_checkpoint(Location.of(folder, storage_options))
+
+    def _at(self, url: str) -> Location:
+        """``url`` with this checkpointer's storage options."""
+        return Location.of(url, self.storage_options)
 
     def close(self) -> None:
         """Wait for in-flight async saves (raising an unreported failure), then release resources."""

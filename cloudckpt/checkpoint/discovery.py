@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 from ..errors import BucketNotFound, CheckpointError, NotACheckpoint, NotFound
-from ..storage import StorageOptions, open_store, resolve_local, resolve_step_dir
+from ..storage import Location, Where
 from ..storage import url as urls
 from . import layout
 from ..untrusted import MAX_MARKER_BYTES, read_capped
@@ -33,20 +33,21 @@ from .marker import ADOPTED_MANIFEST, ForeignMarker, Marker, foreign_step, parse
 log = logging.getLogger(__name__)
 
 
-def read_marker(dir: str, *, storage_options: StorageOptions | None = None) -> Marker:
+def read_marker(dir: Where) -> Marker:
     """The parsed marker of a step folder: ours, or for a foreign step (another
     tool's marker) a ``Marker`` with ``foreign`` set, from its adopted manifest or
     from a listing of the folder (``verified=False``). Raises NotACheckpoint (no
     marker), CorruptCheckpoint / IncompatibleCheckpoint / UnsafeCheckpoint
     (unreadable or refused marker, a foreign step without DCP metadata), storage errors."""
-    return read_marker_bytes(dir, storage_options=storage_options)[0]
+    return read_marker_bytes(dir)[0]
 
 
-def read_marker_bytes(dir: str, *, storage_options: StorageOptions | None = None) -> tuple[Marker, bytes]:
+def read_marker_bytes(dir: Where) -> tuple[Marker, bytes]:
     """``read_marker`` and the marker's bytes as read (at most MAX_MARKER_BYTES)."""
-    dir = resolve_step_dir(dir)
+    loc = Location.of(dir).resolved_step()
+    dir = loc.url
     url = layout.marker_url(dir)
-    store = open_store(url, storage_options)
+    store = loc.store
     try:
         data = read_capped(store, url, limit=MAX_MARKER_BYTES, what="commit marker")
     except BucketNotFound:
@@ -84,12 +85,12 @@ def _foreign(dir: str, step: int, fm: ForeignMarker, data: bytes, store) -> Mark
     return foreign_step(fm, step=step, listing=listing, url=urls.as_prefix(dir))
 
 
-def list_step_dirs(folder: str, *, storage_options: StorageOptions | None = None) -> list[tuple[int, str]]:
+def list_step_dirs(folder: Where) -> list[tuple[int, str]]:
     """Every ``step{N}`` folder under ``folder`` (committed or not), ascending, from one LIST pass."""
-    folder = resolve_local(folder)
-    prefix = urls.as_prefix(folder)
+    loc = Location.of(folder).resolved()
+    folder, prefix = loc.url, loc.prefix
     out = []
-    for e in open_store(prefix, storage_options).list(prefix, delimiter="/"):
+    for e in loc.store.list(prefix, delimiter="/"):
         if not e.is_prefix:
             continue
         step = layout.step_of_name(urls.basename(e.url))
@@ -99,9 +100,9 @@ def list_step_dirs(folder: str, *, storage_options: StorageOptions | None = None
     return out
 
 
-def _try_marker(dir: str, storage_options) -> Marker | None:
+def _try_marker(dir: Location) -> Marker | None:
     try:
-        return read_marker(dir, storage_options=storage_options)
+        return read_marker(dir)
     except NotACheckpoint:
         return None
     except CheckpointError as e:
@@ -110,21 +111,22 @@ def _try_marker(dir: str, storage_options) -> Marker | None:
 
 
 def find_checkpoints(
-    folder: str, ephemeral: bool | None = None, *, storage_options: StorageOptions | None = None, with_markers: bool = False
+    folder: Where, ephemeral: bool | None = None, *, with_markers: bool = False
 ) -> Iterator[tuple[int, str]]:
     """Committed checkpoints under ``folder`` as ``(step, dir)``, ascending by step
     (``(step, dir, marker)`` with ``with_markers``). ``ephemeral`` filters on the
     marker's flag (None: both)."""
-    steps = list_step_dirs(folder, storage_options=storage_options)
+    loc = Location.of(folder)
+    steps = list_step_dirs(loc)
     with ThreadPoolExecutor(max_workers=32) as pool:
-        markers = list(pool.map(lambda sd: _try_marker(sd[1], storage_options), steps))
+        markers = list(pool.map(lambda sd: _try_marker(loc.at(sd[1])), steps))
     for (step, dir), m in zip(steps, markers):
         if m is None or (ephemeral is not None and m.ephemeral != ephemeral):
             continue
         yield (step, dir, m) if with_markers else (step, dir)
 
 
-def latest_checkpoint(folder: str, *, storage_options: StorageOptions | None = None, use_pointer: bool = True) -> str:
+def latest_checkpoint(folder: Where, *, use_pointer: bool = True) -> str:
     """The newest committed step folder, ours or foreign. Raises NotACheckpoint (a
     FileNotFoundError) if none.
 
@@ -136,15 +138,16 @@ def latest_checkpoint(folder: str, *, storage_options: StorageOptions | None = N
     than the step the pointer names, that is logged (one more GET, of the pointer).
     Local folders are resolved to their real path first (the local backend follows
     no links inside them); the step folder returned is under the resolved path."""
-    folder = resolve_local(folder)
-    for step, dir in reversed(list_step_dirs(folder, storage_options=storage_options)):
-        m = _try_marker(dir, storage_options)
+    loc = Location.of(folder).resolved()
+    folder = loc.url
+    for step, dir in reversed(list_step_dirs(loc)):
+        m = _try_marker(loc.at(dir))
         if m is None:
             continue
         if use_pointer and m.foreign:
             from . import pointer
 
-            p = pointer.read(folder, storage_options=storage_options)
+            p = pointer.read(loc)
             if p is not None and p[0] < step:
                 log.warning("%s: using step%d, newer than step%d named by the latest pointer: %s wrote it%s", folder,
                             step, p[0], m.writer, "" if m.verified else " (no manifest: unverified)")
@@ -152,17 +155,18 @@ def latest_checkpoint(folder: str, *, storage_options: StorageOptions | None = N
     raise NotACheckpoint(f"no committed checkpoint in {folder}")
 
 
-def dir_is_checkpoint(dir: str, *, storage_options: StorageOptions | None = None) -> bool:
+def dir_is_checkpoint(dir: Where) -> bool:
     """True if ``dir`` is named ``step{N}`` and is committed: our marker parses, or it
     is a foreign step (another tool's marker and DCP metadata)."""
-    if layout.step_of_name(urls.basename(dir)) is None:
+    loc = Location.of(dir)
+    if layout.step_of_name(loc.name) is None:
         return False
-    return _try_marker(dir, storage_options) is not None
+    return _try_marker(loc) is not None
 
 
-def contains_checkpoint(folder: str, *, storage_options: StorageOptions | None = None) -> bool:
+def contains_checkpoint(folder: Where) -> bool:
     try:
-        latest_checkpoint(folder, storage_options=storage_options)
+        latest_checkpoint(folder)
         return True
     except NotACheckpoint:
         return False

@@ -18,6 +18,7 @@ MARKER = ".metadata.json"
 LOCK = ".lock"
 TRAIN_DIR = "train"
 MODEL_DIR = "model_and_optim"
+DCP_METADATA = f"{MODEL_DIR}/.metadata"  # DCP's own file name, fixed by torch.distributed.checkpoint
 LATEST_POINTER = "latest"
 
 _STEP_RE = re.compile(r"^step(\d+)$")

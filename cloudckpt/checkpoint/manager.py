@@ -35,6 +35,7 @@ from typing import Any
 
 from .. import exact_resume
 from ..errors import CloudCkptError, NotACheckpoint
+from ..storage import Location
 from . import discovery, layout, retention
 from .checkpointer import Checkpointer
 
@@ -55,6 +56,7 @@ class CheckpointManager:
             max_in_flight=config.max_in_flight,
         )
         self.coord = self.checkpointer.coord
+        self.save_location = Location.of(config.save_folder, self.checkpointer.storage_options)
         self.policy = retention.Policy(config.keep_last_ephemeral, config.max_checkpoints, config.keep_every)
         self._maint = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloudckpt-maint")
         self._maint_futures: list[Future] = []
@@ -76,15 +78,15 @@ class CheckpointManager:
         """Load the newest committed step into ``state_dict``; return the train state
         (or None when the folder has no committed step). Collective."""
         folder = self.config.save_folder
-        so = self.checkpointer.storage_options
+        loc = self.save_location
 
         def discover():
             try:
-                latest = discovery.latest_checkpoint(folder, storage_options=so, use_pointer=False)
+                latest = discovery.latest_checkpoint(loc, use_pointer=False)
             except NotACheckpoint:
                 latest = None
             step = layout.parse_step_dir(latest) if latest else -1
-            rep = retention.gc(folder, only_steps_above=step, storage_options=so)
+            rep = retention.gc(loc, only_steps_above=step)
             if rep.step_dirs:
                 log.warning("removed uncommitted leftovers of a crashed attempt above step %d: %s", step, rep.step_dirs)
             return latest
@@ -159,12 +161,11 @@ class CheckpointManager:
             self._maint_futures.append(self._maint.submit(self._maintain))
 
     def _maintain(self) -> None:
-        so = self.checkpointer.storage_options
         with self._lock:
             protect = frozenset(self._writing)
         try:
-            retention.prune(self.config.save_folder, self.policy, protect=protect, storage_options=so)
-            retention.gc(self.config.save_folder, older_than=self.config.gc_grace_seconds, protect=protect, storage_options=so)
+            retention.prune(self.save_location, self.policy, protect=protect)
+            retention.gc(self.save_location, older_than=self.config.gc_grace_seconds, protect=protect)
         except CloudCkptError as e:
             log.warning("background prune/gc of %s failed (will retry after the next save): %s", self.config.save_folder, e)
 

@@ -36,11 +36,11 @@ from typing import Any, Iterable
 from .._version import __version__
 from ..errors import CorruptCheckpoint, IncompatibleCheckpoint, UnsafeCheckpoint
 from ..untrusted.names import check_name
+from .layout import DCP_METADATA
 
 FORMAT = "cloudckpt"
 FORMAT_VERSION = 1
 MARKER_NAME = ".metadata.json"  # layout.MARKER (layout imports storage; this module stays import-light)
-DCP_METADATA = "model_and_optim/.metadata"
 ADOPTED_MANIFEST = ".cloudckpt.json"  # our manifest beside another tool's marker (``cloudckpt adopt``)
 FOREIGN_WRITER = "olmo-core"  # the tool whose layout (step{N}/model_and_optim, .metadata.json) we share
 MAX_FOREIGN_OBJECTS = 1_000_000  # objects a listed (foreign) step may hold; honest ones hold ranks x threads

@@ -28,7 +28,7 @@ import logging
 import time
 
 from ..errors import AlreadyExists, CloudCkptError, NotFound, PreconditionFailed, UnsafeCheckpoint
-from ..storage import StorageOptions, open_store
+from ..storage import Location, Where
 from ..storage import url as urls
 from ..untrusted import read_capped
 from . import layout
@@ -41,11 +41,12 @@ def pointer_url(folder: str) -> str:
     return urls.join(folder, layout.LATEST_POINTER)
 
 
-def read(folder: str, *, storage_options: StorageOptions | None = None) -> tuple[int, bool] | None:
+def read(folder: Where) -> tuple[int, bool] | None:
     """``(step, pending)`` from the pointer, or None when missing or unreadable."""
-    url = pointer_url(folder)
+    loc = Location.of(folder)
+    url = pointer_url(loc.url)
     try:
-        d = json.loads(read_capped(open_store(url, storage_options), url, limit=_MAX_POINTER_BYTES, what="latest pointer"))
+        d = json.loads(read_capped(loc.store, url, limit=_MAX_POINTER_BYTES, what="latest pointer"))
         return int(d["step"]), bool(d.get("pending", False))
     except NotFound:
         return None
@@ -54,12 +55,11 @@ def read(folder: str, *, storage_options: StorageOptions | None = None) -> tuple
         return None
 
 
-def advance(folder: str, step: int, *, pending: bool, storage_options: StorageOptions | None = None,
-            attempts: int = 8) -> bool:
+def advance(folder: Where, step: int, *, pending: bool, attempts: int = 8) -> bool:
     """Move the pointer to ``step`` unless it already names a higher step (or the same
     step, final, when ``pending``). Returns True if written. Raises storage errors."""
-    url = pointer_url(folder)
-    store = open_store(url, storage_options)
+    loc = Location.of(folder)
+    url, store = pointer_url(loc.url), loc.store
     body = json.dumps({"step": int(step), "pending": pending, "dir": f"step{int(step)}", "updated_unix": time.time()}).encode()
     for _ in range(attempts):
         try:
@@ -85,8 +85,9 @@ def advance(folder: str, step: int, *, pending: bool, storage_options: StorageOp
     return False
 
 
-def best_effort_clear(folder: str, *, storage_options: StorageOptions | None = None) -> None:
+def best_effort_clear(folder: Where) -> None:
+    loc = Location.of(folder)
     try:
-        open_store(folder, storage_options).delete(pointer_url(folder))
+        loc.store.delete(pointer_url(loc.url))
     except CloudCkptError as e:
         log.warning("could not remove the latest pointer of %s: %s", folder, e)

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import CloudCkptError
-from ..storage import StorageOptions, open_store, resolve_local, resolve_step_dir
+from ..storage import Location, Where
 from ..storage import url as urls
 from . import discovery, layout
 
@@ -51,26 +51,26 @@ def steps_to_prune(committed: list[tuple[int, bool]], policy: Policy, *, protect
     return sorted(doomed)
 
 
-def delete_step(dir: str, *, storage_options: StorageOptions | None = None) -> int:
+def delete_step(dir: Where) -> int:
     """Delete one step: marker first, then every object under it."""
-    dir = resolve_step_dir(dir)
-    store = open_store(dir, storage_options)
+    loc = Location.of(dir).resolved_step()
+    dir, store = loc.url, loc.store
     store.delete(layout.marker_url(dir))
     return store.delete_prefix(dir)
 
 
-def prune(folder: str, policy: Policy, *, protect: frozenset[int] = frozenset(), dry_run: bool = False,
-          storage_options: StorageOptions | None = None) -> list[str]:
+def prune(folder: Where, policy: Policy, *, protect: frozenset[int] = frozenset(), dry_run: bool = False) -> list[str]:
     """Apply the policy to ``folder``. Returns the step folders deleted (or that would be).
     Foreign steps are left out unless ``policy.include_foreign``."""
-    folder = resolve_local(folder)
-    found = [f for f in discovery.find_checkpoints(folder, storage_options=storage_options, with_markers=True)
+    loc = Location.of(folder).resolved()
+    folder = loc.url
+    found = [f for f in discovery.find_checkpoints(loc, with_markers=True)
              if policy.include_foreign or not f[2].foreign]
     doomed = steps_to_prune([(s, m.ephemeral) for s, _, m in found], policy, protect=protect)
     dirs = [layout.step_dir(folder, s) for s in doomed]
     if not dry_run:
         for d in dirs:
-            delete_step(d, storage_options=storage_options)
+            delete_step(loc.at(d))
             log.info("pruned %s", d)
     return dirs
 
@@ -81,17 +81,17 @@ class GcReport:
     uploads: list[str]
 
 
-def gc(folder: str, *, older_than: float = 3600.0, only_steps_above: int | None = None, protect: frozenset[int] = frozenset(),
-       dry_run: bool = False, storage_options: StorageOptions | None = None, now: float | None = None) -> GcReport:
+def gc(folder: Where, *, older_than: float = 3600.0, only_steps_above: int | None = None, protect: frozenset[int] = frozenset(),
+       dry_run: bool = False, now: float | None = None) -> GcReport:
     """Delete uncommitted step folders (no marker, ours or another tool's) whose newest
     object is older than ``older_than`` seconds (or, with ``only_steps_above``, every uncommitted folder above that step,
     whatever its age: leftovers of a crashed attempt of the run being resumed), and
     multipart uploads under ``folder`` initiated more than ``older_than`` seconds ago."""
     now = time.time() if now is None else now
-    folder = resolve_local(folder)
-    store = open_store(folder, storage_options)
+    loc = Location.of(folder).resolved()
+    folder, store = loc.url, loc.store
     doomed = []
-    steps = [(s, d) for s, d in discovery.list_step_dirs(folder, storage_options=storage_options) if s not in protect]
+    steps = [(s, d) for s, d in discovery.list_step_dirs(loc) if s not in protect]
     with ThreadPoolExecutor(max_workers=32) as pool:
         committed = list(pool.map(lambda sd: store.exists(layout.marker_url(sd[1])), steps))
     for (step, dir), is_committed in zip(steps, committed):

@@ -58,8 +58,7 @@ from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.marker import Marker
 from ..errors import CheckpointError, CorruptCheckpoint
 from ..export import read_dcp_metadata
-from ..storage import StorageOptions, open_store
-from ..storage import url as urls
+from ..storage import Location, StorageOptions
 from . import _fsspec
 
 log = logging.getLogger(__name__)
@@ -186,12 +185,12 @@ def last_checkpoint(dirpath: str, *, storage_options: StorageOptions | None = No
     """The newest committed checkpoint folder directly under ``dirpath`` (highest
     ``global_step``, then newest commit), or None. Use it instead of
     ``ckpt_path="last"``, which Lightning resolves through local paths only."""
-    prefix = urls.as_prefix(dirpath)
-    dirs = [e.url.rstrip("/") for e in open_store(prefix, storage_options).list(prefix, delimiter="/") if e.is_prefix]
+    loc = Location.of(dirpath, storage_options)
+    dirs = [e.url.rstrip("/") for e in loc.store.list(loc.prefix, delimiter="/") if e.is_prefix]
 
     def marker(d: str) -> Marker | None:
         try:
-            return discovery.read_marker(d, storage_options=storage_options)
+            return discovery.read_marker(loc.at(d))
         except CheckpointError:
             return None
 
@@ -243,7 +242,7 @@ class CloudCheckpointIO(CheckpointIO):
         url = _url(path)
         if weights_only is False:
             log.info("cloudckpt loads %s with weights_only=True regardless of weights_only=False", url)
-        _, metadata = read_dcp_metadata(url, storage_options=self.storage_options)
+        _, metadata = read_dcp_metadata(Location.of(url, self.storage_options))
         tensors = _targets(metadata)
         rest = self.checkpointer.load(url, tensors, load_trainer_state=True)
         checkpoint = join_checkpoint(rest, tensors)
@@ -251,7 +250,7 @@ class CloudCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint folder: its marker first, then its objects."""
-        retention.delete_step(_url(path), storage_options=self.storage_options)
+        retention.delete_step(Location.of(_url(path), self.storage_options))
 
     def teardown(self) -> None:
         if self._ckpt is not None:

@@ -2,11 +2,13 @@
 
 from .base import ListEntry, ObjectInfo, ObjectStore, PendingUpload, RangeReader, StorageOptions
 from .registry import clear_cache, known_schemes, open_store, register_backend
+from .location import Location, Where
 from . import url
 from .url import resolve_local, resolve_step_dir
 
 __all__ = [
     "ListEntry",
+    "Location",
     "ObjectInfo",
     "ObjectStore",
     "PendingUpload",
@@ -19,4 +21,5 @@ __all__ = [
     "resolve_local",
     "resolve_step_dir",
     "url",
+    "Where",
 ]

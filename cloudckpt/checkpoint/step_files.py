@@ -1,0 +1,65 @@
+"""Reading the small files of a committed step, for every caller (load, export, the
+CLI, the Lightning plugin): DCP's ``.metadata`` and the per-rank train state, each
+checked against the step's marker (size, CRC32C) through ``cloudckpt.untrusted``
+before it is parsed, and the map of item checksums the shard readers check.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import CorruptCheckpoint
+from ..storage import Location
+from ..untrusted import MAX_METADATA_BYTES, MAX_TRAIN_STATE_BYTES, load_plain, loads_metadata, read_checked
+from . import discovery, layout
+from .marker import Marker
+
+METADATA_REL = layout.DCP_METADATA
+
+Checksums = dict[str, dict[tuple[int, int], str]]
+
+
+def metadata_bytes(step: Location, marker: Marker, *, verify: bool = True) -> bytes | None:
+    """The bytes of the step's DCP ``.metadata``, checked against the marker; None when
+    the marker lists none (each reader then reports it)."""
+    entry = marker.object(METADATA_REL)
+    if entry is None:
+        return None
+    url = step.join(METADATA_REL).url
+    return read_checked(step.store, url, entry, limit=MAX_METADATA_BYTES, what="DCP metadata", verify=verify)
+
+
+def read_dcp_metadata(step: Location, *, verify: bool = True) -> tuple[Marker, Any]:
+    """The marker and the parsed DCP ``Metadata`` of a committed step (unpickled with
+    the allowlist, every item inside the manifest's files). Raises NotACheckpoint,
+    CorruptCheckpoint (no metadata listed, bad size or CRC32C), UnsafeCheckpoint,
+    storage errors."""
+    step = step.resolved_step()
+    marker = discovery.read_marker(step)
+    data = metadata_bytes(step, marker, verify=verify)
+    url = step.join(METADATA_REL).url
+    if data is None:
+        raise CorruptCheckpoint(f"{url}: the checkpoint's marker lists no DCP metadata; it holds no model or optimizer state")
+    return marker, loads_metadata(data, url=url, files=marker.sizes_under(layout.MODEL_DIR))
+
+
+def train_state(step: Location, marker: Marker, rel: str, *, verify: bool = True) -> Any:
+    """The train state file ``rel`` of the step (``torch.load(weights_only=True)``),
+    or None if the marker does not list it."""
+    entry = marker.object(rel)
+    if entry is None:
+        return None
+    url = step.join(rel).url
+    data = read_checked(step.store, url, entry, limit=MAX_TRAIN_STATE_BYTES, what="train state", verify=verify)
+    return load_plain(data, url=url, what="train state")
+
+
+def item_checksums(marker: Marker) -> Checksums:
+    """``{file under model_and_optim/: {(offset, length): crc32c}}`` from the manifest:
+    one entry per DCP item, and the whole file as ``(0, size)``."""
+    out: Checksums = {}
+    for rel, o in marker.files_under(layout.MODEL_DIR).items():
+        d = out[rel] = {(c[0], c[1]): c[2] for c in o.chunks}
+        if o.crc32c:
+            d[(0, o.size)] = o.crc32c
+    return out
