@@ -11,6 +11,6 @@ fi
 stamp=.venv/.cloudckpt-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[test]" "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[test,hf]" "torch==2.13.0"
   touch "$stamp"
 fi

@@ -1,0 +1,116 @@
+"""Export a committed step as a Hugging Face model folder: ``model.safetensors`` plus
+``config.json``, so ``AutoModelForCausalLM.from_pretrained(out_dir)`` (or the model's
+own class) opens it.
+
+    from cloudckpt.integrations.hf_export import export_hf
+    export_hf("s3://bucket/run-7/step1000", "/models/run-7", dtype="bfloat16")
+
+The weights are the tensors under the ``model`` key of the step (what ``AppState``,
+the Trainer callback and the Accelerate helper save), streamed by
+:func:`cloudckpt.export.export_weights` (CRC32C-checked, one tensor in memory at a
+time). The config is the one the integration saved with the step, or ``config=``.
+Needs no transformers import unless ``config`` is a ``PretrainedConfig``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from .. import Checkpointer
+from ..errors import AlreadyExists, ConfigError, IncompatibleCheckpoint
+from ..export import export_weights
+from ..storage import StorageOptions
+from ._hf import HF_KEY, train_state_only
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+def _config_text(config: Any, step_url: str, storage_options: StorageOptions | None) -> str:
+    """``config`` as JSON text: a ``PretrainedConfig``, a dict, a ``config.json`` path or
+    a folder holding one; None: the config saved with the step."""
+    if config is None:
+        with train_state_only(), Checkpointer(distributed=False, storage_options=storage_options) as ckpt:
+            ts = ckpt.load(step_url, {}, allow_partial=True, load_trainer_state=None)
+        section = ts.get(HF_KEY) if isinstance(ts, dict) else None
+        text = section.get("config") if isinstance(section, dict) else None
+        if not isinstance(text, str):
+            raise ConfigError(f"{step_url} has no saved model config (it was not saved by cloudckpt's Hugging Face "
+                              "integration): pass config= a PretrainedConfig, a dict or a config.json path")
+    elif hasattr(config, "to_json_string"):
+        text = config.to_json_string(use_diff=False)
+    elif isinstance(config, dict):
+        text = json.dumps(config)
+    elif isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        path = os.path.join(path, CONFIG_NAME) if os.path.isdir(path) else path
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError as e:
+            raise ConfigError(f"cannot read the model config {path}: {e}") from None
+    else:
+        raise ConfigError(f"config must be a PretrainedConfig, a dict or a path, got {type(config).__name__}")
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict) or not isinstance(value.get("model_type"), str):
+        where = "the config saved with " + step_url if config is None else "config="
+        raise IncompatibleCheckpoint(f"{where} is not a Hugging Face model config (a JSON object with 'model_type')")
+    return json.dumps(value, indent=2, sort_keys=True) + "\n"
+
+
+def export_hf(
+    step_url: str,
+    out_dir: str,
+    *,
+    config: Any = None,
+    dtype: Any = None,
+    key_prefix: str = "model",
+    overwrite: bool = False,
+    storage_options: StorageOptions | None = None,
+    **export_options: Any,
+) -> dict:
+    """Write ``out_dir/model.safetensors`` (the tensors under ``key_prefix`` of the
+    committed step ``step_url``, names without the prefix) and ``out_dir/config.json``.
+
+    ``out_dir``: a local folder (created). ``config``: see :func:`_config_text`; the
+    JSON is checked to be an object with a ``model_type``. ``dtype`` casts floating-point
+    tensors and sets ``torch_dtype``/``dtype`` in the config. ``export_options`` go to
+    :func:`~cloudckpt.export.export_weights` (``transfer``, ``work_dir``,
+    ``verify_checksums``, ``progress``).
+
+    Returns export_weights' result plus ``"config"`` (the config path).
+
+    Raises NotACheckpoint, CorruptCheckpoint, MissingKeys (nothing under ``key_prefix``),
+    ConfigError (no config found or readable, bad ``dtype``), IncompatibleCheckpoint (the
+    config is not a model config), AlreadyExists (``out_dir`` has a model or config and
+    not ``overwrite``), storage errors.
+    """
+    out_dir = os.fspath(out_dir)
+    if "://" in out_dir and not out_dir.startswith("file://"):
+        raise ConfigError(f"export_hf writes a local folder (from_pretrained reads one), got {out_dir}; "
+                          "export locally, then upload the folder")
+    out_dir = out_dir.removeprefix("file://")
+    weights, config_path = os.path.join(out_dir, WEIGHTS_NAME), os.path.join(out_dir, CONFIG_NAME)
+    if not overwrite:
+        for p in (weights, config_path):
+            if os.path.exists(p):
+                raise AlreadyExists(f"{p} already exists; pass overwrite=True (--force) to replace it", url=p)
+    text = _config_text(config, step_url, storage_options)
+    os.makedirs(out_dir, exist_ok=True)
+    result = export_weights(step_url, weights, dtype=dtype, key_prefix=key_prefix, overwrite=overwrite,
+                            storage_options=storage_options, **export_options)
+    if result["dtype"] is not None:
+        value = json.loads(text)
+        name = str(result["dtype"]).removeprefix("torch.")
+        value["torch_dtype"] = value["dtype"] = name
+        text = json.dumps(value, indent=2, sort_keys=True) + "\n"
+    tmp = config_path + ".part"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, config_path)
+    return dict(result, config=config_path)
