@@ -7,7 +7,9 @@ protocol (write, upload, agree, commit) in one background thread.
   collectives in the same order.
 - At most ``max_in_flight`` saves are staged or running; a new save waits.
 - A failed async save is never committed (the protocol guarantees it); its error
-  surfaces once, on the first of: ``wait()``, the next save, ``close()``.
+  surfaces once, on the first of: ``wait()``, the next save, ``close()``. A save
+  submitted with ``commit=False`` (its Future holds a PendingCommit the caller
+  commits, as the Lightning plugin does) reports its error through that Future only.
 - Memory: with ``max_in_flight=1`` one set of host buffers (pinned when CUDA is
   present) is allocated at the first save and reused by every later save, so
   host memory above baseline is the state size S plus the transfer buffers;
@@ -99,7 +101,8 @@ class AsyncSaver:
         return staged, reuse
 
     # ------------------------------------------------------------ API
-    def submit(self, dir: str, state_dict: dict, train_state: Any, ephemeral: bool, step: int | None = None) -> Future:
+    def submit(self, dir: str, state_dict: dict, train_state: Any, ephemeral: bool, step: int | None = None,
+               commit: bool = True) -> Future:
         self.raise_unreported()
         self._slots.acquire()
         try:
@@ -111,7 +114,7 @@ class AsyncSaver:
 
         def run():
             try:
-                return self._save_fn(dir, staged, ts, ephemeral=ephemeral, step=step)
+                return self._save_fn(dir, staged, ts, ephemeral=ephemeral, step=step, commit=commit)
             finally:
                 if uses_cache:
                     with self._lock:
@@ -121,15 +124,15 @@ class AsyncSaver:
         fut = self._pool.submit(run)
         with self._lock:
             self._pending.append(fut)
-        fut.add_done_callback(self._on_done)
+        fut.add_done_callback(lambda f: self._on_done(f, report=commit))
         return fut
 
-    def _on_done(self, fut: Future) -> None:
+    def _on_done(self, fut: Future, *, report: bool) -> None:
         with self._lock:
             if fut in self._pending:
                 self._pending.remove(fut)
             exc = fut.exception() if not fut.cancelled() else None
-            if exc is not None:
+            if exc is not None and report:
                 self._unreported.append(exc)
                 log.error("async save failed (nothing was committed): %s", exc)
 

@@ -232,12 +232,20 @@ class Checkpointer:
 
     # ================================================================ save
     def save_async(self, dir: str, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False,
-                   step: int | None = None) -> Future:
+                   step: int | None = None, commit: bool = True) -> Future:
         """Stage ``state_dict`` and ``train_state`` in host memory, then save in the
         background; returns a Future of the Marker. Collective (call on every rank).
         Waits while ``max_in_flight`` saves are in flight; raises here the error of
-        an earlier async save that failed and was not reported yet."""
-        return self._async.submit(dir, state_dict, train_state, ephemeral, step)
+        an earlier async save that failed and was not reported yet.
+
+        ``commit=False``: the Future holds a :class:`PendingCommit` once everything is
+        uploaded and agreed; the caller commits it (``.commit()``), in its own order,
+        and gets the save's error from the Future (it is not raised again later)."""
+        return self._async.submit(dir, state_dict, train_state, ephemeral, step, commit=commit)
+
+    def in_flight(self) -> list[Future]:
+        """The Futures of async saves staged or running, oldest first."""
+        return self._async.in_flight()
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for in-flight async saves; raise the first failure not reported yet."""

@@ -208,7 +208,7 @@ class CheckpointManager:
             self._prev_handler = None
 
     def _on_sigterm(self, signum, frame) -> None:
-        pending = self.checkpointer._async.in_flight()
+        pending = self.checkpointer.in_flight()
         if self.config.sigterm == "finish" and pending:
             log.warning("SIGTERM: finishing %d in-flight save(s) (up to %.0fs)", len(pending), self.config.sigterm_timeout)
             for f in pending:

@@ -27,9 +27,10 @@ must be plain data (Lightning's own default since torch 2.6).
 
 ``AsyncCloudCheckpointIO`` + ``AsyncFinalizerCallback`` (NeMo's
 ``AsyncFinalizableCheckpointIO`` + ``AsyncFinalizerCallback``): ``save_checkpoint``
-copies the tensors to host memory and returns; a background thread writes and
-uploads the folder (``Checkpointer.save(commit=False)``: the step's lock is held,
-no marker). *Finalize* runs on the training thread: it takes the saves whose
+copies the tensors to host memory and returns; the Checkpointer's async saver
+writes and uploads the folder in the background (``Checkpointer.save_async(commit=False)``:
+the step's lock is held, no marker; the same staging buffers and thread as every
+async save). *Finalize* runs on the training thread: it takes the saves whose
 upload finished, in submission order, and commits each one (writes its marker),
 raises the error of a failed one (nothing of it is committed), and then runs the
 ``remove_checkpoint`` calls Lightning made meanwhile (they are deferred until
@@ -41,7 +42,6 @@ what is left.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from collections import OrderedDict, deque
@@ -144,17 +144,6 @@ def _targets(metadata) -> dict:
         if top in _SPLIT.values() and isinstance(md, TensorStorageMetadata):
             out.setdefault(top, {})[name] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
     return out
-
-
-def _stage(obj: Any) -> Any:
-    """A point-in-time copy on the caller's thread: tensors to host memory, containers rebuilt."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return type(obj)((k, _stage(v)) for k, v in obj.items()) if type(obj) in (dict, OrderedDict) else copy.deepcopy(obj)
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_stage(v) for v in obj)
-    return copy.deepcopy(obj)
 
 
 def _url(path: Any) -> str:
@@ -283,7 +272,7 @@ class AsyncCloudCheckpointIO(CloudCheckpointIO):
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
         self.max_in_flight = max_in_flight
-        self._executor: ThreadPoolExecutor | None = None
+        self._options["max_in_flight"] = max_in_flight
         self._inflight: deque[_InFlight] = deque()
         self._submitted = 0  # saves submitted so far
         self._finalized = 0  # saves finalized (committed or failed), in submission order
@@ -306,11 +295,9 @@ class AsyncCloudCheckpointIO(CloudCheckpointIO):
             deps.append(self._inflight[len(self._inflight) - self.max_in_flight].index + 1)
         if deps:
             self._finalize(block_until=max(deps))
-        tensors, rest = split_checkpoint(_stage(checkpoint))
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloudckpt-lightning")
-        fut = self._executor.submit(self.checkpointer.save, url, tensors, rest, step=int(checkpoint.get("global_step", 0)),
-                                    ephemeral=ephemeral, commit=False)
+        tensors, rest = split_checkpoint(checkpoint)  # save_async stages both on this thread
+        fut = self.checkpointer.save_async(url, tensors, rest, step=int(checkpoint.get("global_step", 0)),
+                                           ephemeral=ephemeral, commit=False)
         self._inflight.append(_InFlight(self._submitted, url, fut))
         self._submitted += 1
 
@@ -377,9 +364,6 @@ class AsyncCloudCheckpointIO(CloudCheckpointIO):
                 log.info("finalizing %d async checkpoint save(s) at teardown", len(self._inflight))
             self._finalize(block_until=self._submitted)
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
             super().teardown()
 
 
