@@ -364,7 +364,9 @@ class HTTPStore(ObjectStore):
         raise ReadOnlyLocation(
             f"cannot list {shown}: an http(s):// server has no listing. To load a published checkpoint pass its "
             f"step folder, e.g. {shown}step1000 (`cloudckpt inspect`, `verify`, `download` and Checkpointer.load "
-            "take it; find the step numbers where the run was saved). " + http_url_message(prefix), url=shown)
+            "take it; find the step numbers where the run was saved). A step written by another tool (a marker "
+            "without cloudckpt's manifest) is described by listing it, so it cannot be loaded from http(s)://: "
+            "load it from where it was saved. " + http_url_message(prefix), url=shown)
 
 
 class _Bytes(RangeReader):
@@ -395,8 +397,10 @@ class _Body(RangeReader):
                 while piece := self._r.raw.read(_CHUNK, decode_content=False):
                     pieces.append(piece)
                 data = b"".join(pieces)
-            else:
+            else:  # up to ``want``, fewer only where the body ends
                 data = self._r.raw.read(want, decode_content=False)
+                while 0 < len(data) < want and (more := self._r.raw.read(want - len(data), decode_content=False)):
+                    data += more
         except (u3.HTTPError, requests.RequestException, OSError) as e:
             self.close()
             timeout = isinstance(e, (u3.ReadTimeoutError, requests.Timeout, TimeoutError))

@@ -281,6 +281,15 @@ def test_listing_a_run_folder_says_to_pass_the_step_url(saved, capsys):
         assert srv.requests == [] or all(r.path.startswith("/run/step99/") for r in srv.requests)
 
 
+
+def test_a_step_without_a_cloudckpt_manifest_says_to_load_it_from_where_it_was_saved(saved, tmp_path):
+    root = tmp_path / "site"
+    shutil.copytree(saved[0], root)
+    (root / STEP / layout.MARKER).write_text('{"ephemeral": false, "version": "3.0.0"}')  # OLMo-core's marker
+    with FileServer(root) as srv:
+        with pytest.raises(ReadOnlyLocation, match="cannot be loaded from http\\(s\\)://: load it from where it was saved"):
+            Checkpointer().load(f"{srv.url}/{STEP}", AppState(*_model_and_optim(1)))
+
 # ---------------------------------------------------------------- time bounds
 
 
