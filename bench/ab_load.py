@@ -11,7 +11,7 @@ Every load is checked against the saved state (fingerprint), else it raises.
 
     .venv/bin/python -m bench.ab_load --revs c1359b4,. --modes pre --size 1GiB --reps 4
 
-The machine's state moves single loads by 20-50 % here (docs/performance.md), which is
+The machine's state moves single loads by 20-50 % here (bench/NOTES.md), which is
 why revisions alternate within each repetition: compare pairs and medians, not runs
 made at different times.
 """
@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the figures as JSON here")
     a = ap.parse_args(argv)
     from bench.ab_load import ab_case as case  # by its module's name, not __main__'s, for the rank processes
-    from bench.run import parse_size, same, server_cpu
+    from bench.common import parse_size, same
+    from bench.measure import server_cpu
     from cloudckpt.testing.multiprocess import run_ranks
     from cloudckpt.testing.servers import SeaweedFS
 

@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tmp", default=None)
     ap.add_argument("--stem", default=None, help="output file names (default async_save, or async_save_smoke)")
     a = ap.parse_args(argv)
-    from bench.run import git_state, loadavg, parse_size
+    from bench.common import git_state, loadavg, parse_size
     from cloudckpt.testing.multiprocess import run_ranks
     from cloudckpt.testing.servers import SeaweedFS
 

@@ -35,7 +35,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 from bench.ranks import self_cpu
-from bench.run import BUCKET, s5cmd_binary, server_cpu
+from bench.common import BUCKET
+from bench.measure import s5cmd_binary, server_cpu
 
 MiB = 1024 * 1024
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("perf") is None:
         print("bench.server_profile needs perf (linux-tools) on PATH", file=sys.stderr)
         return 2
-    from bench.run import BUCKET, LocalCopies, Runner, delete_prefix, parse_size, run_s5cmd, s5cmd_binary, server_cpu
+    from bench.common import BUCKET, parse_size
+    from bench.drivers import LocalCopies, Runner
+    from bench.measure import delete_prefix, run_s5cmd, s5cmd_binary, server_cpu
     from cloudckpt.testing.servers import SeaweedFS, weed_binary
 
     nbytes = parse_size(a.size)

@@ -12,10 +12,11 @@ engine/best. CPU seconds (client process incl. children; the SeaweedFS process)
 are recorded too: on a shared machine they are steadier than wall time.
 Results go to bench/results/transfer.json.
 
-All three send the same request shape by default: 16 MiB parts, 4 parts per
-64 MiB file, every file in flight at once for s5cmd (--numworkers 16
---concurrency 4) and boto3 (max_request_concurrency 32); the engine runs 8 files
-at once (its default) over the S3 backend's s3transfer pool. The engine also
+s5cmd and boto3 send 16 MiB parts, 4 parts per 64 MiB file, every file in flight
+at once (s5cmd --numworkers 16 --concurrency 4; boto3 max_request_concurrency 32);
+the engine runs 8 files at once (its default) with the S3 backend's defaults: one
+PUT per 64 MiB file today (``bench/results/transfer.json`` was recorded when that
+default was 16 MiB parts, the same shape as the others). The engine also
 computes CRC32C of every file; the others compute nothing of the kind.
 
 This is a benchmark, not a test: it asserts nothing beyond "every object arrived
