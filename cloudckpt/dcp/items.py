@@ -26,8 +26,8 @@ import sys
 import zipfile
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 
+from .._torch_compat import narrow_tensor_by_index
 from ..errors import CorruptCheckpoint
 from ..untrusted.plain import load_tensor
 

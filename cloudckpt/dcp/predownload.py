@@ -1,8 +1,11 @@
-"""Pre-download's files: one streamed download per shard file written to a local
-file as it arrives (``FileDownload``, the job ``TransferEngine.submit_stream``
-runs), items read back through read-only mappings of their bytes (``map_bytes``),
-and pages freed behind the reader (``FileDownload.discard_below``). The loading
-itself is ``StreamingReader._read_local`` (reader.py)."""
+"""Pre-download loads (``pre_download=True``): each run of needed items of every
+file (items less than ``max_gap`` apart: a rank's own shard file is one run) is one
+streamed download written to a local file as it arrives (``FileDownload``, the job
+``TransferEngine.submit_stream`` runs), ``download_ahead`` (2) at a time; each item
+is read back, through a read-only mapping of its bytes (``map_bytes``), as soon as
+its bytes have landed, pages are freed behind the reader
+(``FileDownload.discard_below``) and a local file is deleted once read: the disk
+holds at most three of them (``read_predownloaded``)."""
 
 from __future__ import annotations
 
@@ -14,16 +17,95 @@ import mmap
 import os
 import sys
 import threading
-from concurrent.futures import Future
-from typing import Callable
+from concurrent.futures import Future, wait
 
-from ..errors import CorruptCheckpoint, StorageError
+from torch.distributed.checkpoint.planner import LoadPlanner
+
+from ..errors import NotFound, StorageError
+from ..storage import url as urls
+from ..untrusted import local_name
+from .resumable import ResumableStream, coalesce, missing
 
 _MiB = 1024 * 1024
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-class FileDownload:
+def read_predownloaded(reader, per_file: dict[str, list], planner: LoadPlanner) -> None:
+    """Download into ``reader.local_dir`` each run of needed items of every file (items
+    less than ``max_gap`` apart; a rank's own shard file is one run, the few small
+    items it needs from another rank's file are runs of their own, not the whole
+    file between them), ``download_ahead`` runs at a time (one streamed request
+    each, written to a local file as it arrives), and read each item from disk as
+    soon as its bytes have landed, from whichever file they land in: the downloads
+    run at the store's pace whatever the loading does, and reading keeps up with
+    all of them. Each item's pages are freed once it is read
+    (``FileDownload.discard_below``) and a local file is deleted once all its items
+    are, so the disk holds at most ``download_ahead`` + 1 of them, mostly holes.
+    ``reader`` is the StreamingReader (its settings, ``_stream``, its checks);
+    adds what was read to ``reader.bytes_read`` and ``reader.direct_items``."""
+    shared = threading.Condition()  # pieces landing, downloads ending
+    index = {rel: i for i, rel in enumerate(per_file)}  # local names are derived, never the checkpoint's
+    todo = iter([(rel, start, parts) for rel, reqs in per_file.items()
+                 for start, _, parts in coalesce(reqs, max_gap=reader.max_gap, max_range=1 << 62)])
+    started: list[FileDownload] = []
+    on_disk: list[FileDownload] = []  # started, items left to read; in the order started
+    ahead = reader.download_ahead
+
+    def start_more() -> None:
+        # (not under ``shared``: the engine may run done callbacks, which take it,
+        # while holding its own lock) a download starts while fewer than
+        # download_ahead run and the disk holds at most download_ahead files
+        while sum(not d.finished for d in on_disk) < ahead and len(on_disk) <= ahead:
+            nxt = next(todo, None)
+            if nxt is None:
+                return
+            rel, start, parts = nxt  # parts: sorted by offset
+            dl = FileDownload(shared, rel, urls.join(reader.remote_dir, rel),
+                              os.path.join(reader.local_dir, local_name(index[rel], start)), parts)
+            started.append(dl)
+            on_disk.append(dl)
+            dl.future = reader._stream(dl.url, dl.start, dl.end, dl)
+            dl.future.add_done_callback(dl.on_done)
+
+    try:
+        while True:
+            start_more()
+            with shared:
+                # a file whose next item has landed (or whose download ended); if none,
+                # wait: a running download will land a piece or end
+                dl = next((d for d in on_disk if d.ready()), None)
+                if dl is None:
+                    if not on_disk:
+                        break
+                    shared.wait()
+                    continue
+            off, length, req = dl.items[0]
+            if dl.landed < off + length:  # the download failed
+                dl.result()
+                raise dl.truncated(dl.landed)
+            dl.items.popleft()
+            mapping, data = map_bytes(dl.fd, dl.local(off), length)  # the page cache's bytes, not a copy
+            try:
+                reader._check(dl.rel, off, length, data, dl.url)
+                reader.direct_items += reader._consume(req, planner, data, dl.url)
+            finally:
+                unmap(mapping, data)
+            reader.bytes_read += length
+            if dl.items:
+                dl.discard_below(dl.items[0][0])
+            if not dl.items:
+                dl.result()  # its last bytes were read: it is done or about to be
+                dl.remove()
+                on_disk.remove(dl)
+    finally:
+        for dl in started:  # after a failure: those not started never will, running ones stop
+            dl.future.cancel()
+            dl.remove()
+        # and none may still be writing when the caller removes local_dir
+        wait([dl.future for dl in started])
+
+
+class FileDownload(ResumableStream):
     """The job of one pre-download (``TransferEngine.submit_stream``): write bytes
     ``[start, end)`` of ``url`` (the span of ``items``, a run of the file's items to load)
     into a local file as they arrive, byte ``start + i`` of the object at ``i`` of the file
@@ -35,13 +117,12 @@ class FileDownload:
     PIECE = 1 * _MiB
 
     def __init__(self, shared: threading.Condition, rel: str, url: str, path: str, items: list):
-        self.shared, self.rel, self.url, self.path = shared, rel, url, path
+        super().__init__(url, items[0][0], max(off + n for off, n, _ in items), shared)
+        self.shared, self.rel, self.path = shared, rel, path
         self.items = collections.deque(items)  # sorted (offset, length, ReadItem) not read yet
-        self.start, self.end = items[0][0], max(off + n for off, n, _ in items)
         self.landed = self.start
         self.finished = False  # the future is done (set under ``shared``)
         self.future: Future | None = None
-        self._attempt = 0
         self._discarded = 0  # the local file's bytes below this were freed (discard_below)
         self._io = threading.Lock()  # a write, or closing the file
         try:
@@ -50,21 +131,17 @@ class FileDownload:
         except OSError as e:
             raise self._no_space(e) if e.errno in _FULL else e
 
-    def __call__(self, open_from: Callable, progress: Callable[[int], None]) -> int:
-        with self.shared:
-            self._attempt += 1
-            attempt, pos = self._attempt, self.landed
-        got = 0
-        if pos >= self.end:
-            return got
+    def resume_at(self) -> int | None:
+        """What has landed (under ``shared``)."""
+        return self.landed if self.landed < self.end else None
+
+    def attempt(self, attempt, at, open_from, progress) -> int:
+        pos, got = at, 0
         with open_from(pos) as body:
             while pos < self.end:
-                piece = body.read(min(self.PIECE, self.end - pos))
-                if not piece:
-                    raise self.truncated(pos)
-                progress(len(piece))  # raises once the engine gave up on this attempt
+                piece = self.read(body, pos, min(self.PIECE, self.end - pos), progress, whole=False)
                 with self._io:
-                    if attempt != self._attempt or self.fd < 0:
+                    if not self.current(attempt) or self.fd < 0:
                         return got
                     view = memoryview(piece)
                     try:
@@ -75,7 +152,7 @@ class FileDownload:
                 pos += len(piece)
                 got += len(piece)
                 with self.shared:
-                    if attempt == self._attempt:
+                    if self.current(attempt):
                         self.landed = pos
                         self.shared.notify_all()
         return got
@@ -106,8 +183,11 @@ class FileDownload:
             self.shared.notify_all()
 
     def result(self) -> None:
-        """Raise the download's error, if any."""
-        self.future.result()
+        """Wait for the download; raise its error (a missing object: the step is damaged)."""
+        try:
+            self.future.result()
+        except NotFound:
+            raise missing(self.url) from None
 
     def _no_space(self, e: OSError) -> StorageError:
         return StorageError(
@@ -115,11 +195,6 @@ class FileDownload:
             f"{e.strerror}; this file needs up "
             f"to {self.end - self.start} bytes, two or three files at a time); free space there, set work_dir to a "
             "larger folder, or load with pre_download=False (streaming needs no disk)", url=self.url)
-
-    def truncated(self, at: int) -> CorruptCheckpoint:
-        return CorruptCheckpoint(
-            f"{self.url}: expected bytes [{self.start}, {self.end}) but the object ends at {at}; it is truncated"
-        )
 
     def remove(self) -> None:
         """Close and delete the file (again: nothing)."""

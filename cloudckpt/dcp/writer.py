@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import google_crc32c
-import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem, _split_by_size_and_type
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import WriteItemType
 
+from .._torch_compat import element_size, split_by_size_and_type, write_files
 from ..transfer.checksum import bytes_pieces
 
 _MiB = 1024 * 1024
@@ -28,7 +28,7 @@ _MiB = 1024 * 1024
 
 def _chunk_bytes(item) -> int:
     td = item.tensor_data
-    return math.prod(td.chunk.sizes) * torch._utils._element_size(td.properties.dtype)
+    return math.prod(td.chunk.sizes) * element_size(td.properties.dtype)
 
 
 @dataclass
@@ -166,10 +166,10 @@ class UploadingWriter(FileSystemWriter):
         bins = max(self.thread_count, min(self.max_files_per_rank, math.ceil(total / self.target_file_size)))
         bins = max(1, min(bins, len(items)))
         file_queue: queue.Queue = queue.Queue()
-        for k, bucket in enumerate(b for b in _split_by_size_and_type(bins, list(items)) if b):
+        for k, bucket in enumerate(b for b in split_by_size_and_type(bins, list(items)) if b):
             name = f"{plan.storage_data.prefix}{k}.distcp"
             file_queue.put((self.fs.concat_path(self.path, name), name, bucket))
-        fut = self._write_data(planner, file_queue)
+        fut = write_files(self, planner, file_queue)
         for wr in fut.value():
             sd = wr.storage_data
             with self._lock:
