@@ -34,7 +34,7 @@ import uuid
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -61,7 +61,7 @@ from ..errors import (
 from ..storage import Location, StorageOptions, Where, resolve_step_dir
 from ..storage import url as urls
 from ..transfer import TransferConfig, TransferEngine, crc32c_bytes
-from ..untrusted import load_plain
+from ..untrusted import load_plain, loads_metadata
 from . import discovery, layout, pointer, step_files
 from .async_save import AsyncSaver
 from .gcpause import gc_paused
@@ -567,11 +567,34 @@ class Checkpointer:
                                   strict=strict, pre_download=pre_download, exclude_from_loading=exclude_from_loading,
                                   allow_partial=allow_partial, only="model" if model_only else None)
 
+    def load_with(self, dir: str, build: Callable[[Any], dict], **load_kwargs: Any) -> tuple[dict, Any]:
+        """Load into the state dict ``build(metadata)`` makes from the step's own DCP
+        ``Metadata`` (read once, checked and parsed like any load's), e.g. empty
+        tensors of every saved shape. Returns ``(state_dict, train_state)``;
+        ``load_kwargs`` as for :meth:`load`. Collective."""
+        self._async.wait()
+        dir = resolve_step_dir(dir)
+        self._connect_in_background(dir)
+        marker, data = self.coord.on_coordinator("read marker", lambda: self._read_marker_and_metadata(dir))
+        url = urls.join(dir, layout.DCP_METADATA)
+        if data is None:
+            raise CorruptCheckpoint(f"{url}: the checkpoint's marker lists no DCP metadata; it holds no model or optimizer state")
+        state_dict = build(loads_metadata(data, url=url, files=marker.sizes_under(layout.MODEL_DIR)))
+        opts = dict(load_optim_state=None, load_trainer_state=None, strict=True, pre_download=None,
+                    exclude_from_loading=(), allow_partial=False)
+        opts.update(load_kwargs)
+        with gc_paused():
+            train_state = self._load_now(dir, state_dict, read=(marker, data), **opts)
+        return state_dict, train_state
+
     def _load_now(self, dir: str, state_dict: dict, *, load_optim_state: bool | None, load_trainer_state: bool | None,
                   strict: bool, pre_download: bool | None, exclude_from_loading: Sequence[str],
-                  allow_partial: bool = False, only: str | None = None) -> Any:
-        self._connect_in_background(dir)
-        marker, metadata = self.coord.on_coordinator("read marker", lambda: self._read_marker_and_metadata(dir))
+                  allow_partial: bool = False, only: str | None = None,
+                  read: tuple[Marker, bytes | None] | None = None) -> Any:
+        if read is None:
+            self._connect_in_background(dir)
+            read = self.coord.on_coordinator("read marker", lambda: self._read_marker_and_metadata(dir))
+        marker, metadata = read
         sd = {k: v for k, v in state_dict.items() if k not in exclude_from_loading}
         skipped = set(exclude_from_loading)
         if load_optim_state is False:

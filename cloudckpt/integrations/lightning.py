@@ -57,7 +57,6 @@ from ..checkpoint import discovery, retention
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.marker import Marker
 from ..errors import CheckpointError, CorruptCheckpoint
-from ..export import read_dcp_metadata
 from ..storage import Location, StorageOptions
 from . import _fsspec
 
@@ -231,9 +230,7 @@ class CloudCheckpointIO(CheckpointIO):
         url = _url(path)
         if weights_only is False:
             log.info("cloudckpt loads %s with weights_only=True regardless of weights_only=False", url)
-        _, metadata = read_dcp_metadata(Location.of(url, self.storage_options))
-        tensors = _targets(metadata)
-        rest = self.checkpointer.load(url, tensors, load_trainer_state=True)
+        tensors, rest = self.checkpointer.load_with(url, _targets, load_trainer_state=True)
         checkpoint = join_checkpoint(rest, tensors)
         return _move(checkpoint, map_location) if map_location is not None else checkpoint
 

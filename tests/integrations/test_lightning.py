@@ -188,3 +188,24 @@ def test_lightning_example_script_resumes_from_the_bucket(s3_bucket):
                        env=dict(os.environ), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"resumed from {root}/checkpoints/epoch=0-step=8.ckpt, now at global_step 12" in r.stdout
+
+
+def test_load_checkpoint_reads_the_dcp_metadata_once(tmp_path, monkeypatch):
+    from cloudckpt.storage.local import LocalStore
+
+    path = str(tmp_path / "epoch=0-step=5.ckpt")
+    io = cl.CloudCheckpointIO()
+    io.save_checkpoint(_tiny_checkpoint(5), path)
+    reads: list[str] = []
+    real = LocalStore.get_bytes
+
+    def counting(self, url, *args, **kwargs):
+        reads.append(url)
+        return real(self, url, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStore, "get_bytes", counting)
+    got = io.load_checkpoint(path)
+    io.teardown()
+    assert torch.equal(got["state_dict"]["layer.weight"], _tiny_checkpoint(5)["state_dict"]["layer.weight"])
+    assert sum(u.endswith("model_and_optim/.metadata") for u in reads) == 1, reads
+    assert sum(u.endswith(".metadata.json") for u in reads) == 1, reads
