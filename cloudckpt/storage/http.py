@@ -46,6 +46,7 @@ from email.utils import parsedate_to_datetime
 from typing import BinaryIO, Iterable, Iterator
 from urllib.parse import urlsplit
 
+import cached_path  # noqa: F401 - the https extra: a missing one fails in open_store with the install hint
 import requests
 import urllib3.exceptions as u3
 from requests.adapters import HTTPAdapter

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -289,6 +291,28 @@ def test_a_step_without_a_cloudckpt_manifest_says_to_load_it_from_where_it_was_s
     with FileServer(root) as srv:
         with pytest.raises(ReadOnlyLocation, match="cannot be loaded from http\\(s\\)://: load it from where it was saved"):
             Checkpointer().load(f"{srv.url}/{STEP}", AppState(*_model_and_optim(1)))
+
+
+def test_without_the_https_extra_open_store_names_the_install_command():
+    code = textwrap.dedent("""
+        import importlib.abc, sys
+
+        class NoCachedPath(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "cached_path" or name.startswith("cached_path."):
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+        sys.meta_path.insert(0, NoCachedPath())
+        from cloudckpt.errors import BackendUnavailable
+        from cloudckpt.storage import open_store
+        try:
+            open_store("https://example.com/runs/run-7/step1000")
+        except BackendUnavailable as e:
+            print(e)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "pip install 'cloudckpt[https]'" in r.stdout and "cached_path" in r.stdout, r.stdout
 
 # ---------------------------------------------------------------- time bounds
 
