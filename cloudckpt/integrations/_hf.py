@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 from typing import Any, Iterator
 
 from .. import CheckpointConfig, CheckpointManager
@@ -72,3 +73,23 @@ def train_state_only() -> Iterator[None]:
         logger.removeFilter(drop)
 
 
+
+
+@contextlib.contextmanager
+def rng_preserved() -> Iterator[None]:
+    """Around a synchronous save on the training thread: the global RNG states (Python,
+    NumPy, torch CPU) are put back afterwards, so the save leaves the training's random
+    stream where the checkpoint recorded it. Storage SDKs draw from the global ``random``
+    (google-resumable-media picks each multipart boundary with ``random.randrange``);
+    without this an uninterrupted run would continue from another Python RNG state than
+    a resumed one."""
+    import numpy as np
+    import torch
+
+    py, np_state, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(np_state)
+        torch.set_rng_state(cpu)

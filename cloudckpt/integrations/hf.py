@@ -50,7 +50,8 @@ except ImportError as e:  # pragma: no cover - the extra is missing
 from .. import AppState, CheckpointConfig, CheckpointManager
 from ..errors import CheckpointError, IncompatibleCheckpoint
 from ..export import export_weights
-from ._hf import FORMAT, HF_KEY, build_manager, config_json, hf_section, train_state_only, unwrap
+from ._hf import (FORMAT, HF_KEY, build_manager, config_json, hf_section, rng_preserved, train_state_only,
+                  unwrap)
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,8 @@ class CloudCheckpointCallback(TrainerCallback):
             "process_index": args.process_index,
             "world_size": args.world_size,
         }
-        self.manager.save(state.global_step, self._app_state(model, optimizer, lr_scheduler), {HF_KEY: section})
+        with rng_preserved():
+            self.manager.save(state.global_step, self._app_state(model, optimizer, lr_scheduler), {HF_KEY: section})
 
     def on_train_end(self, args, state, control, **kwargs):
         """Every save is committed (async saves waited for) when ``train`` returns."""
