@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Idempotent set-up: a .venv with cloudckpt (editable) and its test tools.
+# Idempotent set-up: a .venv with cloudckpt (editable), every extra the test suite
+# imports (all = the s3, gcs and https backends; lightning; hf) and the test tools.
 # torch is pinned in the same pip command as everything that needs it, so pip
 # takes the CPU build on this machine instead of pulling CUDA packages.
 set -euo pipefail
@@ -11,6 +12,6 @@ fi
 stamp=.venv/.cloudckpt-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[test,hf]" "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[all,lightning,hf,test]" "torch==2.13.0"
   touch "$stamp"
 fi

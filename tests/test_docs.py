@@ -36,7 +36,8 @@ def test_every_python_sample_in_the_docs_is_included_from_a_tested_file():
 
 
 TESTED_FILES = {"examples/quickstart.py", "examples/manager.py", "examples/manager_config.yaml",
-                "tests/integrations/examples/lightning_fit.py", "tests/integrations/examples/export_and_seed.py"}
+                "tests/integrations/examples/lightning_fit.py", "tests/integrations/examples/export_and_seed.py",
+                "tests/storage/test_conformance_local.py"}
 INLINE_SAMPLES_RUN = {"storage.md"}
 
 

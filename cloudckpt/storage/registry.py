@@ -53,7 +53,8 @@ def backend_class(scheme: str, url: str | None = None) -> type[ObjectStore]:
         hint = f"pip install 'cloudckpt[{extra}]'" if extra else "reinstall cloudckpt"
         where = f"{url}: " if url else ""
         raise BackendUnavailable(
-            f"{where}the {scheme}:// backend needs {e.name or 'a package'}, which is not installed: {hint}", url=url
+            f"{where}the {scheme}:// backend needs packages that are not installed (no module {e.name!r}): {hint}",
+            url=url,
         ) from e
     return getattr(mod, cls_name)
 

@@ -84,8 +84,8 @@ def test_without_the_cloud_sdks_local_checkpoints_work_and_cloud_urls_name_the_e
     r = subprocess.run([sys.executable, "-c", WITHOUT_SDKS, str(tmp_path / "run")],
                        capture_output=True, text=True, timeout=300)
     out = r.stdout + r.stderr
-    assert "s3://bucket/run -> " in out and "pip install 'cloudckpt[s3]'" in out, out
-    assert "gs://bucket/run -> " in out and "pip install 'cloudckpt[gcs]'" in out, out
+    assert "s3://bucket/run -> s3://bucket/run: " in out and "pip install 'cloudckpt[s3]'" in out, out
+    assert "gs://bucket/run -> gs://bucket/run: " in out and "pip install 'cloudckpt[gcs]'" in out, out
     assert "sdk modules: []" in out, out
     # the CLI: one line naming the extra, a non-zero exit
     assert r.returncode != 0, out
