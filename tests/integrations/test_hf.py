@@ -23,6 +23,7 @@ try:
 except ImportError as e:  # the hf extra is installed by scripts/setup.sh: missing means a broken install
     raise ImportError("transformers/accelerate are not installed; pip install -e '.[test,hf]'") from e
 
+from checkpoint.test_resume_after_kill import _same as _assert_same  # noqa: E402  (tests/ is on sys.path)
 from cloudckpt import Checkpointer  # noqa: E402
 
 WORKER = Path(__file__).parent / "hf_workers.py"
@@ -62,21 +63,6 @@ def _wait_stalled(proc: subprocess.Popen, timeout: float = 120) -> None:
 
 def _load(path: Path) -> dict:
     return torch.load(path, weights_only=True)
-
-
-def _assert_same(a, b, what: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), what
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"{what}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"
-        for k in a:
-            _assert_same(a[k], b[k], f"{what}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), what
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{what}[{i}]")
-    else:
-        assert a == b, f"{what}: {a!r} != {b!r}"
 
 
 def _kill_and_resume(kind: str, folder: str, tmp_path: Path) -> None:
@@ -123,3 +109,41 @@ def test_trainer_killed_after_a_commit_resumes_from_the_bucket_like_an_uninterru
 def test_accelerate_killed_after_a_commit_resumes_from_the_bucket_like_an_uninterrupted_run(backend, request, tmp_path):
     folder = request.getfixturevalue({"s3": "s3_bucket", "gcs": "gcs_bucket"}[backend]) + "/acc-run"
     _kill_and_resume("accelerate", folder, tmp_path)
+
+
+def _example_trainer():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_trainer_example", ROOT / "examples" / "hf_trainer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prepare_resume_guards_against_a_silent_fresh_optimizer_and_foreign_steps(tmp_path):
+    from cloudckpt import AppState
+    from cloudckpt.errors import CheckpointError, IncompatibleCheckpoint
+
+    example = _example_trainer()
+    folder = str(tmp_path / "run")
+    trainer, cloud = example.make_trainer(folder, max_steps=2, output_dir=str(tmp_path / "out1"))
+    assert cloud.prepare_resume() is None, "nothing committed yet: start from scratch"
+    trainer.train(resume_from_checkpoint=None)
+    cloud.close()
+    assert [s for s, _ in Checkpointer.find_checkpoints(folder)] == [2]
+
+    # prepared a resume, then trained without passing the folder: refused, not a fresh optimizer
+    trainer, cloud = example.make_trainer(folder, max_steps=4, output_dir=str(tmp_path / "out2"))
+    path = cloud.prepare_resume()
+    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors", "rng_state.pth", "trainer_state.json"]
+    with pytest.raises(CheckpointError, match="resume_from_checkpoint"):
+        trainer.train()
+    cloud.close()
+
+    # a step written by something else (no hf section in its train state) is refused by name
+    with Checkpointer(distributed=False, work_dir=str(tmp_path / "w")) as c:
+        c.save(f"{folder}/step10", AppState(torch.nn.Linear(2, 2)), {"step": 10})
+    trainer, cloud = example.make_trainer(folder, max_steps=12, output_dir=str(tmp_path / "out3"))
+    with pytest.raises(IncompatibleCheckpoint, match="step10 was not saved by cloudckpt's Hugging Face integration"):
+        cloud.prepare_resume()
+    cloud.close()
