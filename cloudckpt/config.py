@@ -19,6 +19,8 @@ import dataclasses
 import difflib
 import os
 import re
+import tempfile
+import types
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Union, get_args, get_origin, get_type_hints
 
@@ -56,12 +58,27 @@ def parse_size(value: Any, name: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-@dataclass(frozen=True)
+def default_work_dir() -> str:
+    """The local scratch folder every writer uses unless told otherwise: per user, in the
+    system's temp folder (``$TMPDIR``), so two users of one machine never share it."""
+    uid = os.getuid() if hasattr(os, "getuid") else os.getpid()
+    return os.path.join(tempfile.gettempdir(), f"cloudckpt-work-{uid}")
+
+
+#: Flat names kept for dicts, YAML, environment variables and keyword arguments: each is
+#: the field of the same name in ``storage`` (StorageOptions) or ``transfer`` (TransferConfig).
+FLAT_STORAGE = ("endpoint_url", "profile", "region", "addressing_style", "part_size", "sign_payload",
+                "connect_timeout", "read_timeout", "operation_timeout")
+FLAT_TRANSFER = ("max_concurrency", "bandwidth_limit", "stall_timeout")
+_NESTED = {"storage": (StorageOptions, FLAT_STORAGE), "transfer": (TransferConfig, FLAT_TRANSFER)}
+
+
+@dataclass(frozen=True, init=False)
 class CheckpointConfig:
     """Every field with its default. Intervals are in training steps.
 
     - ``save_folder``: where steps go: a local path, ``file://``, ``s3://bucket/prefix`` or ``gs://bucket/prefix`` (required).
-    - ``work_dir``: local scratch for staging files before upload (default: a per-run temp folder).
+    - ``work_dir``: local scratch for staging files before upload (default: :func:`default_work_dir`).
     - ``save_interval``: persistent checkpoint every N steps (None: never).
     - ``ephemeral_save_interval``: ephemeral checkpoint every N steps (None: never); a step due for both is persistent.
     - ``keep_last_ephemeral``: ephemeral checkpoints kept (>= 1).
@@ -70,18 +87,25 @@ class CheckpointConfig:
     - ``async_save``: save in the background after a staging copy to host memory.
     - ``max_in_flight``: async saves in flight at most; a new save waits for the previous one.
     - ``save_overwrite``: allow replacing a committed step.
-    - ``max_concurrency``, ``bandwidth_limit`` (bytes/s or '200MB/s'), ``part_size`` (None: the backend's
-      default, S3 64 MiB, GCS 16 MiB), ``stall_timeout`` (s): transfer knobs.
-    - ``endpoint_url``, ``profile``, ``region``, ``addressing_style``: storage options (None: the SDK's env/config chain).
-    - ``connect_timeout``, ``read_timeout`` (s): one attempt's wait to connect / for the next bytes of an answer.
-    - ``operation_timeout`` (s): one request's deadline over all the SDK's retries; a transfer that moved no new
-      bytes for this long is not re-attempted either (StorageOptions says how they combine).
-    - ``sign_payload``: S3 only: SHA-256 every request body into its SigV4 signature (off: CRC32C checks instead).
     - ``gc_grace_seconds``: uncommitted step folders and multipart uploads older than this are garbage-collected.
     - ``verify_checksums``: check CRC32C of what is loaded.
     - ``pre_download``: download needed files to work_dir before loading instead of streaming ranges.
     - ``exact_resume``: capture and restore RNG states (Python, NumPy, torch) in the train state.
     - ``sigterm``: on SIGTERM, ``"finish"`` the in-flight save (up to ``sigterm_timeout`` s) or ``"abandon"`` it.
+    - ``thread_count``: threads writing DCP files per rank; ``stale_lock_seconds``: a step's ``.lock`` older than
+      this is taken over; ``collective_timeout`` (s): how long a rank waits for the others in a save/load step.
+    - ``storage``: a :class:`~cloudckpt.storage.StorageOptions` (endpoint, credentials profile, region, part size,
+      timeouts, ...). ``transfer``: a :class:`~cloudckpt.transfer.TransferConfig` (concurrency, byte budget,
+      bandwidth limit, stall watchdog, retries).
+
+    The flat names of the storage and transfer knobs users set most are accepted
+    everywhere a field is (keyword arguments, dicts, YAML, ``CLOUDCKPT_*``) and read
+    back as attributes: ``endpoint_url``, ``profile``, ``region``, ``addressing_style``,
+    ``part_size`` (None: the backend's default, S3 64 MiB, GCS 16 MiB), ``sign_payload``,
+    ``connect_timeout``, ``read_timeout``, ``operation_timeout`` go to ``storage``;
+    ``max_concurrency``, ``bandwidth_limit`` (bytes/s or '200MB/s'), ``stall_timeout``
+    (s) go to ``transfer``. A dict or YAML may also give ``storage:`` / ``transfer:``
+    mappings of any of their fields.
     """
 
     save_folder: str
@@ -94,32 +118,58 @@ class CheckpointConfig:
     async_save: bool = False
     max_in_flight: int = 1
     save_overwrite: bool = False
-    max_concurrency: int = 8
-    bandwidth_limit: Optional[int] = None
-    part_size: Optional[int] = None
-    stall_timeout: float = 120.0
-    endpoint_url: Optional[str] = None
-    profile: Optional[str] = None
-    region: Optional[str] = None
-    addressing_style: Optional[str] = None
-    sign_payload: bool = False
-    connect_timeout: float = StorageOptions.connect_timeout  # the defaults are StorageOptions'
-    read_timeout: float = StorageOptions.read_timeout
-    operation_timeout: float = StorageOptions.operation_timeout
     gc_grace_seconds: float = 3600.0
     verify_checksums: bool = True
     pre_download: bool = False
     exact_resume: bool = True
     sigterm: str = "finish"
     sigterm_timeout: float = 120.0
+    thread_count: int = 2
+    stale_lock_seconds: float = 600.0
+    collective_timeout: float = 600.0
+    storage: StorageOptions = field(default_factory=StorageOptions)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
 
     # ------------------------------------------------------------ construction
-    def __post_init__(self) -> None:
+    def __init__(self, save_folder: Any = None, **kw: Any) -> None:
+        own = {f.name: f for f in fields(self)}
+        flat = {k: kw.pop(k) for k in list(kw) if k in FLAT_STORAGE + FLAT_TRANSFER}
+        unknown = sorted(set(kw) - set(own))
+        if unknown:
+            raise ConfigError(f"unknown checkpoint config field(s) {unknown}; allowed: {', '.join(self.field_names())}")
+        if save_folder is None:
+            raise ConfigError("checkpoint config needs save_folder (a local path, s3://bucket/prefix or gs://bucket/prefix)")
+        for name, f in own.items():
+            if name == "save_folder":
+                v = save_folder
+            elif name in kw:
+                v = kw[name]
+            else:
+                v = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            object.__setattr__(self, name, v)
+        for name, (cls, names) in _NESTED.items():
+            part = getattr(self, name)
+            if isinstance(part, Mapping):
+                part = _build_nested(name, cls, part)
+            elif not isinstance(part, cls):
+                raise ConfigError(f"{name}={part!r} is not allowed: use a {cls.__name__} or a mapping of its fields")
+            given = {k: flat[k] for k in names if k in flat}
+            if given:
+                part = _build_nested(name, cls, {**_fields_of(part), **given}, shown=lambda k: k)
+            object.__setattr__(self, name, part)
         self._validate()
+
+    def __getattr__(self, name: str) -> Any:  # the flat names, read back
+        if name in FLAT_STORAGE:
+            return getattr(self.storage, name)
+        if name in FLAT_TRANSFER:
+            return getattr(self.transfer, name)
+        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
 
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+        """Every name a dict, YAML file or ``CLOUDCKPT_*`` variable may set."""
+        return [f.name for f in fields(cls)] + list(FLAT_STORAGE + FLAT_TRANSFER)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, env: Mapping[str, str] | None = None) -> "CheckpointConfig":
@@ -133,8 +183,8 @@ class CheckpointConfig:
         values.update(cls._env_overrides(os.environ if env is None else env))
         if "save_folder" not in values:
             raise ConfigError("checkpoint config needs save_folder (a local path, s3://bucket/prefix or gs://bucket/prefix)")
-        hints = get_type_hints(cls)
-        coerced = {k: _coerce(k, v, hints[k]) for k, v in values.items()}
+        hints = _hints()
+        coerced = {k: v if k in _NESTED else _coerce(k, v, hints[k]) for k, v in values.items()}
         return cls(**coerced)
 
     @classmethod
@@ -158,7 +208,7 @@ class CheckpointConfig:
         """``CLOUDCKPT_<FIELD>`` values by field name. Raises ConfigError naming every
         unknown ``CLOUDCKPT_*`` variable (not a field, not in NON_CONFIG_ENV)."""
         out, unknown = {}, []
-        names = cls.field_names()
+        names = [n for n in cls.field_names() if n not in _NESTED]
         for k, v in env.items():
             if k.startswith(ENV_PREFIX) and k not in NON_CONFIG_ENV:
                 name = k[len(ENV_PREFIX):].lower()
@@ -177,12 +227,15 @@ class CheckpointConfig:
         return out
 
     def replace(self, **kw) -> "CheckpointConfig":
+        """A copy with ``kw`` changed (flat storage/transfer names included)."""
         return dataclasses.replace(self, **kw)
 
     # ------------------------------------------------------------ validation
     def _validate(self) -> None:
         hints = get_type_hints(type(self))
         for f in fields(self):
+            if f.name in _NESTED:
+                continue  # validated by their own classes
             v = getattr(self, f.name)
             object.__setattr__(self, f.name, _coerce(f.name, v, hints[f.name], strict=True))
         try:
@@ -220,29 +273,27 @@ class CheckpointConfig:
                 f"keep_last_ephemeral={self.keep_last_ephemeral} would delete the newest ephemeral checkpoint, which may be the "
                 "newest checkpoint: use >= 1"
             )
-        for name in ("max_in_flight", "max_concurrency"):
+        for name in ("max_in_flight", "max_concurrency", "thread_count"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} is not allowed: use a positive integer")
-        for name in ("stall_timeout", "gc_grace_seconds", "sigterm_timeout"):
+        for name in ("stall_timeout", "gc_grace_seconds", "sigterm_timeout", "stale_lock_seconds"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} is not allowed: use a non-negative number of seconds")
         if self.bandwidth_limit is not None and self.bandwidth_limit <= 0:
             raise ConfigError(f"bandwidth_limit={self.bandwidth_limit} is not allowed: use bytes per second > 0, or None")
         if self.sigterm not in ("finish", "abandon"):
             raise ConfigError(f"sigterm={self.sigterm!r} is not allowed: use 'finish' or 'abandon'")
-        self.storage_options()  # validates the storage fields
-        self.transfer_config()
+        if not self.collective_timeout > 0:
+            raise ConfigError(f"collective_timeout={self.collective_timeout} is not allowed: use a number of seconds > 0")
 
     # ------------------------------------------------------------ derived
     def storage_options(self) -> StorageOptions:
-        return StorageOptions(endpoint_url=self.endpoint_url, profile=self.profile, region=self.region,
-                              addressing_style=self.addressing_style, part_size=self.part_size,
-                              sign_payload=self.sign_payload, connect_timeout=self.connect_timeout,
-                              read_timeout=self.read_timeout, operation_timeout=self.operation_timeout)
+        """``self.storage`` (kept for callers of the flat form)."""
+        return self.storage
 
     def transfer_config(self) -> TransferConfig:
-        return TransferConfig(max_concurrency=self.max_concurrency, bandwidth_limit=self.bandwidth_limit,
-                              stall_timeout=self.stall_timeout)
+        """``self.transfer`` (kept for callers of the flat form)."""
+        return self.transfer
 
     def build(self):
         """The CheckpointManager for this config. Collective: call on every rank."""
@@ -251,19 +302,44 @@ class CheckpointConfig:
         return CheckpointManager(self)
 
 
+def _fields_of(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+def _build_nested(name: str, cls: type, values: Mapping[str, Any], shown=None) -> Any:
+    """``cls(**values)`` with each value coerced to the field's type; errors name ``name.field``."""
+    shown = shown or (lambda k: f"{name}.{k}")
+    hints = get_type_hints(cls)
+    unknown = sorted(set(values) - set(hints))
+    if unknown:
+        raise ConfigError(f"unknown {name} option(s) {[shown(k) for k in unknown]}; allowed: {', '.join(sorted(hints))}")
+    try:
+        return cls(**{k: _coerce(shown(k), v, hints[k]) for k, v in values.items()})
+    except TypeError as e:
+        raise ConfigError(f"{name}: {e}") from None
+
+
+def _hints() -> dict[str, Any]:
+    """Types of every name ``from_dict`` takes: the config's fields and the flat names."""
+    out = dict(get_type_hints(StorageOptions))
+    out.update(get_type_hints(TransferConfig))
+    out.update(get_type_hints(CheckpointConfig))
+    return out
+
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
 def _coerce(name: str, value: Any, typ: Any, *, strict: bool = False) -> Any:
     """Coerce strings (env, YAML) to the field's type; reject wrong types with a clear error."""
-    optional = get_origin(typ) is Union and type(None) in get_args(typ)
+    optional = get_origin(typ) in (Union, types.UnionType) and type(None) in get_args(typ)
     base = next((a for a in get_args(typ) if a is not type(None)), typ) if optional else typ
     if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null") and optional):
         if optional:
             return None
         raise ConfigError(f"{name} must be set (got None)")
-    if name in ("part_size", "bandwidth_limit"):
+    if name.rsplit(".", 1)[-1] in ("part_size", "bandwidth_limit", "multipart_threshold", "max_bytes_in_flight"):
         return parse_size(value, name)
     if base is bool:
         if isinstance(value, bool):

@@ -35,7 +35,6 @@ import math
 import os
 import struct
 import sys
-import tempfile
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from typing import Any, BinaryIO
 import torch
 
 from .checkpoint import layout, step_files
+from .config import default_work_dir
 from .checkpoint.marker import Marker
 from .errors import AlreadyExists, ConfigError, CorruptCheckpoint, MissingKeys
 from .storage import Location, StorageOptions, Where
@@ -299,7 +299,7 @@ def export_weights(
         tmp_dir = os.path.dirname(final) or "."
     else:
         final = None
-        tmp_dir = work_dir or os.path.join(tempfile.gettempdir(), "cloudckpt-work")
+        tmp_dir = work_dir or default_work_dir()
     os.makedirs(tmp_dir, exist_ok=True)
     tmp = os.path.join(tmp_dir, f".export-{uuid.uuid4().hex}.part")  # open(..., "xb"): the umask applies, as for any file
     config = transfer or TransferConfig()

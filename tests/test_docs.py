@@ -37,7 +37,8 @@ def test_every_python_sample_in_the_docs_is_included_from_a_tested_file():
 
 TESTED_FILES = {"examples/quickstart.py", "examples/manager.py", "examples/manager_config.yaml",
                 "tests/integrations/examples/lightning_fit.py", "tests/integrations/examples/export_and_seed.py",
-                "tests/storage/test_conformance_local.py"}
+                "tests/storage/test_conformance_local.py",
+                "examples/hf_trainer.py", "examples/hf_accelerate.py"}  # run by tests/integrations/test_hf.py
 INLINE_SAMPLES_RUN = {"storage.md"}
 
 
@@ -46,7 +47,25 @@ def test_configuration_reference_lists_every_field_with_its_env_var():
 
     text = (ROOT / "docs" / "configuration.md").read_text()
     for name in CheckpointConfig.field_names():
+        if name in ("storage", "transfer"):  # nested objects: set by their flat names or a mapping, not one variable
+            assert f"`{name}`" in text, name
+            continue
         assert f"`{name}`" in text and f"CLOUDCKPT_{name.upper()}" in text, name
+
+
+def test_configuration_yaml_samples_build_the_config_they_describe(tmp_path):
+    from cloudckpt import CheckpointConfig
+
+    blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "configuration.md").read_text(), re.S)
+    assert blocks
+    for i, block in enumerate(blocks):
+        path = tmp_path / f"c{i}.yaml"
+        path.write_text(block)
+        cfg = CheckpointConfig.from_yaml(str(path), section="checkpoint", env={})
+        if "storage:" in block:  # the nested-and-flat sample
+            assert cfg.endpoint_url == cfg.storage.endpoint_url == "http://127.0.0.1:8333"
+            assert cfg.storage.max_attempts == 4 and cfg.storage.max_pool_connections == 32
+            assert cfg.transfer.max_bytes_in_flight == 1024**3
 
 
 def _env() -> dict:

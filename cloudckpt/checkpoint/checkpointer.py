@@ -42,6 +42,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import dist
+from ..config import default_work_dir
 from .._version import __version__
 from ..dcp import StreamingReader, UploadingWriter
 from ..errors import (
@@ -217,7 +218,7 @@ class Checkpointer:
         max_in_flight: int = 1,
         distributed: bool = True,
     ):
-        self.work_dir = work_dir or os.path.join(tempfile.gettempdir(), "cloudckpt-work")
+        self.work_dir = work_dir or default_work_dir()
         self.save_overwrite = save_overwrite
         self.storage_options = storage_options or StorageOptions()
         self.verify_checksums = verify_checksums

@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -45,15 +44,17 @@ log = logging.getLogger(__name__)
 class CheckpointManager:
     def __init__(self, config):
         self.config = config
-        work_dir = config.work_dir or os.path.join(tempfile.gettempdir(), f"cloudckpt-work-{os.getuid()}")
         self.checkpointer = Checkpointer(
-            work_dir=work_dir,
+            work_dir=config.work_dir,
             save_overwrite=config.save_overwrite,
-            storage_options=config.storage_options(),
-            transfer=config.transfer_config(),
+            storage_options=config.storage,
+            transfer=config.transfer,
             verify_checksums=config.verify_checksums,
             pre_download=config.pre_download,
             max_in_flight=config.max_in_flight,
+            thread_count=config.thread_count,
+            stale_lock_seconds=config.stale_lock_seconds,
+            collective_timeout=config.collective_timeout,
         )
         self.coord = self.checkpointer.coord
         self.save_location = Location.of(config.save_folder, self.checkpointer.storage_options)

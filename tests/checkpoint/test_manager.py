@@ -246,3 +246,47 @@ def test_endpoint_and_http_folder_mistakes_are_config_errors_saying_what_to_writ
     with pytest.raises(ConfigError) as ei:
         CheckpointConfig(**{"save_folder": "s3://bucket/run", **kwargs})
     assert says in str(ei.value) and "invalid bucket name" not in str(ei.value)
+
+
+def test_config_nests_storage_and_transfer_and_keeps_the_flat_names():
+    from cloudckpt.storage import StorageOptions
+    from cloudckpt.transfer import TransferConfig
+
+    cfg = CheckpointConfig(save_folder="s3://bucket/run", part_size="32MiB", max_concurrency=3, endpoint_url="http://127.0.0.1:1")
+    assert isinstance(cfg.storage, StorageOptions) and isinstance(cfg.transfer, TransferConfig)
+    assert cfg.part_size == cfg.storage.part_size == 32 * 1024 * 1024
+    assert cfg.max_concurrency == cfg.transfer.max_concurrency == 3
+    assert cfg.replace(save_interval=5).storage == cfg.storage  # replace keeps the nested objects
+    assert cfg.replace(operation_timeout=7).storage.operation_timeout == 7
+    nested = CheckpointConfig(save_folder="s3://bucket/run", storage=StorageOptions(max_attempts=2),
+                              transfer={"max_bytes_in_flight": "1GiB"})
+    assert nested.storage.max_attempts == 2 and nested.transfer.max_bytes_in_flight == 1024**3
+    d = CheckpointConfig.from_dict({"save_folder": "s3://bucket/run", "storage": {"max_attempts": "3"}},
+                                   env={"CLOUDCKPT_ENDPOINT_URL": "http://127.0.0.1:2", "CLOUDCKPT_THREAD_COUNT": "4"})
+    assert d.storage.max_attempts == 3 and d.storage.endpoint_url == "http://127.0.0.1:2" and d.thread_count == 4
+    with pytest.raises(ConfigError, match=r"storage\.max_attemps"):
+        CheckpointConfig.from_dict({"save_folder": "s3://bucket/run", "storage": {"max_attemps": 3}}, env={})
+    with pytest.raises(ConfigError, match="unknown checkpoint config field"):
+        CheckpointConfig(save_folder="s3://bucket/run", max_concurency=3)
+    for bad in ({"thread_count": 0}, {"stale_lock_seconds": -1}, {"collective_timeout": 0}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            CheckpointConfig(save_folder="s3://bucket/run", **bad)
+
+
+def test_manager_hands_every_checkpointer_knob_and_one_default_work_dir(tmp_path):
+    from cloudckpt.config import default_work_dir
+    from cloudckpt.storage import StorageOptions
+
+    cfg = CheckpointConfig(save_folder=str(tmp_path / "run"), thread_count=3, stale_lock_seconds=30,
+                           collective_timeout=45, storage=StorageOptions(max_attempts=2))
+    mgr = cfg.build()
+    try:
+        ck = mgr.checkpointer
+        assert (ck.thread_count, ck.stale_lock_seconds, ck.work_dir) == (3, 30, default_work_dir())
+        assert ck.storage_options is cfg.storage and mgr.save_location.options is cfg.storage
+    finally:
+        mgr.close()
+    from cloudckpt import Checkpointer
+
+    with Checkpointer() as ck:
+        assert ck.work_dir == default_work_dir()
