@@ -1,0 +1,167 @@
+"""``cloudckpt`` / ``python -m cloudckpt``: look at runs from a laptop or a script.
+
+Commands: ``list``, ``latest``, ``inspect``, ``verify``, ``download``, ``prune``, ``gc``,
+``adopt``, ``export``. The work is done by library functions (:mod:`cloudckpt.ops`,
+discovery, retention, adopt, export); the modules here parse arguments, call them and
+format what they return: tables for people, ``--json`` for scripts.
+
+Every command takes local paths, ``file://``, ``s3://`` and ``gs://`` URLs.
+Errors print one line on stderr (``cloudckpt: error: ...``, saying what to do) and
+exit non-zero; ``--debug`` adds the traceback and debug logs of cloudckpt (never the
+SDKs' wire logs, which carry signed headers). Exit codes:
+
+    0  success
+    1  the answer is "no" / a check failed: ``latest`` found no committed step,
+       ``verify`` or ``download`` found missing or corrupt objects, an unreadable marker
+    2  usage: bad arguments, a malformed URL or duration
+    3  not found: bucket, folder or object missing; not a committed checkpoint;
+       ``list`` / ``latest`` of a folder that holds no step{N} folder at all
+    4  access denied or no usable credentials
+    5  any other error (network, no answer within ``--timeout``, throttling after
+       retries, local I/O)
+    130 interrupted
+
+Heavy imports (torch) happen only in the commands that need them (``inspect``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+from typing import Sequence
+
+from .._version import __version__
+from ..errors import (
+    AccessDenied,
+    CloudCkptError,
+    ConfigError,
+    CorruptCheckpoint,
+    IncompatibleCheckpoint,
+    InvalidURL,
+    NotFound,
+    UnsafeDelete,
+)
+from . import listing, manage, step
+from .common import (
+    EXIT_DENIED,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_NO,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_USAGE,
+    CliError,
+    parse_duration,
+    seconds_arg,
+)
+
+__all__ = ["CliError", "build_parser", "exit_code", "main", "parse_duration"]
+
+
+def _add_common(p: argparse.ArgumentParser, *, suppress: bool) -> None:
+    """Options accepted before and after the command. On subcommands their default is
+    SUPPRESS so a value given before the command is not overwritten."""
+    d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
+    g = p.add_argument_group("storage and output options")
+    g.add_argument("--endpoint-url", default=d(None), metavar="URL",
+                   help="S3-compatible endpoint, or GCS API endpoint (default: AWS_ENDPOINT_URL / the SDK's chain; "
+                        "STORAGE_EMULATOR_HOST for GCS emulators)")
+    g.add_argument("--profile", default=d(None), help="AWS profile (default: AWS_PROFILE)")
+    g.add_argument("--region", default=d(None), help="S3 region (default: AWS_REGION)")
+    g.add_argument("--timeout", type=seconds_arg, default=d(None), metavar="SECONDS",
+                   help="deadline of each request over all its retries; a store that does not answer fails the "
+                        "command after about this long (default 60; transfers that make progress are not cut)")
+    g.add_argument("--connect-timeout", type=seconds_arg, default=d(None), metavar="SECONDS",
+                   help="wait at most this long to open a connection (default 10)")
+    g.add_argument("--json", action="store_true", default=d(False), help="print one JSON document for scripts")
+    g.add_argument("--debug", action="store_true", default=d(False), help="show tracebacks and cloudckpt debug logs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="cloudckpt",
+        description="Look at and manage cloudckpt checkpoints in local folders, s3:// and gs://.",
+        epilog="exit codes: 0 ok, 1 no/check failed, 2 usage, 3 not found, 4 access denied, 5 other error",
+    )
+    p.add_argument("--version", action="version", version=f"cloudckpt {__version__}")
+    _add_common(p, suppress=False)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, func, help: str, description: str | None = None) -> argparse.ArgumentParser:
+        s = sub.add_parser(name, help=help, description=description or help)
+        _add_common(s, suppress=True)
+        s.set_defaults(func=func)
+        return s
+
+    for module in (listing, step, manage):
+        module.register(command)
+    return p
+
+
+def exit_code(e: BaseException) -> int:
+    """The exit code for an error (see the module docstring)."""
+    from ..errors import NotACheckpoint
+
+    if isinstance(e, CliError):
+        return e.code
+    if isinstance(e, (InvalidURL, ConfigError, UnsafeDelete)):
+        return EXIT_USAGE
+    if isinstance(e, (CorruptCheckpoint, IncompatibleCheckpoint)):
+        return EXIT_NO
+    if isinstance(e, (NotFound, NotACheckpoint)):
+        return EXIT_NOT_FOUND
+    if isinstance(e, AccessDenied):
+        return EXIT_DENIED
+    return EXIT_ERROR
+
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, (CloudCkptError, CliError)):
+        return " ".join(str(e).split())  # one line
+    if isinstance(e, OSError):
+        return f"{e.strerror or type(e).__name__}: {e.filename or ''}".rstrip(": ") + \
+            "; check the local path and its permissions (rerun with --debug for details)"
+    return f"unexpected {type(e).__name__}: {' '.join(str(e).split())} (rerun with --debug for the traceback)"
+
+
+def _resolve_local_paths(args) -> None:
+    """Local paths given on the command line are resolved to their real path once
+    (the local backend follows no link inside a save folder); a STEP's own last
+    component is kept, so a step folder that is a planted link is refused."""
+    from ..storage import resolve_local, resolve_step_dir
+
+    for name, resolve in (("step", resolve_step_dir), ("folder", resolve_local), ("dest", resolve_local)):
+        value = getattr(args, name, None)
+        if isinstance(value, str):
+            setattr(args, name, resolve(value))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.debug:
+        logging.getLogger("cloudckpt").setLevel(logging.DEBUG)
+    # The SDKs' debug logs include signed request headers: never enable them here.
+    for noisy in ("botocore", "boto3", "s3transfer", "urllib3", "google"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    try:
+        _resolve_local_paths(args)
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("cloudckpt: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # the reader of our stdout went away (e.g. `| head`): not an error
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return EXIT_OK
+    except Exception as e:  # noqa: BLE001 - every error becomes one line and an exit code
+        if args.debug:
+            traceback.print_exc()
+        print(f"cloudckpt: error: {_message(e)}", file=sys.stderr)
+        return exit_code(e)

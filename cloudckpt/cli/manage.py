@@ -1,0 +1,152 @@
+"""``prune``, ``gc``, ``adopt`` and ``export``: commands that change a bucket or write files."""
+
+from __future__ import annotations
+
+from .common import EXIT_OK, EXIT_USAGE, CliError, duration_arg, loc, positive_int, storage_options
+from .output import Bar, age, print_json, size, table
+from .step import transfer_opts
+
+
+# ---------------------------------------------------------------- prune
+def cmd_prune(args) -> int:
+    from .. import ops
+
+    if args.ephemeral_only and args.keep_last_ephemeral is not None:
+        raise CliError("--keep-last-ephemeral cannot be combined with --ephemeral-only (there --keep-last counts "
+                       "ephemeral steps)", EXIT_USAGE)
+    plan = ops.plan_prune(loc(args, args.folder), keep_last=args.keep_last, keep_every=args.keep_every,
+                          keep_last_ephemeral=args.keep_last_ephemeral, ephemeral_only=args.ephemeral_only,
+                          include_foreign=args.include_foreign)
+    if not args.json:
+        foreign = plan.foreign
+        if foreign and not args.include_foreign:
+            print(f"not counted: {len(foreign)} step(s) written by another tool ({', '.join(map(str, foreign[:10]))}"
+                  f"{', ...' if len(foreign) > 10 else ''}); --include-foreign counts them")
+        if not plan.prune:
+            print(f"nothing to prune in {args.folder}: the policy keeps all {plan.committed} committed step(s)")
+        else:
+            verb = "deleting" if args.yes else "would delete"
+            print(f"{verb} {len(plan.prune)} of {plan.committed} committed step(s) "
+                  f"({size(sum(i.size_bytes for i in plan.prune))}); keeping {len(plan.kept)}:")
+            table(["STEP", "KIND", "SIZE", "URL"],
+                  [[i.step, "ephemeral" if i.ephemeral else "persistent", size(i.size_bytes), i.url] for i in plan.prune],
+                  right=(0, 2))
+    if args.yes:
+        ops.apply_prune(plan, on_deleted=None if args.json else (lambda i: print(f"deleted {i.url}")))
+    elif plan.prune and not args.json:
+        print("dry run: nothing was deleted; run again with --yes to delete")
+    if args.json:
+        print_json(plan.to_json(dry_run=not args.yes))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- gc
+def cmd_gc(args) -> int:
+    from ..checkpoint import retention
+
+    rep = retention.gc(loc(args, args.folder), older_than=args.older_than, dry_run=not args.yes)
+    if args.json:
+        print_json({"folder": args.folder, "dry_run": not args.yes, "older_than_seconds": args.older_than,
+                    "step_dirs": rep.step_dirs, "uploads": rep.uploads})
+        return EXIT_OK
+    verb = "removed" if args.yes else "would remove"
+    older = age(args.older_than)
+    if not rep.step_dirs and not rep.uploads:
+        print(f"nothing to collect in {args.folder}: no uncommitted step folder or multipart upload older than {older}")
+        return EXIT_OK
+    for d in rep.step_dirs:
+        print(f"{verb} uncommitted step folder {d}")
+    for u in rep.uploads:
+        print(f"{'aborted' if args.yes else 'would abort'} multipart upload {u}")
+    print(f"{len(rep.step_dirs)} uncommitted folder(s), {len(rep.uploads)} multipart upload(s) older than {older}")
+    if not args.yes:
+        print("dry run: nothing was deleted; run again with --yes to delete")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- adopt
+def cmd_adopt(args) -> int:
+    from ..checkpoint.adopt import adopt
+
+    with Bar(args, "adopt") as bar:
+        if args.yes:
+            bar.start(0)
+        rep = adopt(loc(args, args.step), dry_run=not args.yes, jobs=args.jobs, on_bytes=bar.update)
+    if args.json:
+        print_json({"url": args.step, "writer": rep.writer, "dry_run": not args.yes, "already": rep.already,
+                    "written": rep.written, "manifest": rep.manifest_url, "object_count": rep.object_count,
+                    "total_bytes": rep.total_bytes})
+    elif rep.already:
+        print(f"{args.step} already has a manifest ({'cloudckpt' if rep.writer == 'cloudckpt' else 'adopted'}): "
+              "nothing to do")
+    elif not rep.written:
+        print(f"would adopt {args.step} ({rep.writer}, {rep.object_count} objects, {size(rep.total_bytes)}): "
+              f"every object is read once and its size and CRC32C go to {rep.manifest_url}")
+        print("dry run: the step is complete and parses; nothing was read in full or written; run again with --yes")
+    else:
+        print(f"adopted {args.step}: {rep.object_count} objects, {size(rep.total_bytes)}; manifest {rep.manifest_url}; "
+              f"loads and `cloudckpt verify` now check sizes and CRC32Cs ({rep.writer}'s marker is unchanged)")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- export
+def cmd_export(args) -> int:
+    from ..export import export_weights
+
+    res = export_weights(args.step, args.dest, dtype=args.dtype, fmt=args.format, key_prefix=args.key,
+                         overwrite=args.force, storage_options=storage_options(args))
+    if args.json:
+        print_json(res)
+        return EXIT_OK
+    print(f"exported {res['tensors']} tensor(s), {size(res['bytes'])}, of step {res['step']} "
+          f"as {res['format']}{' (' + str(res['dtype']) + ')' if res['dtype'] else ''} to {res['dest']}")
+    if res.get("skipped"):
+        print(f"not exported (not tensors): {', '.join(map(str, res['skipped']))}")
+    return EXIT_OK
+
+
+def register(command) -> None:
+    s = command("prune", cmd_prune, "delete old committed steps by a keep-last policy (dry run unless --yes)",
+                "Delete old committed steps, marker first. Default: keep the newest N persistent steps (steps "
+                "divisible by --keep-every are kept and not counted) and the newest --keep-last-ephemeral (1) "
+                "ephemeral ones. --ephemeral-only: persistent steps are untouched and the newest N ephemeral ones "
+                "are kept. The newest committed step is never deleted. Dry run unless --yes.")
+    s.add_argument("folder", metavar="FOLDER")
+    s.add_argument("--keep-last", type=positive_int, required=True, metavar="N",
+                   help="persistent steps to keep (ephemeral ones with --ephemeral-only)")
+    s.add_argument("--keep-every", type=positive_int, metavar="K", help="also keep every step divisible by K")
+    s.add_argument("--keep-last-ephemeral", type=positive_int, metavar="M",
+                   help="ephemeral steps to keep (default 1; not with --ephemeral-only)")
+    s.add_argument("--ephemeral-only", action="store_true", help="consider only ephemeral steps")
+    s.add_argument("--include-foreign", action="store_true",
+                   help="also count (and delete) steps another tool wrote, e.g. OLMo-core's (default: left alone)")
+    s.add_argument("--yes", "-y", action="store_true", help="really delete (default: dry run)")
+
+    s = command("gc", cmd_gc, "remove uncommitted step folders and orphaned multipart uploads (dry run unless --yes)",
+                "Remove what crashed saves left: step folders without a marker whose newest object is older than "
+                "--older-than (empty folders are left alone), and multipart uploads under the folder started "
+                "before that. Dry run unless --yes.")
+    s.add_argument("folder", metavar="FOLDER")
+    s.add_argument("--older-than", type=duration_arg, default=3600.0, metavar="DURATION",
+                   help="only what is older than this, e.g. 30m, 2h, 1d (default 1h)")
+    s.add_argument("--yes", "-y", action="store_true", help="really delete (default: dry run)")
+
+    s = command("adopt", cmd_adopt, "record sizes and CRC32Cs for a step another tool wrote (dry run unless --yes)",
+                "Give a step another tool committed (OLMo-core's marker, no manifest) cloudckpt's manifest: every "
+                "object is read once, its size and CRC32C (and each DCP item's) go to .cloudckpt.json beside the "
+                "other tool's marker, which is left unchanged; loads and verify then check them. Refuses a step "
+                "with anything missing. Dry run unless --yes.")
+    s.add_argument("step", metavar="STEP")
+    s.add_argument("--yes", "-y", action="store_true", help="read every object and write the manifest (default: dry run)")
+    transfer_opts(s, jobs=8, what="objects read")
+
+    s = command("export", cmd_export, "export model weights of a step to safetensors or a torch file",
+                "Stream the tensors under --key (default: model) of a committed step into a safetensors file "
+                "(one tensor in memory at a time) or a torch file, locally or in a bucket, optionally cast to "
+                "another dtype.")
+    s.add_argument("step", metavar="STEP")
+    s.add_argument("dest", metavar="DEST", help="output file URL or path (a trailing / appends model.safetensors)")
+    s.add_argument("--dtype", default=None, help="cast floating-point tensors, e.g. bfloat16, float16")
+    s.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    s.add_argument("--key", default="model", help="top-level key of the state dict to export (default: model)")
+    s.add_argument("--force", action="store_true", help="overwrite DEST if it exists")

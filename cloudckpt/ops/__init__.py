@@ -1,0 +1,54 @@
+"""Library operations behind the ``cloudckpt`` command: each takes a
+:class:`~cloudckpt.storage.Location` (or a URL) and returns plain data (dataclasses
+with a ``to_json``), so the CLI only parses arguments and formats results, and a
+script can call the same functions.
+
+- :func:`list_steps` — the step folders of a save folder, committed or not
+- :func:`inspect_step` — tensors, train state keys and marker of one step
+- :func:`verify_step` — every object of a step against its manifest
+- :func:`prepare_download` / :func:`run_download` (:func:`download`) — a step to a
+  local folder, resumable, marker last
+- :func:`plan_prune` / :func:`apply_prune` — retention's policy applied once
+
+Latest, gc, adopt and export are library functions already:
+:func:`cloudckpt.checkpoint.discovery.latest_checkpoint`,
+:func:`cloudckpt.checkpoint.retention.gc`, :func:`cloudckpt.checkpoint.adopt.adopt`,
+:func:`cloudckpt.export.export_weights`.
+
+Progress goes to an optional object with ``start(total_bytes)`` and ``update(n)``
+(:class:`Progress`); nothing here prints.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .progress import Progress
+
+_LAZY = {
+    "list_steps": "steps", "StepRow": "steps", "StepListing": "steps",
+    "inspect_step": "inspect", "StepReport": "inspect",
+    "verify_step": "verify", "VerifyReport": "verify",
+    "prepare_download": "downloads", "run_download": "downloads", "download": "downloads",
+    "DownloadPlan": "downloads", "DownloadReport": "downloads",
+    "plan_prune": "prune", "apply_prune": "prune", "PrunePlan": "prune", "PruneItem": "prune",
+}
+
+__all__ = ["Progress", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    # lazy: `cloudckpt list` must not import what `inspect` needs (torch)
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .downloads import DownloadPlan, DownloadReport, download, prepare_download, run_download
+    from .inspect import StepReport, inspect_step
+    from .prune import PruneItem, PrunePlan, apply_prune, plan_prune
+    from .steps import StepListing, StepRow, list_steps
+    from .verify import VerifyReport, verify_step

@@ -1,0 +1,97 @@
+"""What one committed step holds: its marker, the entries of its DCP metadata and
+the top-level keys of rank 0's train state, both read through
+:mod:`cloudckpt.checkpoint.step_files` (checked against the marker, then parsed with
+the untrusted-input checks). Imports torch (the metadata holds torch types)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..checkpoint import discovery, layout, step_files
+from ..checkpoint.marker import Marker
+from ..storage import Location, Where
+
+
+@dataclass(frozen=True)
+class StepReport:
+    url: str
+    marker: Marker
+    has_metadata: bool  # the marker lists model_and_optim/.metadata
+    tensors: list[dict]  # {key, dtype, shape, numel, size_bytes, chunks}, by key
+    non_tensor_keys: list[str]
+    train_state: dict | None  # {path, type, keys: [{key, type, value, summary}], ranks[, summary]}
+
+    def to_json(self, now: float, *, chunks: bool = False) -> dict:
+        summary = self.marker.summary()
+        summary["age_seconds"] = round(now - self.marker.created_unix, 1)
+        objects = [o.to_json() for o in self.marker.objects]
+        if not chunks:
+            for o in objects:
+                o.pop("chunks", None)
+        return {"url": self.url, "marker": summary, "tensors": self.tensors, "non_tensor_keys": self.non_tensor_keys,
+                "train_state": self.train_state, "objects": objects}
+
+
+def describe_value(v: Any) -> tuple[str, Any, str]:
+    """(type name, JSON-able scalar or None, short text) of a train-state value."""
+    tname = type(v).__name__
+    if v is None or isinstance(v, (bool, int, float)):
+        return tname, v, repr(v)
+    if isinstance(v, str):
+        return tname, v, repr(v if len(v) <= 60 else v[:57] + "...")
+    shape = getattr(v, "shape", None)
+    if shape is not None and hasattr(v, "dtype"):
+        return tname, None, f"{str(v.dtype).replace('torch.', '')} {list(shape)}"
+    if isinstance(v, (dict, list, tuple, set)):
+        return tname, None, f"{len(v)} item(s)"
+    return tname, None, ""
+
+
+def _tensors(step: Location, marker: Marker) -> tuple[bool, list[dict], list[str]]:
+    data = step_files.metadata_bytes(step, marker)
+    if data is None:
+        return False, [], []
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ..untrusted import loads_metadata
+
+    md = loads_metadata(data, url=step.join(step_files.METADATA_REL).url, files=marker.sizes_under(layout.MODEL_DIR))
+    tensors, others = [], []
+    for key in sorted(md.state_dict_metadata):
+        sm = md.state_dict_metadata[key]
+        if not isinstance(sm, TensorStorageMetadata):
+            others.append(key)
+            continue
+        dtype = sm.properties.dtype
+        numel = 1
+        for d in sm.size:
+            numel *= int(d)
+        tensors.append({"key": key, "dtype": str(dtype).replace("torch.", ""), "shape": [int(d) for d in sm.size],
+                        "numel": numel, "size_bytes": numel * dtype.itemsize, "chunks": len(sm.chunks)})
+    return True, tensors, others
+
+
+def _train_state(step: Location, marker: Marker) -> dict | None:
+    rel = layout.train_state_name(0)
+    if marker.object(rel) is None:
+        return None
+    obj = step_files.train_state(step, marker, rel)
+    keys = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            tname, value, text = describe_value(v)
+            keys.append({"key": str(k), "type": tname, "value": value, "summary": text})
+    tname, _, text = describe_value(obj)
+    return {"path": rel, "type": tname, "keys": keys, "ranks": marker.world_size,
+            **({} if isinstance(obj, dict) else {"summary": text})}
+
+
+def inspect_step(step: Where) -> StepReport:
+    """Describe the committed step ``step``. Raises NotACheckpoint (no marker),
+    CorruptCheckpoint / UnsafeCheckpoint (metadata or train state refused),
+    IncompatibleCheckpoint, storage errors."""
+    loc = Location.of(step).resolved_step()
+    marker = discovery.read_marker(loc)
+    has_md, tensors, others = _tensors(loc, marker)
+    return StepReport(Location.of(step).url, marker, has_md, tensors, others, _train_state(loc, marker))

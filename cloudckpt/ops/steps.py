@@ -1,0 +1,116 @@
+"""The step folders of a save folder: committed ones with their marker, and (on
+request) the others, with what they hold.
+
+Cost: one paginated LIST of the folder (delimiter ``/``), the markers read
+concurrently, and with ``include_uncommitted`` one recursive LIST of each folder
+without a marker.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..checkpoint import discovery
+from ..checkpoint.marker import Marker
+from ..errors import CorruptCheckpoint, IncompatibleCheckpoint, NotACheckpoint
+from ..storage import Location, Where
+
+MARKER_READ_THREADS = 32
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One step folder. ``status``: ``committed`` (``marker`` set), ``incomplete`` (no
+    marker) or ``unreadable`` (a marker that does not parse: ``error`` says why).
+    For the last two, ``object_count``/``size_bytes``/``newest_mtime`` describe what
+    the folder holds (None when it was not scanned)."""
+
+    step: int
+    url: str
+    status: str
+    marker: Marker | None = None
+    error: str | None = None
+    object_count: int | None = None
+    size_bytes: int | None = None
+    newest_mtime: float | None = None
+
+    @property
+    def created_unix(self) -> float | None:
+        return self.marker.created_unix if self.marker else self.newest_mtime
+
+    def to_json(self, now: float) -> dict:
+        m = self.marker
+        created = self.created_unix
+        age = None if created is None else round(now - created, 1)
+        if m is None:
+            return {"step": self.step, "url": self.url, "status": self.status, "ephemeral": None,
+                    "size_bytes": self.size_bytes, "object_count": self.object_count, "world_size": None,
+                    "created": None, "created_unix": created, "age_seconds": age,
+                    **({"error": self.error} if self.error else {})}
+        return {"step": self.step, "url": self.url, "status": "committed", "ephemeral": m.ephemeral,
+                "size_bytes": m.total_bytes, "object_count": len(m.objects), "world_size": m.world_size,
+                "created": m.created, "created_unix": m.created_unix, "age_seconds": age,
+                "format": m.kind, "writer": m.writer, "verified": m.verified}
+
+
+@dataclass(frozen=True)
+class StepListing:
+    folder: str
+    step_dirs: int  # step{N} folders found, whatever their state (0: not a save folder)
+    rows: list[StepRow]
+    warnings: list[str] = field(default_factory=list)  # unreadable markers, one line each
+    listed_at: float = field(default_factory=time.time)
+
+    @property
+    def committed(self) -> list[StepRow]:
+        return [r for r in self.rows if r.status == "committed"]
+
+
+def probe_marker(dir: Location) -> tuple[Marker | None, str | None]:
+    """``(marker, None)`` when committed, ``(None, None)`` when there is no marker,
+    ``(None, reason)`` when the marker cannot be read. Storage errors propagate."""
+    try:
+        return discovery.read_marker(dir), None
+    except NotACheckpoint:
+        return None, None
+    except (CorruptCheckpoint, IncompatibleCheckpoint) as e:
+        return None, str(e)
+
+
+def _contents(dir: Location) -> tuple[int, int, float | None]:
+    objs = list(dir.store.walk(dir.prefix))
+    return len(objs), sum(o.size for o in objs), max((o.mtime for o in objs if o.mtime), default=None)
+
+
+def list_steps(folder: Where, *, include_uncommitted: bool = False, ephemeral: bool | None = None) -> StepListing:
+    """The step folders of ``folder``, ascending. Committed steps are filtered by
+    ``ephemeral`` (None: both). With ``include_uncommitted``, folders without a
+    readable marker are rows too, except empty ones (stores that keep emptied folders,
+    e.g. SeaweedFS, list them as prefixes; an empty folder is no step at all).
+    Raises storage errors (BucketNotFound, AccessDenied, ...)."""
+    loc = Location.of(folder)
+    steps = discovery.list_step_dirs(loc)
+    with ThreadPoolExecutor(max_workers=MARKER_READ_THREADS) as pool:
+        probes = list(pool.map(lambda sd: probe_marker(loc.at(sd[1])), steps))
+    contents: dict[str, tuple[int, int, float | None]] = {}
+    if include_uncommitted:
+        loose = [dir for (_, dir), (m, problem) in zip(steps, probes) if m is None and not problem]
+        with ThreadPoolExecutor(max_workers=MARKER_READ_THREADS) as pool:
+            contents = dict(zip(loose, pool.map(lambda d: _contents(loc.at(d)), loose)))
+    rows: list[StepRow] = []
+    warnings: list[str] = []
+    for (step, dir), (m, problem) in zip(steps, probes):
+        if m is None:
+            if problem:
+                warnings.append(f"{dir} is not counted: {problem}")
+            count, size, newest = contents.get(dir, (None, None, None))
+            if include_uncommitted and count != 0:
+                rows.append(StepRow(step, dir, "unreadable" if problem else "incomplete", error=problem,
+                                    object_count=count, size_bytes=size, newest_mtime=newest))
+            continue
+        if ephemeral is not None and m.ephemeral != ephemeral:
+            continue
+        rows.append(StepRow(step, dir, "committed", marker=m))
+    return StepListing(loc.url, len(steps), rows, warnings)
