@@ -73,6 +73,7 @@ __all__ = [
     "MEM_FORMAT_ENCODING",
     "StorageInfo",
     "copy_state_dict",
+    "dtensor_like",
     "element_size",
     "get_layout",
     "narrow_tensor_by_index",
@@ -81,3 +82,13 @@ __all__ = [
     "stateful_to_state_dict",
     "write_files",
 ]
+
+
+# ---------------------------------------------------------------------- DTensor internals
+def dtensor_like(local, like):
+    """checked: 2.13. A DTensor with ``like``'s placement spec (``DTensor._spec``) over
+    the local tensor ``local``, built without a collective or a copy (async saving's
+    staging buffers, checkpoint/async_save.py)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.__new__(DTensor, local, like._spec, requires_grad=False)

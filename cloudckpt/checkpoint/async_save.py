@@ -46,12 +46,14 @@ def _alloc_like(obj: Any, pin: bool) -> Any:
     second copy of every local shard at the first save)."""
     from torch.distributed.tensor import DTensor
 
+    from .._torch_compat import dtensor_like
+
     def buf(t: torch.Tensor) -> torch.Tensor:
         out = torch.empty(t.size(), dtype=t.dtype, device="cpu")
         return out.pin_memory() if pin else out
 
     if isinstance(obj, DTensor):
-        return DTensor.__new__(DTensor, buf(obj.to_local()), obj._spec, requires_grad=False)
+        return dtensor_like(buf(obj.to_local()), obj)
     if isinstance(obj, torch.Tensor):
         return buf(obj)
     if isinstance(obj, dict):
@@ -78,10 +80,9 @@ class AsyncSaver:
 
     # ------------------------------------------------------------ staging
     def _stage(self, state_dict: dict) -> tuple[dict, bool]:
-        from torch.distributed._state_dict_utils import _copy_state_dict
-        from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
+        from .._torch_compat import copy_state_dict, stateful_to_state_dict
 
-        sd = _stateful_to_state_dict(state_dict)
+        sd = stateful_to_state_dict(state_dict)
         key = _structure(sd)
         pin = torch.cuda.is_available()
         with self._lock:
@@ -95,7 +96,7 @@ class AsyncSaver:
                 target = self._cache
         if not reuse:
             target = _alloc_like(sd, pin)
-        staged = _copy_state_dict(sd, target, non_blocking=pin)
+        staged = copy_state_dict(sd, target, non_blocking=pin)
         if pin:
             torch.cuda.synchronize()
         return staged, reuse

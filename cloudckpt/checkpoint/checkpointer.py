@@ -184,7 +184,7 @@ class _KeyCheckingPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value) -> None:
         # Stock DCP unpickles non-tensor values with weights_only=False: a checkpoint
         # from a bucket could run code. Only plain data is accepted (untrusted.plain).
-        from torch.distributed.checkpoint._traverse import set_element
+        from .._torch_compat import set_element
 
         fqn = read_item.dest_index.fqn
         obj = load_plain(value, url=self.url, what=f"value of {fqn!r}")

@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_md
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+from .._torch_compat import MEM_FORMAT_ENCODING, StorageInfo as _StorageInfo, get_layout
 from ..errors import CorruptCheckpoint, UnsafeCheckpoint
 from .names import check_name
 
@@ -68,14 +68,14 @@ def _globals() -> dict[tuple[str, str], Any]:
         g[(cls.__module__, cls.__qualname__)] = cls
     # OLMo-core writes its own copy of DCP's _StorageInfo (same fields): read it as DCP's
     g[("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
-    g[("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")] = dcp_md._MEM_FORMAT_ENCODING
+    g[("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")] = MEM_FORMAT_ENCODING
     for name in dir(torch):
         v = getattr(torch, name, None)
         if isinstance(v, (torch.dtype, torch.layout, torch.memory_format)):
             g[("torch", name)] = v
     g[("torch", "Size")] = torch.Size
     g[("torch", "device")] = torch.device
-    g[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    g[("torch.serialization", "_get_layout")] = get_layout
     for cls in _PATHS:  # StorageMeta.checkpoint_id may be a path (pathlib._local on Python 3.13+)
         g[("pathlib", cls.__name__)] = cls
         g[("pathlib._local", cls.__name__)] = cls
@@ -86,7 +86,7 @@ def _globals() -> dict[tuple[str, str], Any]:
 
 
 _GLOBALS = _globals()
-_CALLABLE = (torch.Size, torch.device, torch.serialization._get_layout, dcp_md._MEM_FORMAT_ENCODING,
+_CALLABLE = (torch.Size, torch.device, get_layout, MEM_FORMAT_ENCODING,
              collections.OrderedDict, set, frozenset, *_PATHS)
 # identity, not equality (a crafted object's __eq__/__hash__ never runs); these objects
 # live as long as the process, so their ids are stable

@@ -10,9 +10,7 @@ import cloudckpt
 from cloudckpt import _torch_compat
 
 PACKAGE = pathlib.Path(cloudckpt.__file__).parent
-# modules that still import a private torch name themselves, until they import it from
-# _torch_compat (remove each entry with that change)
-PENDING = {"checkpoint/async_save.py", "checkpoint/checkpointer.py", "untrusted/unpickle.py"}
+PENDING: set[str] = set()  # modules allowed a private torch name of their own: none
 
 
 def _private_torch_uses(path: pathlib.Path) -> list[str]:
