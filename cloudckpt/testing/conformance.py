@@ -32,7 +32,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import pytest
 
@@ -77,8 +77,8 @@ class Credentials:
     and return the secret they set; ``secrets`` are the real ones. None of them may
     appear in an error message."""
 
-    use_wrong: object
-    use_read_only: object
+    use_wrong: Callable[[pytest.MonkeyPatch], str]
+    use_read_only: Callable[[pytest.MonkeyPatch], str]
     secrets: tuple[str, ...]
 
 
