@@ -33,6 +33,7 @@ from __future__ import annotations
 import http.client
 import io
 import os
+import random
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import datetime
@@ -50,6 +51,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.auth.transport.requests import AuthorizedSession
 from google.cloud import storage
 from google.cloud.storage import retry as gcs_retry
+from google.cloud.storage._media import _upload as _gcs_upload
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
 from ..errors import (
@@ -66,6 +68,13 @@ from ..errors import (
 )
 from .base import ListEntry, ObjectInfo, ObjectStore, PendingUpload, Progress, redact_endpoint
 from .url import parse_url
+
+# google-cloud-storage (checked: 3.17) draws each multipart upload's boundary from the
+# process-wide ``random`` module, so every small-object save moved the training
+# script's Python RNG (and a resumed run drifted from an uninterrupted one). Its
+# module gets a generator of its own: same draws, the caller's ``random`` untouched.
+_gcs_upload.random = random.Random()
+
 
 _CHUNK_MULTIPLE = 256 * 1024  # GCS resumable chunks must be multiples of 256 KiB
 _SINGLE_REQUEST_MAX = 8 * 1024 * 1024  # google-cloud-storage sends up to this in one multipart request

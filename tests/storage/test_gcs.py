@@ -252,3 +252,18 @@ def test_delete_many_deletes_concurrently_and_stops_at_the_first_failure(gcs_buc
     _inject(store, fake_gcs.endpoint_url, FaultAdapter(status=403, n=1000, method="DELETE"))
     with pytest.raises(AccessDenied):
         store.delete_many(urls_)
+
+
+def test_uploads_leave_the_callers_python_rng_alone(gcs_bucket):
+    """google-cloud-storage draws multipart boundaries from ``random``; a save must not
+    move the training script's RNG (exact resume compares it bit for bit)."""
+    import random
+
+    store = GCSStore(StorageOptions())
+    random.seed(1234)
+    expected = [random.random() for _ in range(3)]
+    random.seed(1234)
+    for i in range(3):
+        store.put_bytes(f"{gcs_bucket}/rng/{i}", b"x" * 100)
+        store.upload_file(__file__, f"{gcs_bucket}/rng/file{i}")
+    assert [random.random() for _ in range(3)] == expected
