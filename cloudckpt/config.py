@@ -92,6 +92,7 @@ class CheckpointConfig:
     - ``pre_download``: download needed files to work_dir before loading instead of streaming ranges.
     - ``exact_resume``: capture and restore RNG states (Python, NumPy, torch) in the train state.
     - ``sigterm``: on SIGTERM, ``"finish"`` the in-flight save (up to ``sigterm_timeout`` s) or ``"abandon"`` it.
+    - ``load_step``: ``resume()`` loads this committed step instead of the newest (None: the newest).
     - ``thread_count``: threads writing DCP files per rank; ``stale_lock_seconds``: a step's ``.lock`` older than
       this is taken over; ``collective_timeout`` (s): how long a rank waits for the others in a save/load step.
     - ``storage``: a :class:`~cloudckpt.storage.StorageOptions` (endpoint, credentials profile, region, part size,
@@ -124,6 +125,7 @@ class CheckpointConfig:
     exact_resume: bool = True
     sigterm: str = "finish"
     sigterm_timeout: float = 120.0
+    load_step: Optional[int] = None
     thread_count: int = 2
     stale_lock_seconds: float = 600.0
     collective_timeout: float = 600.0
@@ -262,6 +264,8 @@ class CheckpointConfig:
                     f"save_folder={self.save_folder!r} is inside a checkpoint step folder ({part}): "
                     "point save_folder at the run folder that holds the step folders"
                 )
+        if self.load_step is not None and self.load_step < 0:
+            raise ConfigError(f"load_step={self.load_step} is not allowed: use a step number >= 0, or None for the newest")
         for name in ("save_interval", "ephemeral_save_interval", "max_checkpoints", "keep_every"):
             v = getattr(self, name)
             if v is not None and v < 1:

@@ -641,6 +641,13 @@ class Checkpointer:
             return None
         return self._load_train_state(dir, marker, required=bool(load_trainer_state))
 
+    def read_train_state(self, dir: str) -> Any:
+        """This rank's train state of the committed step ``dir`` (what ``load`` returns),
+        without loading the model or optimizer; None if the step has none. Not collective."""
+        dir = resolve_step_dir(dir)
+        marker = discovery.read_marker(self._at(dir))
+        return self._load_train_state(dir, marker, required=False)
+
     def _connect_in_background(self, dir: str) -> None:
         """On ranks other than rank 0, build the store's client while rank 0 reads the
         marker or takes the step's lock: they would wait anyway, and building boto3's
@@ -753,9 +760,6 @@ class PendingCommit:
             self._ckpt._cleanup_attempt(self.dir, self.marker.save_id)
 
 
-_ITEM_CRC_REREADS = [0]  # item CRCs taken by reading the file back (tests assert the writer path covers all)
-
-
 @contextlib.contextmanager
 def _quiet_dcp():
     """DCP warns that it runs without torch.distributed in single-process jobs; that is intended here."""
@@ -768,9 +772,10 @@ def _item_crc(sums, path: str, offset: int, length: int) -> str:
     """An item's CRC32C: from the writer's segments (computed while writing), else
     by reading the range back (a writer that did not report that exact span)."""
     crc = sums.range_crc(offset, length) if sums is not None else None
-    if crc is not None:
-        return crc
-    _ITEM_CRC_REREADS[0] += 1
+    return crc if crc is not None else _reread_crc(path, offset, length)
+
+
+def _reread_crc(path: str, offset: int, length: int) -> str:
     with open(path, "rb") as f:
         f.seek(offset)
         return crc32c_bytes(f.read(length))

@@ -75,17 +75,25 @@ class CheckpointManager:
         self._loaders[name] = loader
 
     # ------------------------------------------------------------ resume
-    def resume(self, state_dict: dict, **load_kwargs: Any) -> Any:
+    def resume(self, state_dict: dict, *, load_step: int | None = None, **load_kwargs: Any) -> Any:
         """Load the newest committed step into ``state_dict``; return the train state
-        (or None when the folder has no committed step). Collective."""
+        (or None when the folder has no committed step). Collective.
+
+        ``load_step`` (default: the config's ``load_step``) loads that committed step
+        instead of the newest; a step that is not committed raises NotACheckpoint
+        naming the nearest committed ones. ``load_kwargs`` go to ``Checkpointer.load``."""
         folder = self.config.save_folder
         loc = self.save_location
+        load_step = self.config.load_step if load_step is None else load_step
 
         def discover():
-            try:
-                latest = discovery.latest_checkpoint(loc, use_pointer=False)
-            except NotACheckpoint:
-                latest = None
+            if load_step is not None:
+                latest = _committed_step(loc, load_step)
+            else:
+                try:
+                    latest = discovery.latest_checkpoint(loc, use_pointer=False)
+                except NotACheckpoint:
+                    latest = None
             step = layout.parse_step_dir(latest) if latest else -1
             rep = retention.gc(loc, only_steps_above=step)
             if rep.step_dirs:
@@ -226,3 +234,17 @@ class CheckpointManager:
         else:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _committed_step(folder: Location, step: int) -> str:
+    """The folder of committed step ``step`` under ``folder``; NotACheckpoint naming the
+    nearest committed steps if it is not committed."""
+    dir = layout.step_dir(folder.url, step)
+    if discovery.dir_is_checkpoint(folder.at(dir)):
+        return dir
+    committed = [s for s, _ in discovery.find_checkpoints(folder)]
+    nearest = sorted(sorted(committed, key=lambda s: (abs(s - step), s))[:3])
+    raise NotACheckpoint(
+        f"load_step={step}: {dir} is not a committed checkpoint; "
+        + (f"the nearest committed steps are {nearest} (of {len(committed)}): pass one of them, or leave load_step "
+           "unset to resume from the newest" if committed else f"{folder.url} holds no committed checkpoint"))

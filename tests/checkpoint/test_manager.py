@@ -290,3 +290,27 @@ def test_manager_hands_every_checkpointer_knob_and_one_default_work_dir(tmp_path
 
     with Checkpointer() as ck:
         assert ck.work_dir == default_work_dir()
+
+
+def test_resume_load_step_loads_that_committed_step_or_names_the_nearest(tmp_path):
+    from cloudckpt.errors import NotACheckpoint
+
+    folder = str(tmp_path / "run")
+    cfg = CheckpointConfig(save_folder=folder, save_interval=10, work_dir=str(tmp_path / "w"), exact_resume=False)
+    mgr = cfg.build()
+    for step in (10, 20, 30):
+        mgr.maybe_save(step, {"w": torch.full((3,), float(step))}, {"step": step})
+    mgr.close()
+    for how in ("argument", "config"):
+        m = (cfg if how == "argument" else cfg.replace(load_step=20)).build()
+        sd = {"w": torch.zeros(3)}
+        ts = m.resume(sd, load_step=20) if how == "argument" else m.resume(sd)
+        assert ts == {"step": 20} and torch.equal(sd["w"], torch.full((3,), 20.0)) and m.resumed_step == 20
+        assert m.checkpointer.read_train_state(layout.step_dir(folder, 30)) == {"step": 30}
+        m.close()
+    m = cfg.build()
+    with pytest.raises(NotACheckpoint, match=r"load_step=25: .*step25 is not a committed checkpoint; the nearest committed steps are \[10, 20, 30\]"):
+        m.resume({"w": torch.zeros(3)}, load_step=25)
+    m.close()
+    with pytest.raises(ConfigError, match="load_step=-1"):
+        cfg.replace(load_step=-1)
