@@ -48,10 +48,10 @@ except ImportError as e:  # pragma: no cover - the extra is missing
     raise ImportError("cloudckpt.integrations.hf needs transformers: pip install 'cloudckpt[hf]'") from e
 
 from .. import AppState, CheckpointConfig, CheckpointManager
-from ..errors import CheckpointError, IncompatibleCheckpoint
+from ..checkpoint import layout, retention
+from ..errors import CheckpointError, IncompatibleCheckpoint, NotACheckpoint
 from ..export import export_weights
-from ._hf import (FORMAT, HF_KEY, build_manager, config_json, hf_section, rng_preserved, train_state_only,
-                  unwrap)
+from ._hf import FORMAT, HF_KEY, build_manager, config_json, hf_section, rng_preserved, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,24 @@ def _rng_state(world_size: int) -> dict[str, Any]:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.random.get_rng_state_all() if world_size > 1 else torch.cuda.random.get_rng_state()
     return state
+
+
+def _step_to_resume(mgr: CheckpointManager) -> str | None:
+    """The step ``mgr.resume`` would load (the config's ``load_step``, else the newest
+    committed; None if there is none), after removing uncommitted leftovers above it as
+    ``resume`` does. Runs on the coordinator."""
+    loc, want = mgr.save_location, mgr.config.load_step
+    if want is not None:
+        latest = layout.step_dir(loc.url, want)
+        if not mgr.checkpointer.dir_is_checkpoint(loc.at(latest)):
+            raise NotACheckpoint(f"load_step={want}: {latest} is not a committed checkpoint")
+    else:
+        try:
+            latest = mgr.checkpointer.latest_checkpoint(loc)
+        except NotACheckpoint:
+            latest = None
+    retention.gc(loc, only_steps_above=layout.parse_step_dir(latest) if latest else -1)
+    return latest
 
 
 def _write_json(path: str, text: str, what: str, url: str) -> None:
@@ -122,12 +140,12 @@ class CloudCheckpointCallback(TrainerCallback):
         Raises IncompatibleCheckpoint (the step was not written by this callback),
         CorruptCheckpoint/UnsafeCheckpoint (bad bytes), storage errors."""
         mgr = self.manager
-        with train_state_only():
-            train_state = mgr.resume({}, allow_partial=True, load_trainer_state=True)
-        if mgr.resumed_step is None:
+        step_url = mgr.coord.on_coordinator("discover", lambda: _step_to_resume(mgr))
+        if step_url is None:
             self._pending = None
             return None
-        step, step_url = mgr.resumed_step, mgr.checkpointer.last_load_info["dir"]
+        train_state = mgr.checkpointer.read_train_state(step_url)  # this rank's; the weights come below
+        step = mgr.resumed_step = layout.parse_step_dir(step_url)
         hf = hf_section(train_state, step_url)
         base = self.local_dir or tempfile.mkdtemp(prefix="cloudckpt-hf-")
         folder = os.path.join(base, f"checkpoint-{step}")
