@@ -96,6 +96,50 @@ class Coordinator:
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]
 
+    def all_gather(self, value: Any) -> list:
+        """Every rank's ``value`` (picklable, small), in rank order."""
+        return self._all_gather(value)
+
+    # ------------------------------------------------------------ point to point
+    # Bulk bytes (files of the node-local tier) between two ranks of this group, in
+    # pieces of CHUNK bytes: memory above the file's own pages is one piece per side.
+    CHUNK = 16 * 1024 * 1024
+
+    def send_file(self, path: str, size: int, dst: int) -> None:
+        """Send the first ``size`` bytes of the file ``path`` to rank ``dst`` of this group."""
+        import torch
+
+        peer = dist.get_global_rank(self.group, dst)
+        buf = torch.empty(min(self.CHUNK, max(size, 1)), dtype=torch.uint8)
+        with open(path, "rb") as f:
+            left = size
+            while left > 0:
+                n = min(left, self.CHUNK)
+                view = buf[:n]
+                got = f.readinto(memoryview(view.numpy()))
+                if got != n:
+                    raise OSError(f"{path}: read {got} bytes where {n} were expected (the file changed)")
+                dist.send(view, dst=peer, group=self.group)
+                left -= n
+
+    def recv_file(self, path: str, size: int, src: int, on_chunk: Callable[[memoryview], None] | None = None) -> None:
+        """Receive ``size`` bytes from rank ``src`` of this group into a new file ``path``."""
+        import torch
+
+        peer = dist.get_global_rank(self.group, src)
+        buf = torch.empty(min(self.CHUNK, max(size, 1)), dtype=torch.uint8)
+        with open(path, "xb") as f:
+            left = size
+            while left > 0:
+                n = min(left, self.CHUNK)
+                view = buf[:n]
+                dist.recv(view, src=peer, group=self.group)
+                data = memoryview(view.numpy())
+                if on_chunk is not None:
+                    on_chunk(data)
+                f.write(data)
+                left -= n
+
     def on_coordinator(self, step: str, fn: Callable[[], T]) -> T:
         """Rank 0 runs ``fn``; every rank gets its value, or raises its error
         (the same exception type where it can be carried, else CollectiveError)."""

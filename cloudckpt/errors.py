@@ -150,6 +150,10 @@ class SaveFailed(CheckpointError):
         return cls(f"{step} failed on {len(failures)} rank(s); nothing was committed:\n{lines}", failures)
 
 
+class LocalCapacityError(CheckpointError, OSError):
+    """The node-local tier's folder has no room for the next local step."""
+
+
 class CollectiveError(CloudCkptError):
     """A named collective step failed on one or more ranks (carried to every rank)."""
 

@@ -275,6 +275,34 @@ class Checkpointer:
         committed), NotACheckpoint (``dir`` is not named ``step{N}`` and no ``step`` is
         given; integrations with their own naming pass ``step``), storage errors.
         """
+        return self._protocol(dir, step, ephemeral, commit,
+                              lambda dir, work: self._write_and_upload(dir, work, state_dict, train_state))
+
+    def persist_files(self, dir: str, files: Sequence[tuple[str, ObjectEntry]], *, ephemeral: bool = False,
+                      step: int | None = None) -> Marker:
+        """Commit the step folder ``dir`` from files already written: every rank passes
+        its own ``(local path, ObjectEntry)`` pairs (a part of a local step, with the
+        sizes and CRC32Cs taken when it was written); they are uploaded as they are (no
+        second serialization) and committed with the usual protocol (lock, AGREE,
+        marker last). Collective. Raises as :meth:`save`."""
+        return self._protocol(dir, step, ephemeral, True, lambda dir, work: self._upload_files(dir, files),
+                              needs_work=False)
+
+    def write_local(self, folder: str, state_dict: dict, train_state: Any = None) -> list[ObjectEntry]:
+        """Write this rank's part of a step into the new local folder ``folder`` (DCP
+        shards under ``model_and_optim/``, rank 0 also its ``.metadata``; the train state
+        under ``train/``) and keep it there: nothing is uploaded. Collective. Returns this
+        rank's entries (size and CRC32C of every file and DCP item). Raises SaveFailed on
+        every rank if any rank failed (the caller removes the folders)."""
+        os.makedirs(folder, exist_ok=False)
+        outcome = self._write_and_upload(None, folder, state_dict, train_state)
+        results = self.coord.all_ranks("agree", lambda: outcome.result(), error=SaveFailed.from_failures)
+        return list(results[self.coord.rank].objects)
+
+    def _protocol(self, dir: str, step: int | None, ephemeral: bool, commit: bool, produce, *,
+                  needs_work: bool = True) -> "Marker | PendingCommit":
+        """The commit protocol around ``produce(dir, work_dir)``, which writes and uploads
+        this rank's objects and returns their outcome: prepare, AGREE, marker last."""
         step = layout.parse_step_dir(dir) if step is None else int(step)
         dir = resolve_step_dir(dir)  # the user's own links above the step: followed once, here
         save_id = uuid.uuid4().hex
@@ -294,8 +322,9 @@ class Checkpointer:
 
             self._connect_in_background(dir)
             self.coord.on_coordinator("prepare", prepare)
-            self.coord.all_ranks("work dir", make_work_dir, error=SaveFailed.from_failures)
-            outcome = self._write_and_upload(dir, work, state_dict, train_state)
+            if needs_work:
+                self.coord.all_ranks("work dir", make_work_dir, error=SaveFailed.from_failures)
+            outcome = produce(dir, work)
             results = self.coord.all_ranks("agree", lambda: outcome.result(), error=SaveFailed.from_failures)
             marker = Marker(
                 step=step,
@@ -413,14 +442,18 @@ class Checkpointer:
         except (ValueError, KeyError, TypeError):
             return None
 
-    def _write_and_upload(self, dir: str, work: str, state_dict: dict, train_state: Any):
-        """Write this rank's files and upload them; returns a callable outcome
-        (raises this rank's error when called) so the AGREE step sees it."""
+    def _write_and_upload(self, dir: str | None, work: str, state_dict: dict, train_state: Any):
+        """Write this rank's files and upload them (``dir`` None: keep them in ``work``,
+        with their CRC32Cs); returns a callable outcome (raises this rank's error when
+        called) so the AGREE step sees it."""
         t0 = time.monotonic()
         uploads: list = []  # (rel, local_path, checksums or None, future)
 
         def on_file(path: str, sums=None) -> None:
             rel = os.path.relpath(path, work).replace(os.sep, "/")
+            if dir is None:
+                uploads.append((rel, path, sums, _kept(path, sums.crc32c if sums is not None else None)))
+                return
             crc = sums.crc32c if sums is not None and self.engine.config.checksum else None
             uploads.append((rel, path, sums, self.engine.submit_upload(path, urls.join(dir, rel), crc32c=crc)))
 
@@ -450,15 +483,23 @@ class Checkpointer:
             for *_, f in uploads:
                 f.cancel()
             error = error or e
-        outcome = _RankOutcome(entries, sum(e.size for e in entries), time.monotonic() - t0)
+        return _Outcome(entries, t0, error)
 
-        class _Result:
-            def result(self_inner):
-                if error is not None:
-                    raise error
-                return outcome
-
-        return _Result()
+    def _upload_files(self, dir: str, files: Sequence[tuple[str, ObjectEntry]]):
+        """Upload files written earlier, each checked against its entry's CRC32C."""
+        t0 = time.monotonic()
+        futures = [self.engine.submit_upload(path, urls.join(dir, e.path), crc32c=e.crc32c) for path, e in files]
+        error: BaseException | None = None
+        try:
+            for (path, e), res in zip(files, TransferEngine.wait_all(futures)):
+                if res.size != e.size:
+                    raise CorruptCheckpoint(f"{path}: {res.size} bytes uploaded, {e.size} were written; the local "
+                                            "file changed since it was written")
+        except BaseException as exc:  # noqa: BLE001 - carried to every rank by AGREE
+            for f in futures:
+                f.cancel()
+            error = exc
+        return _Outcome([e for _, e in files] if error is None else [], t0, error)
 
     def _commit(self, dir: str, marker: Marker) -> None:
         store = self._at(dir).store
@@ -523,6 +564,7 @@ class Checkpointer:
         exclude_from_loading: Sequence[str] = (),
         model_only: bool = False,
         allow_partial: bool = False,
+        before_read: Callable[[set[str]], None] | None = None,
     ) -> Any:
         """Load the committed step ``dir`` into ``state_dict`` in place (resharding
         as needed) and return this rank's train state (None when not loaded).
@@ -549,6 +591,10 @@ class Checkpointer:
         IncompatibleCheckpoint, CorruptCheckpoint (bad size or CRC32C, naming the
         object), UnsafeCheckpoint, MissingKeys, KeysNotLoaded, ShapeMismatch (a tensor
         of another shape or dtype than saved), storage errors.
+
+        ``before_read`` (advanced): called on every rank, once the load is planned and
+        before any shard is read, with the paths (under ``model_and_optim/``) of the
+        files this rank reads; the node-local tier fetches them from peer nodes there.
         """
         unknown = [k for k in exclude_from_loading if k not in state_dict]
         if unknown:
@@ -566,7 +612,8 @@ class Checkpointer:
         with gc_paused():
             return self._load_now(dir, state_dict, load_optim_state=load_optim_state, load_trainer_state=load_trainer_state,
                                   strict=strict, pre_download=pre_download, exclude_from_loading=exclude_from_loading,
-                                  allow_partial=allow_partial, only="model" if model_only else None)
+                                  allow_partial=allow_partial, only="model" if model_only else None,
+                                  before_read=before_read)
 
     def load_with(self, dir: str, build: Callable[[Any], dict], **load_kwargs: Any) -> tuple[dict, Any]:
         """Load into the state dict ``build(metadata)`` makes from the step's own DCP
@@ -591,7 +638,8 @@ class Checkpointer:
     def _load_now(self, dir: str, state_dict: dict, *, load_optim_state: bool | None, load_trainer_state: bool | None,
                   strict: bool, pre_download: bool | None, exclude_from_loading: Sequence[str],
                   allow_partial: bool = False, only: str | None = None,
-                  read: tuple[Marker, bytes | None] | None = None) -> Any:
+                  read: tuple[Marker, bytes | None] | None = None,
+                  before_read: Callable[[set[str]], None] | None = None) -> Any:
         if read is None:
             self._connect_in_background(dir)
             read = self.coord.on_coordinator("read marker", lambda: self._read_marker_and_metadata(dir))
@@ -621,6 +669,7 @@ class Checkpointer:
                 metadata_bytes=metadata,
                 streamed=store.streams_ranges,
                 files=marker.sizes_under(layout.MODEL_DIR),  # every item of .metadata must lie in one
+                before_read=before_read,
             )
             planner = _KeyCheckingPlanner(strict=strict, optional_prefixes=optional, url=model_url, step_url=dir,
                                           allow_partial=allow_partial, skipped=skipped, only=only)
@@ -766,6 +815,31 @@ def _quiet_dcp():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
+
+
+class _Outcome:
+    """A rank's outcome for AGREE: ``result()`` returns it or raises the rank's error."""
+
+    def __init__(self, entries: list, t0: float, error: BaseException | None):
+        self._value = _RankOutcome(entries, sum(e.size for e in entries), time.monotonic() - t0)
+        self._error = error
+
+    def result(self) -> _RankOutcome:
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def _kept(path: str, crc: str | None) -> Future:
+    """A finished 'transfer' of a file kept where it was written (local steps)."""
+    from ..transfer import TransferResult
+
+    if crc is None:
+        with open(path, "rb") as f:
+            crc = crc32c_bytes(f.read())
+    fut: Future = Future()
+    fut.set_result(TransferResult(url=path, local_path=path, size=os.path.getsize(path), crc32c=crc, attempts=0, seconds=0.0))
+    return fut
 
 
 def _item_crc(sums, path: str, offset: int, length: int) -> str:

@@ -72,6 +72,7 @@ class StreamingReader(StorageReader):
         download_ahead: int = 2,
         metadata_bytes: bytes | None = None,
         files: dict[str, int] | None = None,
+        before_read: Callable[[set[str]], None] | None = None,
     ):
         """``stream(url, start, end, job)`` runs ``job(open_from, progress)`` on a
         transfer thread and returns its Future (``TransferEngine.submit_stream``);
@@ -82,7 +83,9 @@ class StreamingReader(StorageReader):
         file, written to disk). ``metadata_bytes``: DCP's ``.metadata`` already read (by rank 0,
         for every rank); it is checked like a fetched object. ``files``: the manifest's
         ``{relative path: size}`` of this DCP folder; every item of ``.metadata`` must
-        lie inside one of them (None: a checkpoint without a manifest)."""
+        lie inside one of them (None: a checkpoint without a manifest). ``before_read``:
+        called with the relative paths of the files this rank's plan reads, once planned
+        and before any is read (on every rank: it may be collective)."""
         super().__init__()
         self.remote_dir = remote_dir
         self._stream = stream
@@ -97,6 +100,7 @@ class StreamingReader(StorageReader):
         self.download_ahead = max(1, download_ahead)
         self._metadata_bytes = metadata_bytes
         self.files = files
+        self.before_read = before_read
         self.storage_data: dict = {}
         self.bytes_read = 0
         self.direct_items = 0  # tensor items copied straight from the fetched bytes (items.py)
@@ -130,6 +134,8 @@ class StreamingReader(StorageReader):
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        if self.before_read is not None:
+            self.before_read({self.storage_data[r.storage_index].relative_path for r in plan.items})
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
