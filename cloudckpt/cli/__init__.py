@@ -1,9 +1,10 @@
 """``cloudckpt`` / ``python -m cloudckpt``: look at runs from a laptop or a script.
 
-Commands: ``list``, ``latest``, ``inspect``, ``verify``, ``download``, ``prune``, ``gc``,
-``adopt``, ``export``. The work is done by library functions (:mod:`cloudckpt.ops`,
+Commands: ``list``, ``latest``, ``rm``, ``inspect``, ``verify``, ``download``, ``prune``,
+``gc``, ``adopt``, ``export``. The work is done by library functions (:mod:`cloudckpt.ops`,
 discovery, retention, adopt, export); the modules here parse arguments, call them and
-format what they return: tables for people, ``--json`` for scripts.
+format what they return: tables for people (human sizes, UTC times beside ages),
+``--json`` (JSON Lines: one object per line) or ``--json-pretty`` for scripts.
 
 Every command takes local paths, ``file://``, ``s3://`` and ``gs://`` URLs.
 Errors print one line on stderr (``cloudckpt: error: ...``, saying what to do) and
@@ -15,7 +16,8 @@ SDKs' wire logs, which carry signed headers). Exit codes:
        ``verify`` or ``download`` found missing or corrupt objects, an unreadable marker
     2  usage: bad arguments, a malformed URL or duration
     3  not found: bucket, folder or object missing; not a committed checkpoint;
-       ``list`` / ``latest`` of a folder that holds no step{N} folder at all
+       ``latest`` of a folder that holds no step{N} folder at all, ``list`` of a
+       prefix with neither step{N} folders nor runs beneath it
     4  access denied or no usable credentials
     5  any other error (network, no answer within ``--timeout``, throttling after
        retries, local I/O)
@@ -76,7 +78,10 @@ def _add_common(p: argparse.ArgumentParser, *, suppress: bool) -> None:
                         "command after about this long (default 60; transfers that make progress are not cut)")
     g.add_argument("--connect-timeout", type=seconds_arg, default=d(None), metavar="SECONDS",
                    help="wait at most this long to open a connection (default 10)")
-    g.add_argument("--json", action="store_true", default=d(False), help="print one JSON document for scripts")
+    g.add_argument("--json", action="store_true", default=d(False),
+                   help="print JSON Lines for scripts: one object per step or run for list, one object otherwise")
+    g.add_argument("--json-pretty", action="store_true", default=d(False),
+                   help="print one indented JSON document instead (list: the rows in one document)")
     g.add_argument("--debug", action="store_true", default=d(False), help="show tracebacks and cloudckpt debug logs")
 
 
@@ -141,6 +146,7 @@ def _resolve_local_paths(args) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.json = args.json or args.json_pretty
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.debug:
         logging.getLogger("cloudckpt").setLevel(logging.DEBUG)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 from .common import EXIT_OK, EXIT_USAGE, CliError, duration_arg, loc, positive_int, storage_options
-from .output import Bar, age, print_json, size, table
-from .step import transfer_opts
+from .output import Bar, age, emit, size, table, utc
+from .step import progress_opts, transfer_opts
 
 
 # ---------------------------------------------------------------- prune
@@ -36,7 +38,7 @@ def cmd_prune(args) -> int:
     elif plan.prune and not args.json:
         print("dry run: nothing was deleted; run again with --yes to delete")
     if args.json:
-        print_json(plan.to_json(dry_run=not args.yes))
+        emit(args, plan.to_json(dry_run=not args.yes))
     return EXIT_OK
 
 
@@ -46,11 +48,11 @@ def cmd_gc(args) -> int:
 
     rep = retention.gc(loc(args, args.folder), older_than=args.older_than, dry_run=not args.yes)
     if args.json:
-        print_json({"folder": args.folder, "dry_run": not args.yes, "older_than_seconds": args.older_than,
+        emit(args, {"folder": args.folder, "dry_run": not args.yes, "older_than_seconds": args.older_than,
                     "step_dirs": rep.step_dirs, "uploads": rep.uploads})
         return EXIT_OK
     verb = "removed" if args.yes else "would remove"
-    older = age(args.older_than)
+    older = f"{age(args.older_than)} (before {utc(time.time() - args.older_than)})"
     if not rep.step_dirs and not rep.uploads:
         print(f"nothing to collect in {args.folder}: no uncommitted step folder or multipart upload older than {older}")
         return EXIT_OK
@@ -73,7 +75,7 @@ def cmd_adopt(args) -> int:
             bar.start(0)
         rep = adopt(loc(args, args.step), dry_run=not args.yes, jobs=args.jobs, on_bytes=bar.update)
     if args.json:
-        print_json({"url": args.step, "writer": rep.writer, "dry_run": not args.yes, "already": rep.already,
+        emit(args, {"url": args.step, "writer": rep.writer, "dry_run": not args.yes, "already": rep.already,
                     "written": rep.written, "manifest": rep.manifest_url, "object_count": rep.object_count,
                     "total_bytes": rep.total_bytes})
     elif rep.already:
@@ -91,15 +93,27 @@ def cmd_adopt(args) -> int:
 
 # ---------------------------------------------------------------- export
 def cmd_export(args) -> int:
-    from ..export import export_weights
+    from ..ops.progress import engine_subscriber
 
-    res = export_weights(args.step, args.dest, dtype=args.dtype, fmt=args.format, key_prefix=args.key,
-                         overwrite=args.force, storage_options=storage_options(args))
+    with Bar(args, "export upload") as bar:
+        common = dict(dtype=args.dtype, key_prefix=args.key, overwrite=args.force,
+                      storage_options=storage_options(args), progress=engine_subscriber(bar))
+        if args.format == "hf":
+            from ..integrations.hf_export import export_hf
+
+            res = export_hf(args.step, args.dest, config=args.config, **common)
+        else:
+            if args.config is not None:
+                raise CliError("--config is for --format hf (the model config written beside the weights)", EXIT_USAGE)
+            from ..export import export_weights
+
+            res = export_weights(args.step, args.dest, fmt=args.format, **common)
     if args.json:
-        print_json(res)
+        emit(args, res)
         return EXIT_OK
     print(f"exported {res['tensors']} tensor(s), {size(res['bytes'])}, of step {res['step']} "
-          f"as {res['format']}{' (' + str(res['dtype']) + ')' if res['dtype'] else ''} to {res['dest']}")
+          f"as {args.format}{' (' + str(res['dtype']) + ')' if res['dtype'] else ''} to {res['dest']}"
+          f"{'; config ' + res['config'] if res.get('config') else ''}")
     if res.get("skipped"):
         print(f"not exported (not tensors): {', '.join(map(str, res['skipped']))}")
     return EXIT_OK
@@ -140,13 +154,19 @@ def register(command) -> None:
     s.add_argument("--yes", "-y", action="store_true", help="read every object and write the manifest (default: dry run)")
     transfer_opts(s, jobs=8, what="objects read")
 
-    s = command("export", cmd_export, "export model weights of a step to safetensors or a torch file",
+    s = command("export", cmd_export, "export model weights of a step (safetensors, torch file, Hugging Face folder)",
                 "Stream the tensors under --key (default: model) of a committed step into a safetensors file "
                 "(one tensor in memory at a time) or a torch file, locally or in a bucket, optionally cast to "
-                "another dtype.")
+                "another dtype; --format hf writes a local Hugging Face model folder (model.safetensors and "
+                "config.json) that from_pretrained opens. A bucket DEST is uploaded with a progress bar.")
     s.add_argument("step", metavar="STEP")
-    s.add_argument("dest", metavar="DEST", help="output file URL or path (a trailing / appends model.safetensors)")
+    s.add_argument("dest", metavar="DEST", help="output file URL or path (a trailing / appends model.safetensors); "
+                                                "with --format hf a local folder")
     s.add_argument("--dtype", default=None, help="cast floating-point tensors, e.g. bfloat16, float16")
-    s.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    s.add_argument("--format", choices=("safetensors", "torch", "hf"), default="safetensors")
+    s.add_argument("--config", default=None, metavar="PATH",
+                   help="with --format hf: the model's config.json (or a folder holding one); default: the config "
+                        "cloudckpt's Hugging Face integration saved with the step")
     s.add_argument("--key", default="model", help="top-level key of the state dict to export (default: model)")
     s.add_argument("--force", action="store_true", help="overwrite DEST if it exists")
+    progress_opts(s)

@@ -80,3 +80,30 @@ class Bar:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def utc(ts: float | None) -> str:
+    """An absolute time in UTC, one token: ``2026-11-22T00:04:06Z`` (``-`` when unknown)."""
+    if ts is None:
+        return "-"
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def emit(args, doc: dict) -> None:
+    """A command's one result: one JSON line (``--json``) or indented (``--json-pretty``)."""
+    if getattr(args, "json_pretty", False):
+        print_json(doc)
+    else:
+        print(json.dumps(doc))
+
+
+def emit_records(args, records: Sequence[dict], document: dict) -> None:
+    """A listing: one JSON object per line (``--json``), or ``document`` indented
+    (``--json-pretty``)."""
+    if getattr(args, "json_pretty", False):
+        print_json(document)
+        return
+    for r in records:
+        sys.stdout.write(json.dumps(r) + "\n")

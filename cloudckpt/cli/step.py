@@ -6,12 +6,16 @@ import sys
 import time
 
 from .common import EXIT_NO, EXIT_OK, loc, positive_int
-from .output import Bar, age, print_json, size, table
+from .output import Bar, age, emit, size, table, utc
 
 
 def transfer_opts(s, *, jobs: int, what: str) -> None:
     """``--jobs`` and ``--progress`` / ``--no-progress``."""
     s.add_argument("--jobs", "-j", type=positive_int, default=jobs, help=f"{what} at once (default {jobs})")
+    progress_opts(s)
+
+
+def progress_opts(s) -> None:
     g = s.add_mutually_exclusive_group()
     g.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="always show the progress bar (default: only on a terminal)")
@@ -26,14 +30,14 @@ def cmd_inspect(args) -> int:
     rep = ops.inspect_step(loc(args, args.step))
     now = time.time()
     if args.json:
-        print_json(rep.to_json(now))
+        emit(args, rep.to_json(now))
         return EXIT_OK
     marker = rep.marker
     kind = "ephemeral" if marker.ephemeral else "persistent"
     print(f"{args.step}")
     print(f"  step {marker.step}, {kind}, world size {marker.world_size}, "
           f"{len(marker.objects)} objects, {size(marker.total_bytes)}")
-    when = f"committed {marker.created} ({age(now - marker.created_unix)} ago) by"
+    when = f"committed {utc(marker.created_unix)} ({age(now - marker.created_unix)} ago) by"
     if not marker.foreign:
         print(f"  {when} cloudckpt {marker.library_version}, torch {marker.torch_version or '?'}; "
               f"format {marker.format_version}; save_id {marker.save_id or '-'}")
@@ -68,7 +72,7 @@ def cmd_inspect(args) -> int:
             table(["KEY", "TYPE", "VALUE"], [[k["key"], k["type"], k["summary"]] for k in train["keys"]])
     if args.objects:
         print()
-        table(["OBJECT", "SIZE", "CRC32C"], [[o.path, o.size, o.crc32c or "-"] for o in marker.objects], right=(1,))
+        table(["OBJECT", "SIZE", "CRC32C"], [[o.path, size(o.size), o.crc32c or "-"] for o in marker.objects], right=(1,))
     return EXIT_OK
 
 
@@ -80,7 +84,7 @@ def cmd_verify(args) -> int:
     with Bar(args, "verify") as bar:
         rep = ops.verify_step(loc(args, args.step), size_only=args.size_only, jobs=args.jobs, progress=bar)
     if args.json:
-        print_json(rep.to_json())
+        emit(args, rep.to_json())
     else:
         for r in rep.bad:
             print(f"BAD  {r['path']}: {r['detail']}  ({r['url']})")
@@ -116,7 +120,7 @@ def cmd_download(args) -> int:
         rep = ops.run_download(plan, jobs=args.jobs, progress=bar)
     if not rep.ok:
         if args.json:
-            print_json(rep.to_json())
+            emit(args, rep.to_json())
         for b in rep.bad:
             print(f"BAD  {b['path']}: size {b['size']} crc32c {b['crc32c']}, the marker says size "
                   f"{b['expected_size']} crc32c {b['expected_crc32c']}", file=sys.stderr)
@@ -124,7 +128,7 @@ def cmd_download(args) -> int:
               f"{rep.dest} is left uncommitted (run `cloudckpt verify {args.step}`)", file=sys.stderr)
         return EXIT_NO
     if args.json:
-        print_json(rep.to_json())
+        emit(args, rep.to_json())
     else:
         print(f"downloaded {len(rep.downloaded)} object(s) ({size(rep.bytes_downloaded)}), skipped {len(rep.skipped)} "
               f"already present; {rep.dest} is a committed checkpoint (step {rep.step})")

@@ -8,7 +8,9 @@ script can call the same functions.
 - :func:`verify_step` — every object of a step against its manifest
 - :func:`prepare_download` / :func:`run_download` (:func:`download`) — a step to a
   local folder, resumable, marker last
+- :func:`find_runs` — the runs (folders of step folders) under a bucket or prefix
 - :func:`plan_prune` / :func:`apply_prune` — retention's policy applied once
+- :func:`plan_remove` / :func:`apply_remove` — one step folder, marker first
 
 Latest, gc, adopt and export are library functions already:
 :func:`cloudckpt.checkpoint.discovery.latest_checkpoint`,
@@ -31,6 +33,8 @@ _LAZY = {
     "verify_step": "verify", "VerifyReport": "verify",
     "prepare_download": "downloads", "run_download": "downloads", "download": "downloads",
     "DownloadPlan": "downloads", "DownloadReport": "downloads",
+    "find_runs": "runs", "RunsListing": "runs", "RunRow": "runs",
+    "plan_remove": "remove", "apply_remove": "remove", "RemovePlan": "remove",
     "plan_prune": "prune", "apply_prune": "prune", "PrunePlan": "prune", "PruneItem": "prune",
 }
 
@@ -50,5 +54,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .downloads import DownloadPlan, DownloadReport, download, prepare_download, run_download
     from .inspect import StepReport, inspect_step
     from .prune import PruneItem, PrunePlan, apply_prune, plan_prune
+    from .remove import RemovePlan, apply_remove, plan_remove
+    from .runs import RunRow, RunsListing, find_runs
     from .steps import StepListing, StepRow, list_steps
     from .verify import VerifyReport, verify_step

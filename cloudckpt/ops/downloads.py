@@ -25,9 +25,9 @@ from ..checkpoint.marker import ADOPTED_MANIFEST, Marker, ObjectEntry
 from ..errors import CorruptCheckpoint, InvalidURL, NotFound
 from ..storage import Location, Where
 from ..storage import url as urls
-from ..transfer import ProgressSubscriber, TransferConfig, TransferEngine, crc32c_file
+from ..transfer import TransferConfig, TransferEngine, crc32c_file
 from ..untrusted import check_name
-from .progress import Progress
+from .progress import Progress, engine_subscriber
 
 log = logging.getLogger(__name__)
 
@@ -128,14 +128,6 @@ def prepare_download(step: Where, dest: str, *, jobs: int = 8) -> DownloadPlan:
                         tuple(i.entry.path for i, ok in zip(items, present) if ok))
 
 
-class _Forward(ProgressSubscriber):
-    def __init__(self, progress: Progress):
-        self._progress = progress
-
-    def on_progress(self, url: str, nbytes: int) -> None:
-        self._progress.update(nbytes)
-
-
 def _fetch(plan: DownloadPlan, jobs: int, progress: Progress | None) -> list[dict]:
     """Download ``plan.todo`` through the staging folder; returns the mismatches."""
     staging = os.path.join(plan.dest_path, STAGING)
@@ -143,7 +135,7 @@ def _fetch(plan: DownloadPlan, jobs: int, progress: Progress | None) -> list[dic
     bad: list[dict] = []
     try:
         with TransferEngine(TransferConfig(max_concurrency=jobs), storage_options=plan.step.options,
-                            progress=_Forward(progress) if progress is not None else None) as eng:
+                            progress=engine_subscriber(progress) if progress is not None else None) as eng:
             futures = {eng.submit_download(i.url, os.path.join(staging, str(n))): (i, os.path.join(staging, str(n)))
                        for n, i in enumerate(plan.todo)}
             try:

@@ -11,3 +11,24 @@ class Progress(Protocol):
 
     def update(self, n: int) -> None:
         """``n`` more bytes moved (negative: an attempt restarted and took them back)."""
+
+
+def engine_subscriber(progress: Progress):
+    """A transfer-engine progress subscriber feeding ``progress``: ``start`` with the
+    size of the first transfer queued whose size is known (later ones add to an
+    update-only bar: callers queue one upload, or start the total themselves and
+    queue downloads of unknown size), ``update`` with the bytes moved."""
+    from ..transfer import ProgressSubscriber
+
+    class _Forward(ProgressSubscriber):
+        started = False
+
+        def on_queued(self, url: str, size: int | None) -> None:
+            if size is not None and not self.started:
+                self.started = True
+                progress.start(size)
+
+        def on_progress(self, url: str, nbytes: int) -> None:
+            progress.update(nbytes)
+
+    return _Forward()

@@ -25,7 +25,13 @@ class Result:
     seconds: float
 
     def json(self):
+        """The one JSON object a command printed with --json: exactly one line."""
+        assert self.out.count("\n") == 1 and self.out.endswith("\n"), self.out
         return json.loads(self.out)
+
+    def lines(self) -> list:
+        """The objects of JSON Lines output (``list --json``): one per line."""
+        return [json.loads(ln) for ln in self.out.splitlines()]
 
     def assert_one_line_error(self) -> str:
         """stderr is exactly one line starting ``cloudckpt:``, with no traceback; returns it."""

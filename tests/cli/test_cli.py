@@ -68,30 +68,33 @@ def test_list_shows_committed_steps_flagged_and_all_adds_incomplete(runs, backen
     r = cli("list", folder)
     assert r.code == 0, r.err
     lines = r.out.splitlines()
-    assert lines[0].split() == ["STEP", "KIND", "FORMAT", "SIZE", "OBJECTS", "WORLD", "AGE", "URL"]
+    assert lines[0].split() == ["STEP", "KIND", "FORMAT", "SIZE", "OBJECTS", "WORLD", "CREATED", "AGE", "URL"]
     rows = {int(ln.split()[0]): ln.split() for ln in lines[1:4]}
     assert {s: row[1] for s, row in rows.items()} == {10: "persistent", 20: "ephemeral", 30: "persistent"}
     assert all(row[2] == "cloudckpt" and row[4] == "4" and row[5] == "1" and row[-1] == f"{folder}/step{s}"
                for s, row in rows.items())
     assert "step40" not in r.out and lines[-1].startswith("3 committed (2 persistent, 1 ephemeral)")
 
-    r = cli("list", folder, "--all", "--json")
+    r = cli("list", folder, "--all", "--json")  # JSON Lines: one object per step
     assert r.code == 0, r.err
-    doc = r.json()
-    assert doc["folder"] == folder
-    by_step = {s["step"]: s for s in doc["steps"]}
-    assert [s["step"] for s in doc["steps"]] == [10, 20, 30, 40]
+    steps = r.lines()
+    by_step = {s["step"]: s for s in steps}
+    assert [s["step"] for s in steps] == [10, 20, 30, 40] and {s["type"] for s in steps} == {"step"}
     assert [by_step[s]["status"] for s in (10, 20, 30, 40)] == ["committed"] * 3 + ["incomplete"]
     assert [by_step[s]["ephemeral"] for s in (10, 20, 30, 40)] == [False, True, False, None]
     for s in (10, 20, 30):
         assert by_step[s]["object_count"] == 4 and by_step[s]["world_size"] == 1 and by_step[s]["size_bytes"] > 0
         assert 0 <= by_step[s]["age_seconds"] < 3600 and by_step[s]["url"] == f"{folder}/step{s}"
+    r = cli("list", folder, "--all", "--json-pretty")  # the same rows as one indented document
+    doc = json.loads(r.out)
+    assert doc["folder"] == folder and [s["step"] for s in doc["steps"]] == [10, 20, 30, 40]
+    assert r.out.startswith("{\n")
 
 
 def test_list_filters_ephemeral_and_persistent(runs):
     r = cli("--json", "list", runs["s3"], "--ephemeral")  # global options also before the command
     assert r.code == 0, r.err
-    assert [s["step"] for s in r.json()["steps"]] == [20]
+    assert [s["step"] for s in r.lines()] == [20]
     r = cli("list", runs["s3"], "--persistent")
     assert r.code == 0, r.err
     assert [int(ln.split()[0]) for ln in r.out.splitlines()[1:-1]] == [10, 30]
@@ -102,7 +105,7 @@ def test_list_of_an_empty_folder_says_so_and_exits_3(fresh):
     r = cli("list", folder)
     assert r.code == 3 and r.out == "" and "no checkpoints in " + folder in r.assert_one_line_error()
     r = cli("list", folder, "--json")
-    assert r.code == 3 and r.json() == {"folder": folder, "steps": []}
+    assert r.code == 3 and r.out == "" and "no checkpoints in " + folder in r.assert_one_line_error()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -233,7 +236,7 @@ def test_download_is_resumable_and_makes_a_loadable_local_checkpoint(fresh, tmp_
 
     # DEST is a committed local checkpoint: list and load it
     r = cli("list", dest_root, "--json")
-    assert [(s["step"], s["status"]) for s in r.json()["steps"]] == [(100, "committed")]
+    assert [(s["step"], s["status"]) for s in r.lines()] == [(100, "committed")]
     sd = {"model": {"w": torch.zeros(4), "b": torch.ones(2, 3, dtype=torch.bfloat16)}, "optim": {"lr": 0.0}}
     with Checkpointer(work_dir=str(tmp_path / "w2")) as ck:
         train = ck.load(str(dest), sd)
@@ -305,7 +308,7 @@ def test_list_all_skips_folders_emptied_by_prune_and_sizes_incomplete_ones(fresh
     write_fake_steps(folder, PRUNE_STEPS, object_size=10)
     assert cli("prune", folder, "--keep-last", "2", "--yes").code == 0
     open_store(folder).put_bytes(f"{folder}/step500/model_and_optim/__0_0.distcp", b"x" * 7)
-    rows = cli("list", folder, "--all", "--json").json()["steps"]
+    rows = cli("list", folder, "--all", "--json").lines()
     # SeaweedFS keeps emptied folders as prefixes: they are not shown as steps
     assert [(r["step"], r["status"]) for r in rows] == [(300, "committed"), (400, "committed"), (450, "committed"),
                                                         (500, "incomplete")]
@@ -374,7 +377,7 @@ def test_gc_yes_on_other_backends(fresh, backend):
     assert r.code == 0, r.err
     assert r.json()["step_dirs"] == [folder + "/step2"]
     r = cli("list", folder, "--all", "--json")
-    assert [(s["step"], s["status"]) for s in r.json()["steps"]] == [(1, "committed")]
+    assert [(s["step"], s["status"]) for s in r.lines()] == [(1, "committed")]
 
 
 def test_parse_duration_accepts_units_and_compounds():
@@ -426,7 +429,7 @@ def test_access_denied_exits_4_and_never_prints_credentials(runs, stores, fresh,
 
     read_only = {"AWS_ACCESS_KEY_ID": sw.ro_access_key, "AWS_SECRET_ACCESS_KEY": sw.ro_secret_key}
     r = cli("list", runs["s3"], "--json", env=read_only)
-    assert r.code == 0 and len(r.json()["steps"]) == 3  # reading is allowed
+    assert r.code == 0 and len(r.lines()) == 3  # reading is allowed
     folder = fresh("s3")  # a prune that is allowed would delete: its own run, not the read-only one
     save_steps(folder, [(10, False), (20, True), (30, False)], str(tmp_path / "w"))
     r = cli("prune", folder, "--keep-last", "1", "--ephemeral-only", "--yes", env=read_only)
@@ -452,10 +455,10 @@ def test_an_unreadable_marker_is_not_counted_and_is_reported(fresh):
     write_fake_steps(folder, {1: False})
     open_store(folder).put_bytes(folder + "/step2/.metadata.json", b"{not json")
     r = cli("list", folder, "--json")
-    assert r.code == 0 and [s["step"] for s in r.json()["steps"]] == [1]
+    assert r.code == 0 and [s["step"] for s in r.lines()] == [1]
     assert "step2" in r.assert_one_line_error() and "warning" in r.err
     r = cli("list", folder, "--all", "--json")
-    row = r.json()["steps"][1]
+    row = r.lines()[1]
     assert row["status"] == "unreadable" and "not valid JSON" in row["error"]
     r = cli("verify", folder + "/step2")
     assert r.code == 1 and "not valid JSON" in r.assert_one_line_error()

@@ -48,10 +48,10 @@ def test_a_folder_with_olmo_core_steps_through_the_cli(stores, tmp_path_factory,
 
     dest = str(tmp_path / "local")
     assert cli("download", step30, dest).code == 0
-    assert json.loads(cli("list", dest, "--json").out)["steps"][0]["format"] == "olmo-core+manifest"
+    assert cli("list", dest, "--json").lines()[0]["format"] == "olmo-core+manifest"
 
     r = cli("prune", folder, "--keep-last", "1", "--json")
     assert r.json()["prune"] == [] and r.json()["foreign"] == {"steps": [20, 30], "counted": False}
     r = cli("prune", folder, "--keep-last", "1", "--include-foreign", "--yes", "--json")
     assert r.code == 0 and r.json()["deleted"] == [10, 20], r.err
-    assert [s["step"] for s in json.loads(cli("list", folder, "--json").out)["steps"]] == [30]
+    assert [s["step"] for s in cli("list", folder, "--json").lines()] == [30]

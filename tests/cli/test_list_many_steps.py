@@ -34,7 +34,7 @@ def test_list_returns_every_one_of_1200_committed_steps_flagged(stores, tmp_path
 
     r = cli("list", folder, "--json")
     assert r.code == 0, r.err
-    steps = r.json()["steps"]
+    steps = r.lines()
     expected = {**{s: _ephemeral(s) for s in range(1, N_FAKE + 1)}, REAL[0]: True, REAL[1]: False}
     assert [s["step"] for s in steps] == sorted(expected)
     assert all(s["status"] == "committed" for s in steps)
@@ -42,8 +42,8 @@ def test_list_returns_every_one_of_1200_committed_steps_flagged(stores, tmp_path
     assert {s["step"]: s["object_count"] for s in steps if s["step"] in REAL} == {REAL[0]: 4, REAL[1]: 4}
 
     r_all = cli("list", folder, "--all", "--json")
-    incomplete = [s["step"] for s in r_all.json()["steps"] if s["status"] == "incomplete"]
-    assert incomplete == list(INCOMPLETE) and len(r_all.json()["steps"]) == len(expected) + len(INCOMPLETE)
+    incomplete = [s["step"] for s in r_all.lines() if s["status"] == "incomplete"]
+    assert incomplete == list(INCOMPLETE) and len(r_all.lines()) == len(expected) + len(INCOMPLETE)
 
     r_table = cli("list", folder)
     assert r_table.code == 0 and len(r_table.out.splitlines()) == 1 + len(expected) + 1
