@@ -122,7 +122,7 @@ def test_olmo_core_steps_are_found_listed_and_loaded_bitexactly_then_adopted(cas
     assert {m.kind for _, _, m in found} == {"olmo-core"} and not any(m.verified for _, _, m in found)
     assert discovery.latest_checkpoint(folder) == step and discovery.dir_is_checkpoint(step)
     assert discovery.read_marker(step).world_size == (1 if case == "local-1rank" else 2)
-    r = cli("list", folder, "--json")
+    r = cli("list", folder, "--json-pretty")  # one document (--json is JSON Lines)
     assert r.returncode == 0, r.stderr
     assert {row["format"] for row in json.loads(r.stdout)["steps"]} == {"olmo-core"}
     assert "olmo-core" in cli("list", folder).stdout.splitlines()[1]
@@ -223,7 +223,7 @@ def test_a_folder_both_wrote_resumes_the_newest_step_and_olmo_core_reads_ours_af
     assert [s for s, _ in discovery.find_checkpoints(folder)] == [30, 40]  # ours at 10, 20 pruned; 30 kept
     assert "--include-foreign" in cli("prune", folder, "--keep-last", "1", "--yes").stdout
     assert cli("gc", folder, "--older-than", "1s", "--yes").returncode == 0
-    listed = json.loads(cli("list", folder, "--json").stdout)["steps"]
+    listed = json.loads(cli("list", folder, "--json-pretty").stdout)["steps"]
     assert [(s["step"], s["format"]) for s in listed] == [(30, "olmo-core"), (40, "cloudckpt")]
 
     torch.save({"sd": sd40, "train": ts40}, tmp_path / "ref40.pt")
