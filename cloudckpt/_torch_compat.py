@@ -35,6 +35,11 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed._state_dict_utils import _copy_state_dict as copy_state_dict
 
 # ---------------------------------------------------------------------- torch.distributed.checkpoint (DCP)
+# checked: 2.13. ``unflatten_state_dict(state_dict, mapping)``: DCP's flat keys back
+# into the nested dicts they were flattened from (``mapping``: key -> path), as DCP's
+# load does (integrations/torchtitan.py).
+from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
 # checked: 2.13. ``set_element(root_dict, path, value)``: sets a value at a flattened
 # state dict's path, creating the containers on the way (the load planner's
 # load_bytes, checkpoint/checkpointer.py).
@@ -80,6 +85,7 @@ __all__ = [
     "set_element",
     "split_by_size_and_type",
     "stateful_to_state_dict",
+    "unflatten_state_dict",
     "write_files",
 ]
 
