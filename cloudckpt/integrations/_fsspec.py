@@ -8,11 +8,25 @@ serves exactly that bookkeeping with the same stores, credentials and
 ``StorageOptions`` as the checkpoints:
 
 - ``info``/``exists``/``isdir``/``isfile``/``ls``: a key is a file; a key prefix
-  with objects below it is a folder (object stores have no empty folders);
-- ``open``: ``rb`` reads the whole object; ``wb``/``ab``/``xb`` buffer in memory
-  and upload on close (or on commit inside an fsspec transaction): meant for
-  small files, not for bulk data (checkpoints go through the CheckpointIO);
-- ``rm_file``; ``mkdir``/``makedirs`` are no-ops.
+  with objects below it is a folder, as in s3fs/gcsfs (object stores have no
+  empty folders);
+- ``mkdir``/``makedirs`` write nothing (as in s3fs) but remember the folder for
+  this process, so that "make the folder, then check it is there" passes before
+  its first object exists. Lightning does that (``CSVLogger``,
+  ``save_hyperparameters``) and skips the check only for the fsspec classes it
+  knows (s3fs, gcsfs, adlfs); a folder made this way is visible to this process
+  only and is never listed;
+- ``modified`` of a committed checkpoint folder is its commit time (the marker's);
+- ``open``: ``rb`` reads the whole object (at most ``MAX_FILE_BYTES``);
+  ``wb``/``ab``/``xb`` buffer in memory and upload with one PUT on close (or on
+  commit inside an fsspec transaction), so each object is replaced whole or not
+  at all; ``ab`` reads the object and writes it back with the new bytes. Meant
+  for small files (logs, ``hparams.yaml``), not for bulk data (checkpoints go
+  through the CheckpointIO);
+- ``rm_file``.
+
+Every call is one or a few store requests, each bounded by the store's
+``operation_timeout`` (``StorageOptions``).
 
 :func:`register` installs it only for schemes whose fsspec package is missing,
 with ``clobber=False``: an installed s3fs/gcsfs, or any class registered before,
@@ -29,13 +43,18 @@ from typing import Any
 
 from fsspec.spec import AbstractFileSystem
 
+from ..checkpoint import layout
 from ..errors import NotFound
 from ..storage import StorageOptions, open_store
 from ..storage import url as urls
+from ..untrusted import read_capped
+
+MAX_FILE_BYTES = 256 * 1024 * 1024  # a read through the shim larger than this is refused (UnsafeCheckpoint)
 
 log = logging.getLogger(__name__)
 
 _default_options: StorageOptions | None = None
+_made: set[str] = set()  # URLs of folders made by mkdir/makedirs in this process (and their parents)
 
 
 def set_default_storage_options(options: StorageOptions | None) -> None:
@@ -77,7 +96,8 @@ class _ObjectStoreFS(AbstractFileSystem):
                 return {"name": name, "size": st.size, "type": "file", "mtime": st.mtime}
             except NotFound:
                 pass
-        if next(iter(store.list(urls.as_prefix(url), delimiter="/")), None) is not None or "/" not in name:
+        if ("/" not in name or url.rstrip("/") in _made
+                or next(iter(store.list(urls.as_prefix(url), delimiter="/")), None) is not None):
             return {"name": name, "size": 0, "type": "directory"}
         raise FileNotFoundError(f"{url}: no such object or folder")
 
@@ -95,26 +115,44 @@ class _ObjectStoreFS(AbstractFileSystem):
         return out if detail else [o["name"] for o in out]
 
     def modified(self, path: str) -> datetime.datetime:
+        """The object's time; for a committed checkpoint folder, its marker's (the commit
+        time). Raises IsADirectoryError for other folders (object stores keep no folder times)."""
         info = self.info(path)
-        if info.get("mtime") is None:
-            raise IsADirectoryError(f"{self._url(path)} is a folder: object stores keep no folder times")
+        if info["type"] == "directory":
+            marker = layout.marker_url(self._url(path))
+            try:
+                info = {"mtime": self._store(marker).stat(marker).mtime}
+            except NotFound:
+                raise IsADirectoryError(f"{self._url(path)} is a folder: object stores keep no folder times") from None
         return datetime.datetime.fromtimestamp(info["mtime"], tz=datetime.timezone.utc)
 
     # ---------------------------------------------------------------- changes
     def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
-        """No-op: a folder exists once an object is written under it."""
+        """Writes nothing (a folder exists once an object is written under it); this
+        process sees the folder from now on."""
+        url = self._url(path).rstrip("/")
+        while "/" in self._name(url):
+            _made.add(url)
+            url = urls.parent(url).rstrip("/")
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
-        """No-op: a folder exists once an object is written under it."""
+        """Like :meth:`mkdir`, as s3fs: succeeds whether or not the folder has objects."""
+        self.mkdir(path)
 
     def rm_file(self, path: str) -> None:
         self._store(self._url(path)).delete(self._url(path))
+
+    def rmdir(self, path: str) -> None:
+        """Forgets a folder made by :meth:`mkdir` (objects under it stay)."""
+        _made.discard(self._url(path).rstrip("/"))
 
     def _rm(self, path: str) -> None:
         self.rm_file(path)
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
         url = self._url(path)
+        if start is None and end is None:
+            return read_capped(self._store(url), url, limit=MAX_FILE_BYTES, what="file")
         return self._store(url).get_bytes(url, start=start, end=end)
 
     def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
@@ -125,7 +163,7 @@ class _ObjectStoreFS(AbstractFileSystem):
               cache_options: Any = None, **kwargs: Any):
         url = self._url(path)
         if mode == "rb":
-            return io.BytesIO(self._store(url).get_bytes(url))
+            return io.BytesIO(self.cat_file(path))
         if mode in ("wb", "ab", "xb"):
             return _BufferedUpload(self._store(url), url, mode, autocommit)
         raise ValueError(f"mode {mode!r} is not supported by cloudckpt's fsspec shim (use rb, wb, ab, xb)")
@@ -143,7 +181,7 @@ class _BufferedUpload(io.BytesIO):
         self._data = b""
         if mode == "ab":
             try:
-                self.write(store.get_bytes(url))
+                self.write(read_capped(store, url, limit=MAX_FILE_BYTES, what="file"))
             except NotFound:
                 pass  # appending to a missing file creates it
         elif mode == "xb" and store.exists(url):

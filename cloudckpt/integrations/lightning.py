@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,10 +53,9 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import Callback
 
-from ..checkpoint import discovery, retention
+from ..checkpoint import named, retention
 from ..checkpoint.checkpointer import Checkpointer
-from ..checkpoint.marker import Marker
-from ..errors import CheckpointError, CorruptCheckpoint
+from ..errors import CorruptCheckpoint
 from ..storage import Location, StorageOptions
 from . import _fsspec
 
@@ -65,8 +64,8 @@ log = logging.getLogger(__name__)
 _REF = "cloudckpt.dcp:"  # a tensor's place in the train state: "cloudckpt.dcp:{top}/{name}"
 _SPLIT = {"state_dict": "model", "optimizer_states": "optim"}  # Lightning key -> top-level DCP key
 
-__all__ = ["AsyncCloudCheckpointIO", "AsyncFinalizerCallback", "CloudCheckpointIO", "join_checkpoint",
-           "last_checkpoint", "register_fsspec", "split_checkpoint"]
+__all__ = ["AsyncCloudCheckpointIO", "AsyncFinalizerCallback", "CloudCheckpointIO", "install_last_resolution",
+           "join_checkpoint", "last_checkpoint", "register_fsspec", "split_checkpoint"]
 
 
 def register_fsspec(storage_options: StorageOptions | None = None) -> list[str]:
@@ -171,20 +170,50 @@ def _move(obj: Any, map_location: Any) -> Any:
 
 def last_checkpoint(dirpath: str, *, storage_options: StorageOptions | None = None) -> str | None:
     """The newest committed checkpoint folder directly under ``dirpath`` (highest
-    ``global_step``, then newest commit), or None. Use it instead of
-    ``ckpt_path="last"``, which Lightning resolves through local paths only."""
-    loc = Location.of(dirpath, storage_options)
-    dirs = [e.url.rstrip("/") for e in loc.store.list(loc.prefix, delimiter="/") if e.is_prefix]
+    ``global_step``, then newest commit), or None. ``fit(ckpt_path="last")`` resolves
+    to the same folder (see :func:`install_last_resolution`)."""
+    found = named.newest(Location.of(dirpath, storage_options))
+    return found[0] if found else None
 
-    def marker(d: str) -> Marker | None:
-        try:
-            return discovery.read_marker(loc.at(d))
-        except CheckpointError:
-            return None
 
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        found = [(m.step, m.created_unix, d) for d, m in zip(dirs, pool.map(marker, dirs)) if m is not None]
-    return max(found)[2] if found else None
+def install_last_resolution() -> bool:
+    """Make ``fit(ckpt_path="last")`` resolve to :func:`last_checkpoint` of each
+    ``ModelCheckpoint``'s folder when that folder holds committed cloudckpt
+    checkpoints. Done on import of this module; returns whether it is in place.
+
+    Lightning finds "last" candidates by listing the folder with fsspec and passing
+    each name through ``os.path.normpath``, which turns ``s3://b/…`` into a local
+    path: for a URL it never finds anything and trains from step 0. The wrapper asks
+    ``last_checkpoint`` instead (committed folders only, newest by step), and leaves
+    Lightning's own answer where the folder holds no committed cloudckpt checkpoint
+    (a local folder of ordinary ``.ckpt`` files). It wraps the private
+    ``ModelCheckpoint._find_last_checkpoints``; if a Lightning version lacks it, it
+    logs a warning and returns False (pass ``ckpt_path=last_checkpoint(dirpath)`` then)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    original = getattr(ModelCheckpoint, "_find_last_checkpoints", None)
+    resolve = getattr(ModelCheckpoint, "_ModelCheckpoint__resolve_ckpt_dir", None)
+    if getattr(original, "_cloudckpt", False):
+        return True
+    if original is None or resolve is None:
+        log.warning("this Lightning version has no ModelCheckpoint._find_last_checkpoints: fit(ckpt_path='last') "
+                    "does not see cloudckpt checkpoints; pass ckpt_path=last_checkpoint(dirpath)")
+        return False
+
+    def _find_last_checkpoints(self, trainer) -> set[str]:
+        dirpath = os.fspath(resolve(self, trainer))
+        newest = last_checkpoint(dirpath)
+        if newest is not None:
+            return {newest}
+        return original(self, trainer)  # for a URL: local names that do not exist, dropped by Lightning
+
+    _find_last_checkpoints._cloudckpt = True  # type: ignore[attr-defined]
+    _find_last_checkpoints.__wrapped__ = original  # type: ignore[attr-defined]
+    ModelCheckpoint._find_last_checkpoints = _find_last_checkpoints
+    return True
+
+
+install_last_resolution()
 
 
 # ---------------------------------------------------------------- sync plugin

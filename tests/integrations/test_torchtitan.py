@@ -21,20 +21,17 @@ a fresh machine); a failed install FAILS these tests with pip's log.
 from __future__ import annotations
 
 import os
-import selectors
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from cloudckpt import Checkpointer
 from cloudckpt.testing.servers import free_port
 
-from .venvs import REPO, venv_python
+from .venvs import REPO, diff, load, run_until_committed_then_kill, venv_python
 
 pytestmark = pytest.mark.slow  # ~40 s on 2 cores (+ ~75 s for the venv on a fresh machine); CI runs slow tests
 
@@ -50,56 +47,14 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
 
 
+def kill_after(py: str, *args: str, step: int) -> str:
+    return run_until_committed_then_kill([py, str(TOOL), *args], _env(), step=step)
+
+
 def titan(py: str, *args: str, timeout: float = 180) -> str:
     p = subprocess.run([py, str(TOOL), *args], env=_env(), capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, f"titan_tool {args[0]} failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}"
     return p.stdout
-
-
-def run_until_committed_then_kill(py: str, *args: str, step: int, timeout: float = 120) -> str:
-    """Start titan_tool train, SIGKILL it as soon as it prints COMMITTED {step}."""
-    p = subprocess.Popen([py, str(TOOL), *args], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen, sel = [], selectors.DefaultSelector()
-    sel.register(p.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            if not sel.select(timeout=1):
-                continue
-            line = p.stdout.readline()
-            if not line:
-                break
-            seen.append(line)
-            if line.strip() == f"COMMITTED {step}":
-                p.send_signal(signal.SIGKILL)
-                p.wait(timeout=30)
-                assert p.returncode == -signal.SIGKILL
-                return "".join(seen)
-        pytest.fail(f"no 'COMMITTED {step}' within {timeout}s (exit {p.poll()}):\n{''.join(seen)[-4000:]}")
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-
-
-def load(path: Path) -> dict:
-    return torch.load(path, weights_only=True)
-
-
-def diff(a, b, path="") -> list[str]:
-    """Where two snapshots differ (tensors bit for bit, dtype and shape included)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
-            and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,
-                                                   b.view(-1).view(torch.uint8) if b.numel() else b)
-        return [] if same else [path]
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return [f"{path}: keys {sorted(map(str, a.keys() ^ b.keys()))}"]
-        return [d for k in a for d in diff(a[k], b[k], f"{path}.{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in diff(x, y, f"{path}[{i}]")]
-    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +70,7 @@ def test_torchtitan_run_killed_after_a_committed_save_resumes_weights_optimizer_
         store, mode, titan_python, reference, request, tmp_path):
     folder = request.getfixturevalue(store) + "/titan-run"
     extra = ["--async"] if mode == "async" else []
-    run_until_committed_then_kill(titan_python, "train", folder, "--steps", "6", "--out", str(tmp_path / "a"),
+    kill_after(titan_python, "train", folder, "--steps", "6", "--out", str(tmp_path / "a"),
                                   "--slow-after", "2", *extra, step=2)
     committed = [s for s, _ in Checkpointer.find_checkpoints(folder)]
     assert 2 in committed and max(committed) < 6, committed
