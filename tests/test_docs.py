@@ -38,7 +38,8 @@ def test_every_python_sample_in_the_docs_is_included_from_a_tested_file():
 TESTED_FILES = {"examples/quickstart.py", "examples/manager.py", "examples/manager_config.yaml",
                 "tests/integrations/examples/lightning_fit.py", "tests/integrations/examples/export_and_seed.py",
                 "tests/storage/test_conformance_local.py",
-                "examples/hf_trainer.py", "examples/hf_accelerate.py"}  # run by tests/integrations/test_hf.py
+                "examples/hf_trainer.py", "examples/hf_accelerate.py",  # run by tests/integrations/test_hf.py
+                "tests/integrations/titan/titan_tool.py", "tests/integrations/olmo/trainer_tool.py"}
 INLINE_SAMPLES_RUN = {"storage.md"}
 
 
