@@ -246,7 +246,7 @@ def _unflatten(sd: dict[str, Any], mapping: Any) -> dict[str, Any]:
     """DCP's flat keys (``optimizer.state.w.exp_avg``) back into nested dicts, as saved."""
     if not mapping:
         return sd
-    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+    from .._torch_compat import unflatten_state_dict
 
     return unflatten_state_dict(sd, mapping)
 

@@ -12,7 +12,7 @@ from cloudckpt import _torch_compat
 PACKAGE = pathlib.Path(cloudckpt.__file__).parent
 # modules that still import a private torch name themselves, until they import it from
 # _torch_compat (remove each entry with that change)
-PENDING = {"integrations/torchtitan.py"}
+PENDING: set[str] = set()
 
 
 def _private_torch_uses(path: pathlib.Path) -> list[str]:
