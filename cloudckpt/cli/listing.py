@@ -72,6 +72,10 @@ def cmd_list(args) -> int:
     folder = loc(args, args.folder)
     kind = True if args.ephemeral else (False if args.persistent else None)
     listing = ops.list_steps(folder, include_uncommitted=args.all, ephemeral=kind)
+    if not listing.step_dirs:  # checkpoint folders with other names (Lightning's epoch=0-step=8.ckpt)
+        from ..ops.named import list_named
+
+        listing = list_named(folder, include_uncommitted=args.all, ephemeral=kind)
     if not listing.step_dirs:  # not a run: the runs beneath it
         return _list_runs(args, folder)
     for w in listing.warnings:
@@ -114,20 +118,25 @@ def cmd_list(args) -> int:
 def cmd_latest(args) -> int:
     from ..checkpoint import discovery, layout
     from ..errors import NotACheckpoint
+    from ..ops.named import latest_named
     from ..storage import url as urls
 
     folder = loc(args, args.folder)
     try:
         # Listing by default: correct even if something wrote a step without moving the pointer.
         url = discovery.latest_checkpoint(folder, use_pointer=args.pointer)
+        step = layout.step_of_name(urls.basename(url))
     except NotACheckpoint:
-        if not discovery.list_step_dirs(folder):
+        if discovery.list_step_dirs(folder):
+            print(f"cloudckpt: no committed checkpoint in {args.folder} (run `cloudckpt list --all {args.folder}` "
+                  "to see step folders)", file=sys.stderr)
+            return EXIT_NO
+        named = latest_named(folder)  # checkpoint folders with other names (Lightning's epoch=0-step=8.ckpt)
+        if named is None:
             return no_steps(args.folder)
-        print(f"cloudckpt: no committed checkpoint in {args.folder} (run `cloudckpt list --all {args.folder}` "
-              "to see step folders)", file=sys.stderr)
-        return EXIT_NO
+        step, url = named
     if args.json:
-        emit(args, {"folder": args.folder, "step": layout.step_of_name(urls.basename(url)), "url": url})
+        emit(args, {"folder": args.folder, "step": step, "url": url})
     else:
         print(url)
     return EXIT_OK
