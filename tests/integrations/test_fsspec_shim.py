@@ -7,8 +7,13 @@ import importlib
 
 import fsspec
 import pytest
+import torch
 
+from cloudckpt import Checkpointer
+from cloudckpt.checkpoint import layout
+from cloudckpt.errors import UnsafeCheckpoint
 from cloudckpt.integrations import _fsspec
+from cloudckpt.storage import open_store
 
 _reg = importlib.import_module("fsspec.registry")  # the attribute fsspec.registry is the mapping, not the module
 
@@ -17,7 +22,7 @@ _reg = importlib.import_module("fsspec.registry")  # the attribute fsspec.regist
 def _registered():
     """The shim registered for each test; afterwards fsspec's registry (process-global), the
     shim's default options and its cached instances are as they were before the test."""
-    registry, options = dict(_reg._registry), _fsspec._default_options
+    registry, options, made = dict(_reg._registry), _fsspec._default_options, set(_fsspec._made)
     try:
         _fsspec.register()
         yield
@@ -25,6 +30,8 @@ def _registered():
         _reg._registry.clear()
         _reg._registry.update(registry)
         _fsspec.set_default_storage_options(options)
+        _fsspec._made.clear()
+        _fsspec._made.update(made)
         for cls, _ in _fsspec._SHIMS:
             cls.clear_instance_cache()
 
@@ -35,7 +42,7 @@ def test_shim_reads_writes_appends_lists_and_removes(backend, request):
     fs, _ = fsspec.core.url_to_fs(root)
     assert isinstance(fs, _fsspec._ObjectStoreFS)
     assert not fs.exists(root) and not fs.isdir(root)
-    fs.makedirs(root + "/version_0", exist_ok=True)  # a no-op: folders appear with their first object
+    fs.makedirs(root + "/version_0", exist_ok=True)  # writes nothing: folders appear with their first object
     with fs.open(root + "/version_0/metrics.csv", "w", newline="") as f:
         f.write("step,loss\n0,1.5\n")
     with fs.open(root + "/version_0/metrics.csv", "a", newline="") as f:
@@ -80,3 +87,40 @@ def test_register_defers_to_installed_s3fs_and_gcsfs(monkeypatch):
     monkeypatch.setattr(_fsspec.importlib.util, "find_spec", lambda name: object() if name in ("s3fs", "gcsfs") else None)
     assert _fsspec.register() == []
     assert "s3" not in _reg.registry and "gs" not in _reg.registry
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_a_folder_made_by_makedirs_exists_for_this_process_before_its_first_object(backend, request):
+    """What CSVLogger and save_hyperparameters check (Lightning skips the check only for s3fs/gcsfs/adlfs)."""
+    bucket = request.getfixturevalue({"s3": "s3_bucket", "gcs": "gcs_bucket"}[backend])
+    fs, _ = fsspec.core.url_to_fs(bucket)
+    logs = bucket + "/run/lightning_logs/version_0"
+    fs.makedirs(logs, exist_ok=False)
+    fs.makedirs(logs, exist_ok=False)  # as s3fs: no FileExistsError for a folder
+    assert fs.isdir(logs) and fs.exists(logs) and fs.isdir(bucket + "/run") and not fs.isfile(logs)
+    assert fs.ls(logs) == []
+    assert list(open_store(bucket).walk(bucket + "/")) == [], "makedirs wrote nothing to the store"
+    assert not fs.isdir(bucket + "/run/lightning_logs/version_1"), "only the folders made are seen"
+    fs.rmdir(logs)
+    assert not fs.isdir(logs)
+
+
+def test_modified_of_a_committed_checkpoint_folder_is_its_commit_time(s3_bucket):
+    dir = s3_bucket + "/c/last.ckpt"
+    with Checkpointer(distributed=False) as ckpt:
+        ckpt.save(dir, {"model": {"w": torch.ones(2)}}, {"global_step": 1}, step=1)
+    fs, _ = fsspec.core.url_to_fs(dir)
+    marker = layout.marker_url(dir)
+    assert fs.modified(dir).timestamp() == open_store(marker).stat(marker).mtime
+    with pytest.raises(IsADirectoryError):
+        fs.modified(s3_bucket + "/c")
+
+
+def test_reads_larger_than_the_cap_are_refused(s3_bucket, monkeypatch):
+    fs, _ = fsspec.core.url_to_fs(s3_bucket)
+    fs.pipe_file(s3_bucket + "/big.csv", b"x" * 100)
+    monkeypatch.setattr(_fsspec, "MAX_FILE_BYTES", 99)
+    with pytest.raises(UnsafeCheckpoint):
+        fs.cat_file(s3_bucket + "/big.csv")
+    with pytest.raises(UnsafeCheckpoint):
+        fs.open(s3_bucket + "/big.csv", "ab")
