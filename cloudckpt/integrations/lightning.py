@@ -15,8 +15,12 @@ checkpoint *folder*, committed by its marker like any cloudckpt step::
                            tensors above replaced by references into the DCP state
         .metadata.json     the commit marker, written last
 
-so ``cloudckpt list/inspect/verify/export`` work on Lightning checkpoints too
+so ``cloudckpt list/latest/inspect/verify/export`` work on Lightning checkpoints too
 (``export`` takes the ``model`` tensors: the LightningModule's state dict).
+
+Importing this module registers the fsspec shim for ``s3://``/``gs://`` (logs,
+folder checks: see ``_fsspec``) and makes ``fit(ckpt_path="last")`` resolve to
+:func:`last_checkpoint` of the ``ModelCheckpoint``'s folder (:func:`install_last_resolution`).
 
 Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0 only,
 so the plugin's Checkpointer acts alone (``distributed=False``); every rank loads
