@@ -92,6 +92,12 @@ class CheckpointConfig:
     - ``pre_download``: download needed files to work_dir before loading instead of streaming ranges.
     - ``exact_resume``: capture and restore RNG states (Python, NumPy, torch) in the train state.
     - ``sigterm``: on SIGTERM, ``"finish"`` the in-flight save (up to ``sigterm_timeout`` s) or ``"abandon"`` it.
+    - ``local_dir``: the node-local tier's folder (``{node}`` is replaced by the node index); None: no local tier.
+    - ``local_save_interval``: a local step every N steps (needs ``local_dir``); steps due for the bucket are written
+      locally too and persisted from the local files.
+    - ``keep_last_local``: complete local steps kept (>= 1).
+    - ``replication_factor``: copies of each rank's part on distinct nodes, its own included (None: 2 when there are two
+      nodes or more, else 1); ``replication_jump``: ranks per node (None: ``LOCAL_WORLD_SIZE``, else 1).
     - ``load_step``: ``resume()`` loads this committed step instead of the newest (None: the newest).
     - ``thread_count``: threads writing DCP files per rank; ``stale_lock_seconds``: a step's ``.lock`` older than
       this is taken over; ``collective_timeout`` (s): how long a rank waits for the others in a save/load step.
@@ -126,6 +132,11 @@ class CheckpointConfig:
     sigterm: str = "finish"
     sigterm_timeout: float = 120.0
     load_step: Optional[int] = None
+    local_dir: Optional[str] = None
+    local_save_interval: Optional[int] = None
+    keep_last_local: int = 2
+    replication_factor: Optional[int] = None
+    replication_jump: Optional[int] = None
     thread_count: int = 2
     stale_lock_seconds: float = 600.0
     collective_timeout: float = 600.0
@@ -264,6 +275,18 @@ class CheckpointConfig:
                     f"save_folder={self.save_folder!r} is inside a checkpoint step folder ({part}): "
                     "point save_folder at the run folder that holds the step folders"
                 )
+        for name in ("local_save_interval", "replication_factor", "replication_jump"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ConfigError(f"{name}={v} is not allowed: use a positive integer, or None")
+        if self.keep_last_local < 1:
+            raise ConfigError(f"keep_last_local={self.keep_last_local} would delete the newest local step: use >= 1")
+        if self.local_save_interval is not None and self.local_dir is None:
+            raise ConfigError(f"local_save_interval={self.local_save_interval} needs local_dir (a node-local folder such "
+                              "as /dev/shm/ckpt) to write local steps to")
+        if self.local_dir is not None and "://" in self.local_dir:
+            raise ConfigError(f"local_dir={self.local_dir!r} must be a node-local path (e.g. /dev/shm/ckpt), not a URL: "
+                              "the bucket is save_folder")
         if self.load_step is not None and self.load_step < 0:
             raise ConfigError(f"load_step={self.load_step} is not allowed: use a step number >= 0, or None for the newest")
         for name in ("save_interval", "ephemeral_save_interval", "max_checkpoints", "keep_every"):

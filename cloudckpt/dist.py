@@ -105,6 +105,31 @@ class Coordinator:
     # pieces of CHUNK bytes: memory above the file's own pages is one piece per side.
     CHUNK = 16 * 1024 * 1024
 
+    def send_bytes(self, data: bytes, dst: int) -> None:
+        """Send ``data`` (its length first) to rank ``dst`` of this group."""
+        import torch
+
+        peer = dist.get_global_rank(self.group, dst)
+        dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=peer, group=self.group)
+        if data:
+            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=peer, group=self.group)
+
+    def recv_bytes(self, src: int, *, limit: int) -> bytes:
+        """What ``send_bytes`` sent from rank ``src``; a length above ``limit`` is refused
+        (CollectiveError) before anything is allocated for it."""
+        import torch
+
+        peer = dist.get_global_rank(self.group, src)
+        n = torch.zeros(1, dtype=torch.int64)
+        dist.recv(n, src=peer, group=self.group)
+        size = int(n.item())
+        if not 0 <= size <= limit:
+            raise CollectiveError("receive", {src: f"announced {size} bytes, more than the {limit} allowed"})
+        buf = torch.empty(size, dtype=torch.uint8)
+        if size:
+            dist.recv(buf, src=peer, group=self.group)
+        return buf.numpy().tobytes()
+
     def send_file(self, path: str, size: int, dst: int) -> None:
         """Send the first ``size`` bytes of the file ``path`` to rank ``dst`` of this group."""
         import torch

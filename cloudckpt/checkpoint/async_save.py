@@ -104,6 +104,15 @@ class AsyncSaver:
     # ------------------------------------------------------------ API
     def submit(self, dir: str, state_dict: dict, train_state: Any, ephemeral: bool, step: int | None = None,
                commit: bool = True) -> Future:
+        return self.submit_call(
+            lambda staged, ts: self._save_fn(dir, staged, ts, ephemeral=ephemeral, step=step, commit=commit),
+            state_dict, train_state, report=commit)
+
+    def submit_call(self, fn: Callable[[dict, Any], Any], state_dict: dict, train_state: Any, *,
+                    report: bool = True) -> Future:
+        """Stage ``state_dict`` and ``train_state`` here, then run ``fn(staged, train_state)``
+        on the background thread (in submission order). ``report=False``: the caller
+        takes the error from the Future; it is not raised again later."""
         self.raise_unreported()
         self._slots.acquire()
         try:
@@ -115,7 +124,7 @@ class AsyncSaver:
 
         def run():
             try:
-                return self._save_fn(dir, staged, ts, ephemeral=ephemeral, step=step, commit=commit)
+                return fn(staged, ts)
             finally:
                 if uses_cache:
                     with self._lock:
@@ -125,7 +134,7 @@ class AsyncSaver:
         fut = self._pool.submit(run)
         with self._lock:
             self._pending.append(fut)
-        fut.add_done_callback(lambda f: self._on_done(f, report=commit))
+        fut.add_done_callback(lambda f: self._on_done(f, report=report))
         return fut
 
     def _on_done(self, fut: Future, *, report: bool) -> None:

@@ -244,6 +244,12 @@ class Checkpointer:
         and gets the save's error from the Future (it is not raised again later)."""
         return self._async.submit(dir, state_dict, train_state, ephemeral, step, commit=commit)
 
+    def run_async(self, fn: Callable[[dict, Any], Any], state_dict: dict, train_state: Any = None) -> Future:
+        """Like :meth:`save_async` for another collective writer (the node-local tier):
+        stage ``state_dict`` and ``train_state`` in host memory, then run ``fn(staged,
+        train_state)`` in order with the other async saves."""
+        return self._async.submit_call(fn, state_dict, train_state)
+
     def in_flight(self) -> list[Future]:
         """The Futures of async saves staged or running, oldest first."""
         return self._async.in_flight()
@@ -289,12 +295,12 @@ class Checkpointer:
                               needs_work=False)
 
     def write_local(self, folder: str, state_dict: dict, train_state: Any = None) -> list[ObjectEntry]:
-        """Write this rank's part of a step into the new local folder ``folder`` (DCP
+        """Write this rank's part of a step into the (new or empty) local folder ``folder`` (DCP
         shards under ``model_and_optim/``, rank 0 also its ``.metadata``; the train state
         under ``train/``) and keep it there: nothing is uploaded. Collective. Returns this
         rank's entries (size and CRC32C of every file and DCP item). Raises SaveFailed on
         every rank if any rank failed (the caller removes the folders)."""
-        os.makedirs(folder, exist_ok=False)
+        os.makedirs(folder, exist_ok=True)
         outcome = self._write_and_upload(None, folder, state_dict, train_state)
         results = self.coord.all_ranks("agree", lambda: outcome.result(), error=SaveFailed.from_failures)
         return list(results[self.coord.rank].objects)

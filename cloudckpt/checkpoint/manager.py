@@ -58,6 +58,8 @@ class CheckpointManager:
         )
         self.coord = self.checkpointer.coord
         self.save_location = Location.of(config.save_folder, self.checkpointer.storage_options)
+        self.local = self._local_tier(config) if config.local_dir else None
+        self.resumed_from: str | None = None  # "local" or "bucket"
         self.policy = retention.Policy(config.keep_last_ephemeral, config.max_checkpoints, config.keep_every)
         self._maint = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloudckpt-maint")
         self._maint_futures: list[Future] = []
@@ -68,6 +70,21 @@ class CheckpointManager:
         self._closed = False
         self._loaders: dict[str, Any] = {}
         self._install_sigterm()
+
+    def _local_tier(self, config):
+        from .local.groups import Replication
+        from .local.tier import LocalTier
+
+        ws = self.coord.world_size
+        jump = config.replication_jump or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        factor = config.replication_factor or (2 if ws // max(jump, 1) >= 2 else 1)
+        rep = Replication(ws, factor, jump)
+        persister = Checkpointer(work_dir=config.work_dir, save_overwrite=config.save_overwrite,
+                                 storage_options=config.storage, transfer=config.transfer,
+                                 stale_lock_seconds=config.stale_lock_seconds,
+                                 collective_timeout=config.collective_timeout)
+        return LocalTier(self.checkpointer, persister, local_dir=config.local_dir, replication=rep,
+                         keep_last=config.keep_last_local, collective_timeout=config.collective_timeout)
 
     def register_data_loader(self, loader: Any, name: str = "train") -> None:
         """Save and restore this loader's state (``state_dict``/``load_state_dict``) with
@@ -100,18 +117,30 @@ class CheckpointManager:
                 log.warning("removed uncommitted leftovers of a crashed attempt above step %d: %s", step, rep.step_dirs)
             return latest
 
-        latest = self.coord.on_coordinator("discover", discover)
-        if latest is None:
+        found = None
+        if self.local is not None and load_step is not None:
+            self.local.drain()
+            found = self.local.find(step=load_step)
+        latest = None if found is not None else self.coord.on_coordinator("discover", discover)
+        if self.local is not None and found is None and load_step is None:
+            self.local.drain()
+            found = self.local.find(newer_than=layout.parse_step_dir(latest) - 1 if latest else -1)
+        if found is not None:
+            ts = self.local.load(found, state_dict, **load_kwargs)
+            self.resumed_step, self.resumed_from = found.step, "local"
+            log.info("resumed from local step %d (%s)", found.step, self.local.last_recovery)
+        elif latest is None:
             log.info("no committed checkpoint in %s: starting from scratch", folder)
             return None
-        ts = self.checkpointer.load(latest, state_dict, **load_kwargs)
-        self.resumed_step = layout.parse_step_dir(latest)
-        info = self.checkpointer.last_load_info
-        if info.get("writer", "cloudckpt") != "cloudckpt":
-            log.warning("resumed from %s, the newest committed step, written by %s%s", latest, info["writer"],
-                        "" if info.get("verified") else " (no manifest: unverified)")
         else:
-            log.info("resumed from %s", latest)
+            ts = self.checkpointer.load(latest, state_dict, **load_kwargs)
+            self.resumed_step, self.resumed_from = layout.parse_step_dir(latest), "bucket"
+            info = self.checkpointer.last_load_info
+            if info.get("writer", "cloudckpt") != "cloudckpt":
+                log.warning("resumed from %s, the newest committed step, written by %s%s", latest, info["writer"],
+                            "" if info.get("verified") else " (no manifest: unverified)")
+            else:
+                log.info("resumed from %s", latest)
         if isinstance(ts, dict) and exact_resume.KEY in ts:
             ts = dict(ts)
             saved = ts.pop(exact_resume.KEY)
@@ -137,15 +166,47 @@ class CheckpointManager:
         """Save if ``step`` is due (or ``force``). Returns the Marker (sync), a Future
         (async) or None when not due. Collective."""
         kind = self.due(step) or ("persistent" if force else None)
-        if kind is None:
+        local = self.local is not None and bool(self.config.local_save_interval) and step % self.config.local_save_interval == 0
+        if kind is None and not local:
             return None
+        if self.local is not None:
+            return self.save_local(step, state_dict, train_state, persist=kind is not None, ephemeral=kind == "ephemeral")
         return self.save(step, state_dict, train_state, ephemeral=kind == "ephemeral")
+
+    def _with_rng(self, train_state: Any) -> Any:
+        if not self.config.exact_resume:
+            return train_state
+        train_state = dict(train_state or {})
+        train_state[exact_resume.KEY] = exact_resume.capture(self._loaders)
+        return train_state
+
+    def save_local(self, step: int, state_dict: dict, train_state: Any = None, *, persist: bool = False,
+                   ephemeral: bool = False) -> Any:
+        """Write a local step (node-local tier), copy it to peer nodes in the background
+        and, with ``persist``, upload it to the bucket from the same files. Returns the
+        local part's Marker (sync) or a Future of it (``async_save``). Collective."""
+        train_state = self._with_rng(train_state)
+        dest = layout.step_dir(self.config.save_folder, step) if persist else None
+        if persist:
+            with self._lock:
+                self._writing.add(step)
+
+        def write(sd: dict, ts: Any):
+            return self.local.save(step, sd, ts, persist_to=dest, ephemeral=ephemeral,
+                                   on_persisted=(lambda ok: self._after_save(step, ok)) if persist else None)
+
+        if self.config.async_save:
+            return self.checkpointer.run_async(write, state_dict, train_state)
+        try:
+            return write(state_dict, train_state)
+        except BaseException:
+            if persist:
+                self._after_save(step, False)
+            raise
 
     def save(self, step: int, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False) -> Any:
         dir = layout.step_dir(self.config.save_folder, step)
-        if self.config.exact_resume:
-            train_state = dict(train_state or {})
-            train_state[exact_resume.KEY] = exact_resume.capture(self._loaders)
+        train_state = self._with_rng(train_state)
         with self._lock:
             self._writing.add(step)
         if self.config.async_save:
@@ -180,8 +241,10 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ lifecycle
     def wait(self) -> None:
-        """Wait for in-flight saves and background maintenance."""
+        """Wait for in-flight saves, local copies and persists, and background maintenance."""
         self.checkpointer.wait()
+        if self.local is not None:
+            self.local.wait()
         for f in list(self._maint_futures):
             f.result()
 
@@ -194,6 +257,8 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._maint.shutdown(wait=True)
+            if self.local is not None:
+                self.local.close()
             self.checkpointer.close()
             self._restore_sigterm()
 
@@ -217,7 +282,7 @@ class CheckpointManager:
             self._prev_handler = None
 
     def _on_sigterm(self, signum, frame) -> None:
-        pending = self.checkpointer.in_flight()
+        pending = self.checkpointer.in_flight() + (self.local.in_flight() if self.local is not None else [])
         if self.config.sigterm == "finish" and pending:
             log.warning("SIGTERM: finishing %d in-flight save(s) (up to %.0fs)", len(pending), self.config.sigterm_timeout)
             for f in pending:

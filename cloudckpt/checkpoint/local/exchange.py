@@ -1,0 +1,107 @@
+"""Moving local parts between ranks over the tier's own gloo group.
+
+Both exchanges follow one rule: every rank computes the same list of transfers
+``(source rank, destination rank, ...)`` in the same order and takes part in the
+ones that name it, in that order. A transfer waits only for its two ranks, and the
+earliest unfinished transfer of the list always has both ready, so the exchange
+cannot deadlock; a dead peer ends it with the group's timeout.
+
+- ``replicate``: after a local save, each rank's part goes to the other members of
+  its replication group (groups.py). The receiver writes into a temporary folder,
+  checks every file's CRC32C as it arrives, writes the manifest last and moves the
+  folder into place: a copy is either whole and verified or absent.
+- ``fetch``: at recovery, the files a rank needs and does not hold come from a rank
+  that holds them (the part's lowest live holder).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Iterable
+
+import google_crc32c
+
+from ... import dist
+from ...errors import CorruptCheckpoint
+from ...untrusted import check_name
+from ..marker import Marker
+from . import parts
+from .groups import Replication
+
+log = logging.getLogger(__name__)
+_MAX_MANIFEST = 256 * 1024 * 1024
+
+
+def _recv_checked(coord: dist.Coordinator, path: str, size: int, crc: str | None, src: int) -> None:
+    state = {"crc": 0}
+
+    def on_chunk(data) -> None:
+        state["crc"] = google_crc32c.extend(state["crc"], bytes(data))
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    coord.recv_file(path, size, src, on_chunk=on_chunk if crc else None)
+    if crc and f"{state['crc']:08x}" != crc:
+        raise CorruptCheckpoint(f"{path}: the copy received from rank {src} fails its CRC32C")
+
+
+def replicate(coord: dist.Coordinator, rep: Replication, root: str, step: int) -> dict:
+    """Copy this rank's part of ``step`` to its group peers and receive theirs. Returns
+    ``{"sent": bytes, "received": bytes, "seconds": s}``. Collective over ``coord``."""
+    me = coord.rank
+    t0 = time.monotonic()
+    sent = received = 0
+    own = parts.read_part(root, step, me) if any(s == me for s, _ in rep.transfers()) else None
+    for src, dst in rep.transfers():
+        if src == me:
+            body = own.marker.to_bytes() if own is not None else b""
+            coord.send_bytes(body, dst)
+            if own is None:
+                continue  # our own part is gone: the peer records nothing
+            for o in own.marker.objects:
+                coord.send_file(own.file(o.path), o.size, dst)
+                sent += o.size
+        elif dst == me:
+            body = coord.recv_bytes(src, limit=_MAX_MANIFEST)
+            if not body:
+                log.warning("local step %d: rank %d had no part to send; no copy kept", step, src)
+                continue
+            marker = Marker.from_bytes(body, url=f"rank {src}'s part of local step {step}")
+            tmp = parts.new_tmp(root, step, f"recv{src}")
+            try:
+                for o in marker.objects:
+                    rel = check_name(o.path, what="path in a peer's part", url=f"rank {src}")
+                    _recv_checked(coord, os.path.join(tmp, *rel.split("/")), o.size, o.crc32c, src)
+                    received += o.size
+                parts.publish(tmp, marker, root, src)
+            except BaseException:
+                parts.remove(tmp)
+                raise
+    return {"sent": sent, "received": received, "seconds": time.monotonic() - t0}
+
+
+def fetch(coord: dist.Coordinator, needs: Iterable[tuple[int, str]], holders: dict[int, list[int]],
+          held: dict[int, parts.Part], markers: dict[int, Marker], dest: str) -> int:
+    """Bring the files this rank ``needs`` (``(part's rank, relative path)``) into the
+    folder ``dest``, from the lowest holder of each part. ``holders``: part rank -> ranks
+    holding a verified copy (the same on every rank); ``held``: this rank's copies;
+    ``markers``: each part's manifest. Collective. Returns the bytes received."""
+    mine = sorted(set(needs))
+    every = coord.all_gather(mine)
+    received = 0
+    for needer in range(len(every)):
+        for part_rank, rel in every[needer]:
+            source = min(holders[part_rank])
+            if needer == source:
+                continue
+            entry = markers[part_rank].object(rel)
+            if entry is None:
+                raise CorruptCheckpoint(f"{rel} is not in rank {part_rank}'s part")
+            if coord.rank == source:
+                coord.send_file(held[part_rank].file(rel), entry.size, needer)
+            elif coord.rank == needer:
+                path = os.path.join(dest, *check_name(rel, what="path in a part", url=dest).split("/"))
+                _recv_checked(coord, path, entry.size, entry.crc32c, source)
+                received += entry.size
+    return received

@@ -1,0 +1,333 @@
+"""The node-local tier: frequent local steps, copies on peer nodes, persisted to the
+bucket from the same files, recovery from peers (docs/local-tier.md).
+
+Threads and groups (every collective runs on every rank in the same order):
+
+- the training thread (or the async saver's thread) writes a local step with the
+  checkpointer's own group (DCP's plan exchange, AGREE);
+- one background thread per rank copies each step to the peers of its replication
+  group and then prunes, on the tier's own gloo group;
+- one more background thread persists steps to the bucket with a second
+  Checkpointer (its own group and transfer engine), from the files on disk.
+
+A slow or failed copy or persist never blocks the next local step: it only keeps the
+step from being complete (a copy) or committed (a persist). Persist failures are
+logged and raised by ``wait()``/``close()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ... import dist
+from ...errors import CloudCkptError, ConfigError, LocalCapacityError
+from .. import layout
+from ..marker import Marker
+from . import exchange, parts
+from .groups import Replication
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Found:
+    """A complete local step: which ranks hold each part, and each part's manifest."""
+
+    step: int
+    holders: dict[int, list[int]]
+    markers: dict[int, Marker]
+
+
+def node_folder(local_dir: str, node: int) -> str:
+    """``local_dir`` with ``{node}`` replaced by the node index (several simulated nodes
+    on one machine each get a folder of their own)."""
+    return os.path.abspath(os.path.expanduser(local_dir.replace("{node}", str(node))))
+
+
+class LocalTier:
+    def __init__(self, checkpointer, persister, *, local_dir: str, replication: Replication, keep_last: int,
+                 collective_timeout: float):
+        self.ck = checkpointer
+        self.persister = persister
+        self.rep = replication
+        self.keep_last = keep_last
+        self.rank = checkpointer.coord.rank
+        self.root = node_folder(local_dir, replication.node_of(self.rank))
+        self._check_writable(local_dir)
+        self.coord = dist.Coordinator(timeout=collective_timeout)
+        self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloudckpt-replicate")
+        self._persist = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloudckpt-persist")
+        self._lock = threading.Lock()
+        self._pending: list[Future] = []
+        self._persisting: set[int] = set()
+        self._errors: list[BaseException] = []
+        self.last_replication: dict = {}
+        self.last_recovery: dict = {}
+
+    # ------------------------------------------------------------ checks
+    def _check_writable(self, local_dir: str) -> None:
+        probe = os.path.join(self.root, f".probe-{uuid.uuid4().hex[:8]}")
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            with open(probe, "xb") as f:
+                f.write(b"x")
+            os.unlink(probe)
+        except OSError as e:
+            raise ConfigError(f"local_dir={local_dir!r} is not usable on rank {self.rank} ({self.root}: {e.strerror or e}): "
+                              "use a writable node-local folder such as /dev/shm/ckpt or a local NVMe path") from None
+
+    def _check_room(self, state_dict: dict) -> None:
+        need = _state_bytes(state_dict) * self.rep.factor
+        free = shutil.disk_usage(self.root).free
+        if need > free:
+            raise LocalCapacityError(
+                f"local_dir {self.root} has {free} bytes free; the next local step needs about {need} on this node "
+                f"(this rank's state x replication_factor {self.rep.factor}): free space, lower keep_last_local, or "
+                "point local_dir at a larger folder")
+
+    # ------------------------------------------------------------ save
+    def save(self, step: int, state_dict: dict, train_state: Any, *, persist_to: str | None = None,
+             ephemeral: bool = False, on_persisted=None) -> Marker:
+        """Write this rank's part of ``step`` locally (collective), then queue its copies
+        to peers and, with ``persist_to`` (the bucket step folder), its upload."""
+        self._check_room(state_dict)
+        save_id = self.ck.coord.on_coordinator("local save id", lambda: uuid.uuid4().hex)
+        tmp = parts.new_tmp(self.root, step, f"write{self.rank}")
+        try:
+            entries = self.ck.write_local(tmp, state_dict, train_state)
+            marker = Marker(step=step, ephemeral=ephemeral, world_size=self.rep.world_size,
+                            objects=tuple(sorted(entries, key=lambda o: o.path)), torch_version=torch.__version__,
+                            save_id=save_id)
+            parts.publish(tmp, marker, self.root, self.rank)
+        except BaseException:
+            parts.remove(tmp)
+            raise
+        if persist_to is not None:
+            with self._lock:
+                self._persisting.add(step)
+            self._track(self._persist.submit(self._persist_step, step, persist_to, ephemeral, on_persisted))
+        self._track(self._bg.submit(self._replicate_and_prune, step))
+        return marker
+
+    def _track(self, fut: Future) -> None:
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()] + [fut]
+
+    def _replicate_and_prune(self, step: int) -> None:
+        try:
+            stats = self.coord.all_ranks("copy local step", lambda: exchange.replicate(self.coord, self.rep, self.root, step))
+            parts.mark_replicated(self.root, step, self.rank)
+            self.last_replication = dict(stats[self.rank], step=step)
+        except Exception as e:  # noqa: BLE001 - the step stays incomplete; the next one tries again
+            log.warning("local step %d: copying to peer nodes failed (%s); it is not complete", step, e)
+            return
+        self._prune()
+
+    def _persist_step(self, step: int, url: str, ephemeral: bool, on_persisted) -> None:
+        ok = False
+        try:
+            own = parts.read_part(self.root, step, self.rank)
+            files = [] if own is None else [(own.file(o.path), o) for o in own.marker.objects]
+            self.persister.persist_files(url, files, ephemeral=ephemeral, step=step)
+            ok = True
+            log.info("persisted local step %d to %s", step, url)
+        except BaseException as e:
+            log.error("persisting local step %d to %s failed (nothing was committed there): %s", step, url, e)
+            with self._lock:
+                self._errors.append(e)
+            raise
+        finally:
+            with self._lock:
+                self._persisting.discard(step)
+            if on_persisted is not None:
+                on_persisted(ok)
+
+    # ------------------------------------------------------------ completeness
+    def _held(self, step: int) -> dict[int, parts.Part]:
+        """The parts of ``step`` this rank is meant to hold (its own and its group's),
+        once the step's copying finished on every rank."""
+        out: dict[int, parts.Part] = {}
+        if not parts.is_replicated(self.root, step, self.rank):
+            return out
+        for r in self.rep.group_of(self.rank):
+            p = parts.read_part(self.root, step, r)
+            if p is not None and p.marker.world_size == self.rep.world_size:
+                out[r] = p
+        return out
+
+    def _summary(self) -> dict[int, list[int]]:
+        return {s: sorted(self._held(s)) for s in parts.steps_on_disk(self.root)}
+
+    def _complete(self, every: list[dict[int, list[int]]], *, verified: bool = False) -> list[int]:
+        covered: dict[int, set[int]] = {}
+        for summary in every:
+            for s, rs in summary.items():
+                covered.setdefault(s, set()).update(rs)
+        return sorted(s for s, rs in covered.items() if rs == set(range(self.rep.world_size)))
+
+    def find(self, *, newer_than: int = -1, step: int | None = None) -> Found | None:
+        """The newest local step above ``newer_than`` (or exactly ``step``) whose every
+        part has a verified copy on some rank; None if there is none. Collective: one
+        all-gather of what each rank holds, then each candidate's copies are verified
+        (CRC32C) by their holders and gathered again."""
+        summary = {s: rs for s, rs in self._summary().items() if s > newer_than and (step is None or s == step)}
+        candidates = self._complete(self.coord.all_gather(summary))
+        for s in reversed(candidates):
+            held = self._held(s)
+            ok = {r: p for r, p in held.items() if parts.verify(p)}
+            mine = {r: (p.marker.to_bytes(), p.marker.save_id) for r, p in ok.items()}
+            every = self.coord.all_gather(mine)
+            holders: dict[int, list[int]] = {}
+            markers: dict[int, Marker] = {}
+            save_ids = set()
+            for rank, got in enumerate(every):
+                for r, (body, save_id) in got.items():
+                    holders.setdefault(r, []).append(rank)
+                    markers.setdefault(r, Marker.from_bytes(body, url=f"rank {rank}'s copy of part {r}"))
+                    save_ids.add(save_id)
+            if set(holders) == set(range(self.rep.world_size)) and len(save_ids) == 1:
+                return Found(s, holders, markers)
+            log.warning("local step %d is not usable: %s", s, "parts of different saves" if len(save_ids) > 1
+                        else "some parts failed their checksums and have no other copy")
+        return None
+
+    # ------------------------------------------------------------ recovery
+    def load(self, found: Found, state_dict: dict, **load_kwargs: Any) -> Any:
+        """Load the complete local step ``found`` into ``state_dict``: the files this rank
+        reads come from its own disk, or from a peer that holds them. Collective.
+        Returns the train state, as ``Checkpointer.load`` does."""
+        t0 = time.monotonic()
+        # parts with a verified copy on this node's disk (this rank's or a neighbour's): linked, not fetched
+        node = self.rep.node_of(self.rank)
+        held = {}
+        for r, hs in found.holders.items():
+            if any(self.rep.node_of(h) == node for h in hs):
+                p = parts.read_part(self.root, found.step, r)
+                if p is not None and p.marker == found.markers[r]:
+                    held[r] = p
+        owner = {o.path: r for r, m in found.markers.items() for o in m.objects}
+        any_marker = next(iter(found.markers.values()))
+        combined = Marker(step=found.step, ephemeral=any_marker.ephemeral, world_size=self.rep.world_size,
+                          objects=tuple(sorted((o for m in found.markers.values() for o in m.objects), key=lambda o: o.path)),
+                          torch_version=any_marker.torch_version, save_id=any_marker.save_id)
+        view = parts.new_tmp(self.root, found.step, f"view{self.rank}")
+        stats = {"fetched_bytes": 0, "local_files": 0}
+        try:
+            with open(os.path.join(view, layout.MARKER), "wb") as f:
+                f.write(combined.to_bytes())
+            for p in held.values():
+                for o in p.marker.objects:
+                    _link(p.file(o.path), os.path.join(view, *o.path.split("/")))
+                    stats["local_files"] += 1
+
+            def fetch(rels) -> None:
+                needs = [(owner[r], r) for r in rels if r in owner and not os.path.exists(os.path.join(view, *r.split("/")))]
+                stats["fetched_bytes"] += exchange.fetch(self.coord, needs, found.holders, held, found.markers, view)
+
+            first = [layout.train_state_name(self.rank)] + ([layout.DCP_METADATA] if self.rank == 0 else [])
+            fetch(first)
+            ts = self.ck.load(view, state_dict, before_read=lambda rels: fetch(f"{layout.MODEL_DIR}/{r}" for r in rels),
+                              **load_kwargs)
+        finally:
+            parts.remove(view)
+        self.last_recovery = dict(stats, step=found.step, seconds=time.monotonic() - t0)
+        return ts
+
+    # ------------------------------------------------------------ retention
+    def _prune(self) -> None:
+        """Keep the ``keep_last`` newest complete steps (and steps being persisted, and
+        any newer step still being written); remove the rest: older complete steps,
+        partial steps below the newest complete one, and leftovers of failed writes.
+        Collective on the tier's group (runs on the background thread)."""
+        try:
+            every = self.coord.all_gather(self._summary())
+        except CloudCkptError as e:
+            log.warning("local retention skipped: %s", e)
+            return
+        complete = self._complete(every)
+        keep = set(complete[-self.keep_last:])
+        with self._lock:
+            keep |= self._persisting
+        newest = complete[-1] if complete else -1
+        for s in parts.steps_on_disk(self.root):
+            if s in keep or s > newest:
+                continue
+            folder = parts.step_folder(self.root, s)
+            for name in os.listdir(folder):
+                rank = name[len("rank"):] if name.startswith("rank") else None
+                if rank is None or not rank.isdigit() or int(rank) in self.rep.group_of(self.rank):
+                    parts.remove(os.path.join(folder, name))
+            with contextlib.suppress(OSError):  # another rank of this node may remove it first
+                os.rmdir(folder)
+
+    # ------------------------------------------------------------ lifecycle
+    def drain(self) -> None:
+        """Wait for the copies and persists under way (errors stay for ``wait``)."""
+        for f in self.in_flight():
+            with contextlib.suppress(Exception):
+                f.result()
+
+    def in_flight(self) -> list[Future]:
+        with self._lock:
+            return [f for f in self._pending if not f.done()]
+
+    def wait(self) -> None:
+        """Wait for copies and persists; raise the first persist failure not reported yet."""
+        for f in self.in_flight():
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001 - persist errors are collected; copy errors were logged
+                pass
+        with self._lock:
+            errs, self._errors = self._errors, []
+        if errs:
+            raise errs[0]
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._bg.shutdown(wait=True)
+            self._persist.shutdown(wait=True)
+            self.persister.close()
+
+
+def _link(src: str, dst: str) -> None:
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def _state_bytes(state_dict: Any) -> int:
+    """Bytes of the tensors of a state dict (this rank's shards), Statefuls expanded."""
+    from ..._torch_compat import stateful_to_state_dict
+
+    total = 0
+
+    def walk(v: Any) -> None:
+        nonlocal total
+        if isinstance(v, torch.Tensor):
+            local = v.to_local() if hasattr(v, "to_local") else v
+            total += local.numel() * local.element_size()
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+
+    walk(stateful_to_state_dict(state_dict))
+    return total

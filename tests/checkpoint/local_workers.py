@@ -1,0 +1,92 @@
+"""Ranks of the node-local tier tests (module level: spawned processes import them).
+
+A run trains a sharded state (DTensors: each rank holds its own rows) with a
+deterministic update per step, and checkpoints with the local tier: local steps
+every 10, bucket steps every 20. Ranks are grouped 2 per "node" (LOCAL_WORLD_SIZE=2),
+each node with its own folder ``{local}/node{n}``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+
+from cloudckpt import CheckpointConfig
+
+from .workers import gathered, sharded_state
+
+
+def _train_step(sd: dict, step: int) -> None:
+    for t in (sd["model"]["w"], sd["model"]["b"], sd["optim"]["state"]["w"]["exp_avg"],
+              sd["optim"]["state"]["w"]["exp_avg_sq"]):
+        t.to_local().mul_(0.99).add_(0.001 * step)
+    sd["optim"]["step"] = step
+
+
+def config(save_folder: str, local: str, work: str, **kw) -> CheckpointConfig:
+    opts = dict(save_folder=save_folder, local_dir=os.path.join(local, "node{node}"), local_save_interval=10,
+                save_interval=20, keep_last_local=3, work_dir=work, exact_resume=False, collective_timeout=30)
+    opts.update(kw)
+    return CheckpointConfig(**opts)
+
+
+def run(rank, world_size, save_folder, local, work, upto, cfg_kw=None, kill=None):
+    """Resume (if anything is there), train up to step ``upto``; return what was
+    resumed, the gathered state right after resume, and snapshots at every 10 steps.
+    ``kill``: ``(step, rank, where)`` SIGKILLs that rank in the local save (``"save"``),
+    in the copying (``"copy"``) or in the upload to the bucket (``"persist"``) of that step."""
+    cfg = config(save_folder, local, work, **(cfg_kw or {}))
+    if kill is not None:
+        _arm(rank, *kill)
+    mgr = cfg.build()
+    sd = sharded_state(world_size, seed=0)
+    ts = mgr.resume(sd)
+    start = ts["step"] if ts else 0
+    out = {"resumed_step": mgr.resumed_step, "resumed_from": mgr.resumed_from, "train_state": ts,
+           "at_resume": gathered(sd), "recovery": dict(mgr.local.last_recovery), "snapshots": {}}
+    for step in range(start + 1, upto + 1):
+        _train_step(sd, step)
+        mgr.maybe_save(step, sd, {"step": step, "rank": rank})
+        if kill is not None and step == kill[0] - 1:
+            mgr.wait()  # the previous local step is copied and persisted before the victim dies
+        if step % 10 == 0 and kill is None:  # (a collective: not with a rank about to die)
+            out["snapshots"][step] = gathered(sd)
+    mgr.close()
+    return out
+
+
+def _arm(rank: int, step: int, victim: int, where: str) -> None:
+    if rank != victim:
+        return
+    from cloudckpt.checkpoint import checkpointer
+    from cloudckpt.checkpoint.local import exchange
+
+    if where == "copy":
+        real = exchange._recv_checked
+
+        def dying_recv(coord, path, size, crc, src):
+            if f"step{step}" in path:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(coord, path, size, crc, src)
+
+        exchange._recv_checked = dying_recv
+    elif where == "persist":
+        real_upload = checkpointer.Checkpointer._upload_files
+
+        def dying_upload(self, dir, files):
+            if f"step{step}" in dir:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_upload(self, dir, files)
+
+        checkpointer.Checkpointer._upload_files = dying_upload
+    else:
+        real_write = checkpointer.Checkpointer.write_local
+
+        def dying_write(self, folder, state_dict, train_state=None):
+            if f"step{step}" in folder:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_write(self, folder, state_dict, train_state)
+
+        checkpointer.Checkpointer.write_local = dying_write

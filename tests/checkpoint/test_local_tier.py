@@ -1,0 +1,154 @@
+"""The node-local tier with real gloo ranks: 4 ranks as 2 "nodes" x 2 ranks, each node
+with its own folder, the bucket on SeaweedFS behind a request-recording proxy.
+
+A first run trains to step 30: local steps 10, 20, 30 (copied to the peer node),
+bucket step 20 (persisted from the local files). Then the recovery cases.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from cloudckpt.checkpoint import discovery
+from cloudckpt.checkpoint.local.groups import Replication
+from cloudckpt.errors import ConfigError
+from cloudckpt.storage import open_store
+from cloudckpt.testing.faultproxy import FaultProxy
+from cloudckpt.testing.multiprocess import RankFailed, run_ranks
+
+from . import local_workers
+from .test_checkpointer import _env
+
+WORLD = 4
+
+
+@pytest.fixture
+def proxy(seaweed):
+    with FaultProxy(seaweed.endpoint_url, seed=0) as p:
+        yield p
+
+
+def _run(proxy, s3_bucket, tmp_path, upto, **kw):
+    env = dict(_env(), AWS_ENDPOINT_URL=proxy.endpoint_url, LOCAL_WORLD_SIZE="2")
+    return run_ranks(WORLD, local_workers.run, s3_bucket + "/run", str(tmp_path / "local"), str(tmp_path / "work"),
+                     upto, kw.get("cfg_kw"), kw.get("kill"), env=env, timeout=kw.get("timeout", 240))
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _requests_since(proxy, n: int) -> list[str]:
+    return [f"{c.method} {c.target}" for c in proxy.completed[n:]]
+
+
+def _first_run(proxy, s3_bucket, tmp_path, **kw):
+    outs = _run(proxy, s3_bucket, tmp_path, 30, **kw)
+    assert all(o["resumed_step"] is None for o in outs)
+    assert [s for s, _ in discovery.find_checkpoints(s3_bucket + "/run")] == [20]  # persisted: save_interval 20
+    copies = (kw.get("cfg_kw") or {}).get("replication_factor", 2) > 1
+    for node in (0, 1):  # every node holds steps 10..30: its ranks' parts (and their peers' copies)
+        want = ["rank0", "rank1", "rank2", "rank3"] if copies else [f"rank{2 * node}", f"rank{2 * node + 1}"]
+        for step in (10, 20, 30):
+            held = sorted(os.listdir(tmp_path / "local" / f"node{node}" / f"step{step}"))
+            assert [h for h in held if h.startswith("rank")] == want, (node, step, held)
+            assert not [h for h in held if h.startswith(".tmp-")], held
+    return outs[0]["snapshots"]
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_replaced_node_recovers_from_its_peers_without_reading_the_bucket_step(proxy, s3_bucket, tmp_path, async_save):
+    snaps = _first_run(proxy, s3_bucket, tmp_path, cfg_kw={"async_save": async_save})
+    shutil.rmtree(tmp_path / "local" / "node1")  # node 1 replaced: its disk is empty
+    before = len(proxy.completed)
+    outs = _run(proxy, s3_bucket, tmp_path, 30, cfg_kw={"async_save": async_save})
+    for r, o in enumerate(outs):
+        assert (o["resumed_from"], o["resumed_step"]) == ("local", 30), r
+        assert _equal(o["at_resume"], snaps[30]), r  # bit-exact: model and optimizer state
+        assert o["train_state"] == {"step": 30, "rank": r}
+    # node 1's ranks got their parts (train state, shards) from node 0; node 0 needed nothing
+    assert outs[2]["recovery"]["fetched_bytes"] > 0 and outs[3]["recovery"]["fetched_bytes"] > 0
+    assert outs[0]["recovery"]["fetched_bytes"] == 0 and outs[1]["recovery"]["fetched_bytes"] == 0
+    reqs = _requests_since(proxy, before)
+    # the bucket was only listed and the newest bucket step's marker read: no step data, nothing of step 30
+    assert not [r for r in reqs if "step30" in r], reqs
+    assert not [r for r in reqs if r.startswith("GET") and "/step20/" in r and ".metadata.json" not in r], reqs
+
+
+def test_both_nodes_wiped_resumes_from_the_bucket_step(proxy, s3_bucket, tmp_path):
+    snaps = _first_run(proxy, s3_bucket, tmp_path)
+    shutil.rmtree(tmp_path / "local")
+    outs = _run(proxy, s3_bucket, tmp_path, 30)
+    for r, o in enumerate(outs):
+        assert (o["resumed_from"], o["resumed_step"]) == ("bucket", 20), r
+        assert _equal(o["at_resume"], snaps[20]), r
+        assert o["train_state"] == {"step": 20, "rank": r}
+
+
+def test_without_copies_a_lost_node_falls_back_to_the_bucket(proxy, s3_bucket, tmp_path):
+    snaps = _first_run(proxy, s3_bucket, tmp_path, cfg_kw={"replication_factor": 1})
+    shutil.rmtree(tmp_path / "local" / "node1")
+    outs = _run(proxy, s3_bucket, tmp_path, 30, cfg_kw={"replication_factor": 1})
+    for r, o in enumerate(outs):
+        assert (o["resumed_from"], o["resumed_step"]) == ("bucket", 20), r
+        assert _equal(o["at_resume"], snaps[20]), r
+
+
+@pytest.mark.parametrize("where", ["save", "copy"])
+def test_a_rank_killed_in_a_local_step_leaves_it_incomplete(proxy, s3_bucket, tmp_path, where):
+    """Rank 2 is SIGKILLed while writing (or while receiving the copies of) local step
+    30; the others fail on their collectives. The restart resumes from local step 20,
+    the newest complete one, never from 30."""
+    with pytest.raises(RankFailed):
+        _run(proxy, s3_bucket, tmp_path, 30, kill=(30, 2, where), timeout=120)
+    outs = _run(proxy, s3_bucket, tmp_path, 20)
+    ref = _run(proxy, s3_bucket + "/ref", tmp_path / "ref", 20)[0]["snapshots"][20]  # an uninterrupted run's step 20
+    for r, o in enumerate(outs):
+        assert (o["resumed_from"], o["resumed_step"]) == ("local", 20), r
+        assert _equal(o["at_resume"], ref), r
+
+
+def test_a_rank_killed_while_persisting_leaves_no_bucket_step(proxy, s3_bucket, tmp_path):
+    """Rank 2 dies in the upload of step 20 to the bucket: the bucket shows no step
+    (the usual marker-last guarantee); the restart resumes from a complete local step
+    and clears the upload's leftovers."""
+    with pytest.raises(RankFailed):
+        _run(proxy, s3_bucket, tmp_path, 25, kill=(20, 2, "persist"), timeout=120)
+    assert list(discovery.find_checkpoints(s3_bucket + "/run")) == []
+    outs = _run(proxy, s3_bucket, tmp_path, 20)
+    ref = _run(proxy, s3_bucket + "/ref", tmp_path / "ref", 20)[0]["snapshots"]
+    step = outs[0]["resumed_step"]
+    assert step in (10, 20)  # 20 if its copies finished before the kill, else 10
+    for r, o in enumerate(outs):
+        assert (o["resumed_from"], o["resumed_step"]) == ("local", step), r
+        assert _equal(o["at_resume"], ref[step]), r
+    # the partial upload was removed by resume: every object left belongs to a committed step
+    committed = [d + "/" for _, d in discovery.find_checkpoints(s3_bucket + "/run")]
+    left = [o.url for o in open_store(s3_bucket).walk(s3_bucket + "/run/")]
+    assert all(any(u.startswith(c) for c in committed) for u in left), left
+
+
+def test_bad_settings_are_typed_errors_naming_the_setting(tmp_path):
+    with pytest.raises(ConfigError, match="replication_factor=3 is larger than the number of nodes"):
+        Replication(4, 3, 2)
+    with pytest.raises(ConfigError, match=r"not divisible by replication_jump x replication_factor \(2 x 2\)"):
+        Replication(6, 2, 2)
+    with pytest.raises(ConfigError, match="replication_jump=4 does not divide the world size 6"):
+        Replication(6, 1, 4)
+    assert Replication(4, 2, 2).groups() == [(0, 2), (1, 3)]
+    assert Replication(8, 2, 2).groups() == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert Replication(6, 3, 2).group_of(5) == (1, 3, 5)
+    from cloudckpt import CheckpointConfig
+
+    with pytest.raises(ConfigError, match="local_save_interval=5 needs local_dir"):
+        CheckpointConfig(save_folder=str(tmp_path / "r"), local_save_interval=5)
+    with pytest.raises(ConfigError, match="keep_last_local=0"):
+        CheckpointConfig(save_folder=str(tmp_path / "r"), local_dir=str(tmp_path / "l"), keep_last_local=0)
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"local_dir=.*file.* is not usable on rank 0"):
+        CheckpointConfig(save_folder=str(tmp_path / "r"), local_dir=str(blocked / "ckpt")).build()
