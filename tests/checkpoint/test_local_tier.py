@@ -152,3 +152,23 @@ def test_bad_settings_are_typed_errors_naming_the_setting(tmp_path):
     blocked.write_text("not a folder")
     with pytest.raises(ConfigError, match=r"local_dir=.*file.* is not usable on rank 0"):
         CheckpointConfig(save_folder=str(tmp_path / "r"), local_dir=str(blocked / "ckpt")).build()
+
+
+def test_a_local_dir_without_room_for_the_step_is_a_typed_error_naming_it(tmp_path, monkeypatch):
+    """One process: the free space is what shutil.disk_usage reports (here: 1 KiB)."""
+    import collections
+
+    from cloudckpt import CheckpointConfig
+    from cloudckpt.errors import LocalCapacityError
+
+    mgr = CheckpointConfig(save_folder=str(tmp_path / "run"), local_dir=str(tmp_path / "local"), local_save_interval=1,
+                           work_dir=str(tmp_path / "w")).build()
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr("cloudckpt.checkpoint.local.tier.shutil.disk_usage", lambda p: usage(2048, 1024, 1024))
+    try:
+        with pytest.raises(LocalCapacityError, match=r"local_dir .*local has 1024 bytes free; the next local step needs "
+                                                     r"about 40000 .*replication_factor 1"):
+            mgr.maybe_save(1, {"w": torch.zeros(100, 100)})
+        assert os.listdir(tmp_path / "local") == []  # nothing written
+    finally:
+        mgr.close()
