@@ -57,8 +57,9 @@ def test_configuration_reference_lists_every_field_with_its_env_var():
 def test_configuration_yaml_samples_build_the_config_they_describe(tmp_path):
     from cloudckpt import CheckpointConfig
 
-    blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "configuration.md").read_text(), re.S)
-    assert blocks
+    blocks = [b for page in ("configuration.md", "local-tier.md")
+              for b in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / page).read_text(), re.S)]
+    assert len(blocks) == 2
     for i, block in enumerate(blocks):
         path = tmp_path / f"c{i}.yaml"
         path.write_text(block)
@@ -67,6 +68,9 @@ def test_configuration_yaml_samples_build_the_config_they_describe(tmp_path):
             assert cfg.endpoint_url == cfg.storage.endpoint_url == "http://127.0.0.1:8333"
             assert cfg.storage.max_attempts == 4 and cfg.storage.max_pool_connections == 32
             assert cfg.transfer.max_bytes_in_flight == 1024**3
+        if "local_dir:" in block:  # the local tier sample
+            assert (cfg.local_dir, cfg.local_save_interval, cfg.keep_last_local, cfg.replication_factor) == (
+                "/dev/shm/ckpt", 100, 2, 2)
 
 
 def _env() -> dict:
