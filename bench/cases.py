@@ -211,6 +211,15 @@ def populate_steps(s3, prefix: str, n: int) -> None:
         list(pool.map(one, range(1, n + 1)))
 
 
+def _listed_steps(out: str) -> int:
+    """Steps in ``cloudckpt list --json`` output: JSON Lines (one object per step) in this
+    version, one document with a ``steps`` list in older ones."""
+    lines = [json.loads(ln) for ln in out.splitlines() if ln.strip()]
+    if len(lines) == 1 and "steps" in lines[0]:
+        return len(lines[0]["steps"])
+    return sum(1 for d in lines if d.get("type") == "step")
+
+
 def case_discovery(args, runner: Runner, res: Results, s3, log) -> None:
     from bench.ranks import HttpCounter
     from cloudckpt import cli
@@ -253,7 +262,7 @@ def case_discovery(args, runner: Runner, res: Results, s3, log) -> None:
         with contextlib.redirect_stdout(buf):
             rc = cli.main(["list", url, "--json"])
         dt = time.perf_counter() - t0
-        listed = len(json.loads(buf.getvalue())["steps"])
+        listed = _listed_steps(buf.getvalue())
         if rc != 0 or listed != n:
             raise RuntimeError(f"cloudckpt list exited {rc} and listed {listed} steps, expected {n}")
         res.add("list", label, "cloudckpt", {"seconds": dt, "requests": counter.n - n0})

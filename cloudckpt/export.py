@@ -144,7 +144,7 @@ class _TensorReader:
     tensors already written pile up in memory."""
 
     def __init__(self, step: Location, marker: Marker, metadata, pool: ThreadPoolExecutor, *, verify: bool,
-                 piece_size: int):
+                 piece_size: int, on_bytes=None):
         self.model_url = step.join(layout.MODEL_DIR).url
         self.store = step.store
         self.metadata = metadata
@@ -152,6 +152,7 @@ class _TensorReader:
         self.verify = verify
         self.piece_size = piece_size
         self.checksums = step_files.item_checksums(marker)
+        self.on_bytes = on_bytes
         self.bytes_read = 0
 
     def _read_range(self, url: str, start: int, length: int) -> bytes:
@@ -186,6 +187,8 @@ class _TensorReader:
                 raise CorruptCheckpoint(f"{url}: CRC32C mismatch in bytes [{info.offset}, {info.offset + info.length}) of {e.fqn}; "
                                         "the object is corrupt: restore it or export an older step")
             self.bytes_read += len(data)
+            if self.on_bytes is not None:
+                self.on_bytes(len(data))
             part = load_tensor(io.BytesIO(data), url=url, fqn=e.fqn)
             del data
             if not isinstance(part, torch.Tensor) or part.numel() != math.prod(chunk.sizes):
@@ -201,6 +204,13 @@ class _TensorReader:
         if full is None:  # a tensor with no chunks has no elements
             full = torch.empty(e.shape, dtype=e.src_dtype)
         return full
+
+
+def _stored_bytes(metadata, entries: list[_Entry]) -> int:
+    """The bytes an export reads: every stored item of every tensor it writes."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    return sum(metadata.storage_data[MetadataIndex(e.fqn, c.offsets)].length for e in entries for c in e.chunks)
 
 
 # ---------------------------------------------------------------- writing
@@ -257,10 +267,15 @@ def export_weights(
     verify_checksums: bool = True,
     piece_size: int = 32 * _MiB,
     progress: Any = None,
+    read_progress: Any = None,
 ) -> dict:
     """Export the tensors under ``key_prefix`` of the committed step ``step_url`` to
     ``dest_url`` (a local path, ``file://``, ``s3://`` or ``gs://`` object; a URL
     ending in ``/`` gets ``model.safetensors`` or ``model.pt`` appended).
+
+    ``progress``: a transfer-engine progress subscriber for the upload of a bucket
+    ``dest_url``; ``read_progress``: an object with ``start(total_bytes)`` and
+    ``update(n)`` (``cloudckpt.ops.Progress``), told the bytes of the step it reads.
 
     ``dtype`` casts floating-point tensors (``"bfloat16"``, ``"float16"``, a
     ``torch.dtype``; None keeps the stored dtype). ``fmt`` is ``"safetensors"``
@@ -306,7 +321,10 @@ def export_weights(
     engine = TransferEngine(config, storage_options=dest.options, progress=progress)
     pool = ThreadPoolExecutor(max_workers=max(1, min(config.max_concurrency, 16)), thread_name_prefix="cloudckpt-export")
     try:
-        reader = _TensorReader(step, marker, metadata, pool, verify=verify_checksums, piece_size=piece_size)
+        if read_progress is not None:
+            read_progress.start(_stored_bytes(metadata, entries))
+        reader = _TensorReader(step, marker, metadata, pool, verify=verify_checksums, piece_size=piece_size,
+                               on_bytes=read_progress.update if read_progress is not None else None)
         with open(tmp, "xb") as f:
             if fmt == "safetensors":
                 _write_safetensors(f, entries, reader, meta)

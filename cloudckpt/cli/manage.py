@@ -95,9 +95,9 @@ def cmd_adopt(args) -> int:
 def cmd_export(args) -> int:
     from ..ops.progress import engine_subscriber
 
-    with Bar(args, "export upload") as bar:
+    with Bar(args, "export read") as read, Bar(args, "export upload") as bar:
         common = dict(dtype=args.dtype, key_prefix=args.key, overwrite=args.force,
-                      storage_options=storage_options(args), progress=engine_subscriber(bar))
+                      storage_options=storage_options(args), progress=engine_subscriber(bar), read_progress=read)
         if args.format == "hf":
             from ..integrations.hf_export import export_hf
 

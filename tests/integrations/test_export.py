@@ -212,3 +212,19 @@ def test_export_example_runs_and_seeds_a_run(s3_bucket):
     spec.loader.exec_module(mod)
     info = mod.main(s3_bucket + "/example-run")
     assert info["dest"] == s3_bucket + "/example-run/export/model.safetensors" and info["dtype"] == "bfloat16"
+
+
+def test_read_progress_is_told_the_total_and_every_byte_read(step_in_bucket, tmp_path):
+    class Progress:
+        total = None
+        moved = 0
+
+        def start(self, total):
+            self.total = total
+
+        def update(self, n):
+            self.moved += n
+
+    p = Progress()
+    info = export_weights(step_in_bucket, str(tmp_path / "m.safetensors"), read_progress=p)
+    assert p.total == p.moved == info["bytes_read"] > 0
