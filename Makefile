@@ -8,10 +8,10 @@ demo: setup
 	.venv/bin/python examples/demo.py
 
 test: setup
-	.venv/bin/python -m pytest -q -ra
+	.venv/bin/python -m pytest -q -ra -n 2 --dist loadfile
 
 test-fast: setup
-	.venv/bin/python -m pytest -q -ra -m "not slow"
+	.venv/bin/python -m pytest -q -ra -n 2 --dist loadfile -m "not slow"
 
 docs: setup
 	.venv/bin/mkdocs build --strict
