@@ -233,9 +233,11 @@ class CheckpointManager:
     def _maintain(self) -> None:
         with self._lock:
             protect = frozenset(self._writing)
+            newest = self.last_saved_step
         try:
             retention.prune(self.save_location, self.policy, protect=protect)
-            retention.gc(self.save_location, older_than=self.config.gc_grace_seconds, protect=protect)
+            # a save that starts after ``protect`` was taken is above the newest committed step
+            retention.gc(self.save_location, older_than=self.config.gc_grace_seconds, protect=protect, keep_above=newest)
         except CloudCkptError as e:
             log.warning("background prune/gc of %s failed (will retry after the next save): %s", self.config.save_folder, e)
 

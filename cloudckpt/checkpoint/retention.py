@@ -82,16 +82,19 @@ class GcReport:
 
 
 def gc(folder: Where, *, older_than: float = 3600.0, only_steps_above: int | None = None, protect: frozenset[int] = frozenset(),
-       dry_run: bool = False, now: float | None = None) -> GcReport:
+       keep_above: int | None = None, dry_run: bool = False, now: float | None = None) -> GcReport:
     """Delete uncommitted step folders (no marker, ours or another tool's) whose newest
     object is older than ``older_than`` seconds (or, with ``only_steps_above``, every uncommitted folder above that step,
     whatever its age: leftovers of a crashed attempt of the run being resumed), and
-    multipart uploads under ``folder`` initiated more than ``older_than`` seconds ago."""
+    multipart uploads under ``folder`` initiated more than ``older_than`` seconds ago.
+    ``keep_above``: uncommitted folders above this step are never removed (a running
+    job's saves in progress: they are above its newest committed step)."""
     now = time.time() if now is None else now
     loc = Location.of(folder).resolved()
     folder, store = loc.url, loc.store
     doomed = []
-    steps = [(s, d) for s, d in discovery.list_step_dirs(loc) if s not in protect]
+    steps = [(s, d) for s, d in discovery.list_step_dirs(loc)
+             if s not in protect and (keep_above is None or s <= keep_above)]
     with ThreadPoolExecutor(max_workers=32) as pool:
         committed = list(pool.map(lambda sd: store.exists(layout.marker_url(sd[1])), steps))
     for (step, dir), is_committed in zip(steps, committed):
@@ -106,8 +109,12 @@ def gc(folder: Where, *, older_than: float = 3600.0, only_steps_above: int | Non
             if newest is None or now - newest < older_than:
                 continue
         doomed.append(dir)
+    def in_progress(url: str) -> bool:
+        step = layout.step_of_name(urls.relative(url, folder).split("/", 1)[0])
+        return step is not None and (step in protect or (keep_above is not None and step > keep_above))
+
     uploads = [u for u in store.list_multipart_uploads(urls.as_prefix(folder))
-               if u.initiated is None or now - u.initiated >= older_than]
+               if (u.initiated is None or now - u.initiated >= older_than) and not in_progress(u.url)]
     if not dry_run:
         for d in doomed:
             try:

@@ -314,3 +314,18 @@ def test_resume_load_step_loads_that_committed_step_or_names_the_nearest(tmp_pat
     m.close()
     with pytest.raises(ConfigError, match="load_step=-1"):
         cfg.replace(load_step=-1)
+
+
+def test_gc_keep_above_leaves_uncommitted_folders_of_saves_in_progress(tmp_path):
+    """Background maintenance runs gc with keep_above = the newest committed step: a save
+    that started after maintenance took its snapshot of the steps being written is
+    above that step, so even gc_grace_seconds=0 never removes it under the save."""
+    folder = str(tmp_path / "run")
+    with Checkpointer(work_dir=str(tmp_path / "w"), distributed=False) as ck:
+        ck.save(layout.step_dir(folder, 10), {"w": torch.ones(2)})
+    store = open_store(folder)
+    for step in (5, 20):  # uncommitted: a crashed attempt below, a save in progress above
+        store.put_bytes(urls.join(layout.step_dir(folder, step), "model_and_optim/__0_0.distcp"), b"x")
+    rep = retention.gc(folder, older_than=0, keep_above=10, now=time.time() + 5)
+    assert rep.step_dirs == [layout.step_dir(folder, 5)]
+    assert store.exists(urls.join(layout.step_dir(folder, 20), "model_and_optim/__0_0.distcp"))
