@@ -130,13 +130,14 @@ class Coordinator:
             dist.recv(buf, src=peer, group=self.group)
         return buf.numpy().tobytes()
 
-    def send_file(self, path: str, size: int, dst: int) -> None:
-        """Send the first ``size`` bytes of the file ``path`` to rank ``dst`` of this group."""
+    def send_file(self, path: str, size: int, dst: int, *, offset: int = 0) -> None:
+        """Send ``size`` bytes of the file ``path`` from ``offset`` to rank ``dst`` of this group."""
         import torch
 
         peer = dist.get_global_rank(self.group, dst)
         buf = torch.empty(min(self.CHUNK, max(size, 1)), dtype=torch.uint8)
         with open(path, "rb") as f:
+            f.seek(offset)
             left = size
             while left > 0:
                 n = min(left, self.CHUNK)
@@ -147,13 +148,16 @@ class Coordinator:
                 dist.send(view, dst=peer, group=self.group)
                 left -= n
 
-    def recv_file(self, path: str, size: int, src: int, on_chunk: Callable[[memoryview], None] | None = None) -> None:
-        """Receive ``size`` bytes from rank ``src`` of this group into a new file ``path``."""
+    def recv_file(self, path: str, size: int, src: int, on_chunk: Callable[[memoryview], None] | None = None, *,
+                  offset: int | None = None) -> None:
+        """Receive ``size`` bytes from rank ``src`` of this group into a new file ``path``
+        (``offset``: into the existing file ``path`` at that offset)."""
         import torch
 
         peer = dist.get_global_rank(self.group, src)
         buf = torch.empty(min(self.CHUNK, max(size, 1)), dtype=torch.uint8)
-        with open(path, "xb") as f:
+        with open(path, "xb" if offset is None else "r+b") as f:
+            f.seek(offset or 0)
             left = size
             while left > 0:
                 n = min(left, self.CHUNK)

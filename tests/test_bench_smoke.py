@@ -148,3 +148,15 @@ def test_metadata_unpickle_bench_reports_both_times_and_their_ratio():
     out = subprocess.run([sys.executable, "-m", "bench.metadata_unpickle", "--reps", "1", "--layers", "3"],
                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300, check=True).stdout
     assert re.search(r"pickle\.loads [\d.]+ s, cloudckpt loads_metadata [\d.]+ s .*ratio [\d.]+", out), out
+
+
+@pytest.mark.slow
+def test_smoke_local_tier_bench_recovers_bit_exactly_from_peers(tmp_path):
+    """``bench.local_tier --smoke``: every row is measured and the recovery it times is
+    a real one (from the peer node, bit-exact); the figures of a smoke run mean nothing."""
+    p = subprocess.run([sys.executable, "-m", "bench.local_tier", "--smoke", "--out-dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    row = json.loads((tmp_path / "local_tier_smoke.json").read_text())["row"]
+    assert row["recovered_from"] == ["local", 1] and row["bit_exact"] and row["fetched_bytes_node1"] > 0
+    assert all(row[k] > 0 for k in ("copy_s", "local_blocked_s", "bucket_s", "replicated_s", "recover_local_s"))

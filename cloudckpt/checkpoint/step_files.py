@@ -29,6 +29,12 @@ def metadata_bytes(step: Location, marker: Marker, *, verify: bool = True) -> by
     return read_checked(step.store, url, entry, limit=MAX_METADATA_BYTES, what="DCP metadata", verify=verify)
 
 
+def parse_metadata(step: Location, marker: Marker, data: bytes) -> Any:
+    """DCP ``Metadata`` from the bytes of the step's ``.metadata`` (allowlisted
+    unpickling; every item inside one of the manifest's files)."""
+    return loads_metadata(data, url=step.join(METADATA_REL).url, files=marker.sizes_under(layout.MODEL_DIR))
+
+
 def read_dcp_metadata(step: Location, *, verify: bool = True) -> tuple[Marker, Any]:
     """The marker and the parsed DCP ``Metadata`` of a committed step (unpickled with
     the allowlist, every item inside the manifest's files). Raises NotACheckpoint,
@@ -40,7 +46,7 @@ def read_dcp_metadata(step: Location, *, verify: bool = True) -> tuple[Marker, A
     url = step.join(METADATA_REL).url
     if data is None:
         raise CorruptCheckpoint(f"{url}: the checkpoint's marker lists no DCP metadata; it holds no model or optimizer state")
-    return marker, loads_metadata(data, url=url, files=marker.sizes_under(layout.MODEL_DIR))
+    return marker, parse_metadata(step, marker, data)
 
 
 def train_state(step: Location, marker: Marker, rel: str, *, verify: bool = True) -> Any:

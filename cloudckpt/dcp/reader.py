@@ -72,7 +72,7 @@ class StreamingReader(StorageReader):
         download_ahead: int = 2,
         metadata_bytes: bytes | None = None,
         files: dict[str, int] | None = None,
-        before_read: Callable[[set[str]], None] | None = None,
+        before_read: Callable[[dict[str, list[tuple[int, int]]]], None] | None = None,
     ):
         """``stream(url, start, end, job)`` runs ``job(open_from, progress)`` on a
         transfer thread and returns its Future (``TransferEngine.submit_stream``);
@@ -84,8 +84,9 @@ class StreamingReader(StorageReader):
         for every rank); it is checked like a fetched object. ``files``: the manifest's
         ``{relative path: size}`` of this DCP folder; every item of ``.metadata`` must
         lie inside one of them (None: a checkpoint without a manifest). ``before_read``:
-        called with the relative paths of the files this rank's plan reads, once planned
-        and before any is read (on every rank: it may be collective)."""
+        called with ``{relative path: [(offset, length), ...]}``, the items this rank's
+        plan reads, once planned and before any is read (on every rank: it may be
+        collective)."""
         super().__init__()
         self.remote_dir = remote_dir
         self._stream = stream
@@ -135,7 +136,11 @@ class StreamingReader(StorageReader):
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         if self.before_read is not None:
-            self.before_read({self.storage_data[r.storage_index].relative_path for r in plan.items})
+            ranges: dict[str, list[tuple[int, int]]] = {}
+            for r in plan.items:
+                s = self.storage_data[r.storage_index]
+                ranges.setdefault(s.relative_path, []).append((s.offset, s.length))
+            self.before_read(ranges)
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:

@@ -54,27 +54,6 @@ def hf_section(train_state: Any, step_url: str) -> dict:
     return section
 
 
-class _DropNotLoaded(logging.Filter):
-    """Drops the checkpointer's "keys not loaded" warning: reading only the train state
-    leaves every DCP key unloaded on purpose."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "are not loaded (the target does not ask for them)" not in str(record.msg)
-
-
-@contextlib.contextmanager
-def train_state_only() -> Iterator[None]:
-    """Around a ``load(step, {}, allow_partial=True, …)`` that reads only the train state."""
-    logger, drop = logging.getLogger("cloudckpt.checkpoint.checkpointer"), _DropNotLoaded()
-    logger.addFilter(drop)
-    try:
-        yield
-    finally:
-        logger.removeFilter(drop)
-
-
-
-
 @contextlib.contextmanager
 def rng_preserved() -> Iterator[None]:
     """Around a synchronous save on the training thread: the global RNG states (Python,

@@ -22,7 +22,7 @@ from .. import Checkpointer
 from ..errors import AlreadyExists, ConfigError, IncompatibleCheckpoint
 from ..export import export_weights
 from ..storage import StorageOptions
-from ._hf import HF_KEY, train_state_only
+from ._hf import HF_KEY
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -32,8 +32,8 @@ def _config_text(config: Any, step_url: str, storage_options: StorageOptions | N
     """``config`` as JSON text: a ``PretrainedConfig``, a dict, a ``config.json`` path or
     a folder holding one; None: the config saved with the step."""
     if config is None:
-        with train_state_only(), Checkpointer(distributed=False, storage_options=storage_options) as ckpt:
-            ts = ckpt.load(step_url, {}, allow_partial=True, load_trainer_state=None)
+        with Checkpointer(distributed=False, storage_options=storage_options) as ckpt:
+            ts = ckpt.read_train_state(step_url)
         section = ts.get(HF_KEY) if isinstance(ts, dict) else None
         text = section.get("config") if isinstance(section, dict) else None
         if not isinstance(text, str):

@@ -54,9 +54,7 @@ def _tensors(step: Location, marker: Marker) -> tuple[bool, list[dict], list[str
         return False, [], []
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ..untrusted import loads_metadata
-
-    md = loads_metadata(data, url=step.join(step_files.METADATA_REL).url, files=marker.sizes_under(layout.MODEL_DIR))
+    md = step_files.parse_metadata(step, marker, data)
     tensors, others = [], []
     for key in sorted(md.state_dict_metadata):
         sm = md.state_dict_metadata[key]

@@ -117,15 +117,13 @@ def check_contents(step: Location, marker: Marker) -> list[dict]:
     """Parse the DCP ``.metadata`` and every train state file as a load does
     (cloudckpt.untrusted); ``{path, url, detail}`` for each one refused."""
     from ..checkpoint import step_files
-    from ..untrusted import loads_metadata
 
     bad = []
     for o in marker.objects:
         url = step.join(o.path).url
         try:
             if o.path == step_files.METADATA_REL:
-                loads_metadata(step_files.metadata_bytes(step, marker), url=url,
-                               files=marker.sizes_under(layout.MODEL_DIR))
+                step_files.parse_metadata(step, marker, step_files.metadata_bytes(step, marker))
             elif o.path.startswith(layout.TRAIN_DIR + "/"):
                 step_files.train_state(step, marker, o.path)
         except CorruptCheckpoint as e:

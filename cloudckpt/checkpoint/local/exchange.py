@@ -10,8 +10,8 @@ cannot deadlock; a dead peer ends it with the group's timeout.
   its replication group (groups.py). The receiver writes into a temporary folder,
   checks every file's CRC32C as it arrives, writes the manifest last and moves the
   folder into place: a copy is either whole and verified or absent.
-- ``fetch``: at recovery, the files a rank needs and does not hold come from a rank
-  that holds them (the part's lowest live holder).
+- ``fetch``: at recovery, the byte ranges a rank's load reads from files it does not
+  hold come from a rank that holds them (the part's lowest live holder).
 """
 
 from __future__ import annotations
@@ -34,14 +34,15 @@ log = logging.getLogger(__name__)
 _MAX_MANIFEST = 256 * 1024 * 1024
 
 
-def _recv_checked(coord: dist.Coordinator, path: str, size: int, crc: str | None, src: int) -> None:
+def _recv_checked(coord: dist.Coordinator, path: str, size: int, crc: str | None, src: int, *,
+                  offset: int | None = None) -> None:
     state = {"crc": 0}
 
     def on_chunk(data) -> None:
         state["crc"] = google_crc32c.extend(state["crc"], bytes(data))
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    coord.recv_file(path, size, src, on_chunk=on_chunk if crc else None)
+    coord.recv_file(path, size, src, on_chunk=on_chunk if crc else None, offset=offset)
     if crc and f"{state['crc']:08x}" != crc:
         raise CorruptCheckpoint(f"{path}: the copy received from rank {src} fails its CRC32C")
 
@@ -81,27 +82,47 @@ def replicate(coord: dist.Coordinator, rep: Replication, root: str, step: int) -
     return {"sent": sent, "received": received, "seconds": time.monotonic() - t0}
 
 
-def fetch(coord: dist.Coordinator, needs: Iterable[tuple[int, str]], holders: dict[int, list[int]],
+def fetch(coord: dist.Coordinator, needs: Iterable[tuple[int, str, int, int]], holders: dict[int, list[int]],
           held: dict[int, parts.Part], markers: dict[int, Marker], dest: str) -> int:
-    """Bring the files this rank ``needs`` (``(part's rank, relative path)``) into the
-    folder ``dest``, from the lowest holder of each part. ``holders``: part rank -> ranks
-    holding a verified copy (the same on every rank); ``held``: this rank's copies;
-    ``markers``: each part's manifest. Collective. Returns the bytes received."""
-    mine = sorted(set(needs))
-    every = coord.all_gather(mine)
+    """Bring the byte ranges this rank ``needs`` (``(part's rank, relative path, offset,
+    length)``) into the files of the folder ``dest`` (each created at its full size, the
+    ranges written in place), from the lowest holder of each part. A range that is a
+    whole file, or one of the items the part's manifest lists, is checked against its
+    CRC32C as it arrives (the load checks every item again). ``holders``: part rank ->
+    ranks holding a verified copy (the same on every rank); ``held``: this rank's
+    copies; ``markers``: each part's manifest. Collective. Returns the bytes received."""
+    every = coord.all_gather(_coalesced(needs))
     received = 0
     for needer in range(len(every)):
-        for part_rank, rel in every[needer]:
+        for part_rank, rel, offset, length in every[needer]:
             source = min(holders[part_rank])
             if needer == source:
                 continue
             entry = markers[part_rank].object(rel)
-            if entry is None:
-                raise CorruptCheckpoint(f"{rel} is not in rank {part_rank}'s part")
+            if entry is None or offset < 0 or length < 0 or offset + length > entry.size:
+                raise CorruptCheckpoint(f"{rel} [{offset}, {offset + length}) is not in rank {part_rank}'s part")
             if coord.rank == source:
-                coord.send_file(held[part_rank].file(rel), entry.size, needer)
+                coord.send_file(held[part_rank].file(rel), length, needer, offset=offset)
             elif coord.rank == needer:
                 path = os.path.join(dest, *check_name(rel, what="path in a part", url=dest).split("/"))
-                _recv_checked(coord, path, entry.size, entry.crc32c, source)
-                received += entry.size
+                if not os.path.exists(path):
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    with open(path, "xb") as f:
+                        f.truncate(entry.size)  # sparse: only the ranges read are written
+                crc = entry.crc32c if (offset, length) == (0, entry.size) else \
+                    next((c[2] for c in entry.chunks if (c[0], c[1]) == (offset, length)), None)
+                _recv_checked(coord, path, length, crc, source, offset=offset)
+                received += length
     return received
+
+
+def _coalesced(needs: Iterable[tuple[int, str, int, int]]) -> list[tuple[int, str, int, int]]:
+    """Sorted, with ranges of a file that touch merged into one transfer."""
+    out: list[tuple[int, str, int, int]] = []
+    for part, rel, off, n in sorted(set(needs)):
+        if out and out[-1][:2] == (part, rel) and out[-1][2] + out[-1][3] >= off:
+            p, r, o, m = out[-1]
+            out[-1] = (p, r, o, max(o + m, off + n) - o)
+        else:
+            out.append((part, rel, off, n))
+    return out

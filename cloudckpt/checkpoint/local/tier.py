@@ -231,14 +231,16 @@ class LocalTier:
                     _link(p.file(o.path), os.path.join(view, *o.path.split("/")))
                     stats["local_files"] += 1
 
-            def fetch(rels) -> None:
-                needs = [(owner[r], r) for r in rels if r in owner and not os.path.exists(os.path.join(view, *r.split("/")))]
+            linked = {o.path for p in held.values() for o in p.marker.objects}
+
+            def fetch(ranges: dict[str, list[tuple[int, int]]]) -> None:
+                needs = [(owner[r], r, off, n) for r, rs in ranges.items() if r in owner and r not in linked for off, n in rs]
                 stats["fetched_bytes"] += exchange.fetch(self.coord, needs, found.holders, held, found.markers, view)
 
-            first = [layout.train_state_name(self.rank)] + ([layout.DCP_METADATA] if self.rank == 0 else [])
-            fetch(first)
-            ts = self.ck.load(view, state_dict, before_read=lambda rels: fetch(f"{layout.MODEL_DIR}/{r}" for r in rels),
-                              **load_kwargs)
+            whole = [layout.train_state_name(self.rank)] + ([layout.DCP_METADATA] if self.rank == 0 else [])
+            fetch({r: [(0, found.markers[owner[r]].object(r).size)] for r in whole if r in owner})
+            ts = self.ck.load(view, state_dict, before_read=lambda ranges: fetch(
+                {f"{layout.MODEL_DIR}/{r}": rs for r, rs in ranges.items()}), **load_kwargs)
         finally:
             parts.remove(view)
         self.last_recovery = dict(stats, step=found.step, seconds=time.monotonic() - t0)

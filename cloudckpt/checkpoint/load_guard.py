@@ -1,0 +1,133 @@
+"""The load guard: a DCP load planner that checks the plan against the checkpoint
+before anything is read (missing keys, keys left behind, shape and dtype), and puts
+non-tensor values in place through ``cloudckpt.untrusted`` (never DCP's own pickle
+load). Used by ``Checkpointer.load``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner
+
+from ..errors import KeysNotLoaded, MissingKeys, ShapeMismatch
+from ..untrusted import load_plain
+
+log = logging.getLogger(__name__)
+
+def _shown(keys: Sequence[str], n: int = 20) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:n]) + (f" ... ({len(keys)} in all)" if len(keys) > n else "")
+
+
+class KeyCheckingPlanner(DefaultLoadPlanner):
+    """Checks the load plan against the checkpoint before anything is read:
+
+    - MissingKeys: keys asked for that the checkpoint lacks (``strict``; keys under
+      ``optional_prefixes`` are skipped silently);
+    - ShapeMismatch: a tensor asked for with another shape or dtype than saved;
+    - KeysNotLoaded: checkpoint keys that no rank asks for, under a top-level key a
+      rank asks for or under ``model``/``optim`` (unless ``allow_partial`` or the key
+      was skipped on purpose: ``skipped`` top-level keys, or all but ``only``); other
+      leftovers: one warning. Judged on the coordinator from every rank's request
+      (each local plan carries its keys in ``planner_data``; ranks of a sharded load
+      ask for different keys), and handed back to every rank: ``self.not_loaded``.
+    """
+
+    def __init__(self, *, strict: bool, optional_prefixes: tuple[str, ...] = (), url: str = "", step_url: str = "",
+                 allow_partial: bool = False, skipped: Sequence[str] = (), only: str | None = None):
+        super().__init__(allow_partial_load=True)
+        self.url = url
+        self.step_url = step_url
+        self.strict = strict
+        self.optional_prefixes = optional_prefixes
+        self.allow_partial = allow_partial
+        self.skipped = set(skipped)
+        self.only = only  # model_only: every other top-level key is skipped on purpose
+        self.missing: list[str] = []
+        self.not_loaded: list[str] = []
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        have = metadata.state_dict_metadata if metadata is not None else {}
+        missing = [k for k in self.state_dict if k not in have]
+        self.missing = [k for k in missing if not k.startswith(self.optional_prefixes)]
+        if self.missing and self.strict:
+            raise MissingKeys(
+                f"{self.step_url}: {len(self.missing)} key(s) asked for are not in the checkpoint: "
+                f"{_shown(self.missing)}; pass strict=False to load what exists"
+            )
+        self._check_shapes(have)
+        self._top = sorted(state_dict)
+
+    def create_local_plan(self):
+        import dataclasses
+
+        plan = super().create_local_plan()
+        return dataclasses.replace(plan, planner_data={"asked": sorted(self.state_dict), "top": self._top})
+
+    def create_global_plan(self, global_plan):
+        import dataclasses
+
+        asked: set[str] = set()
+        top: set[str] = set()
+        for p in global_plan:
+            data = p.planner_data or {}
+            asked.update(data.get("asked", ()))
+            top.update(data.get("top", ()))
+        have = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        not_loaded = self._check_leftovers(have, asked, top)
+        return [dataclasses.replace(p, planner_data={"not_loaded": not_loaded})
+                for p in super().create_global_plan(global_plan)]
+
+    def finish_plan(self, new_plan):
+        self.not_loaded = list((new_plan.planner_data or {}).get("not_loaded", ()))
+        return super().finish_plan(new_plan)
+
+    def _check_shapes(self, have) -> None:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        for k, v in self.state_dict.items():
+            md = have.get(k)
+            if not isinstance(v, torch.Tensor) or not isinstance(md, TensorStorageMetadata):
+                continue
+            if tuple(v.size()) != tuple(md.size) or v.dtype != md.properties.dtype:
+                raise ShapeMismatch(
+                    f"{self.step_url}: {k!r} was saved as {str(md.properties.dtype).replace('torch.', '')} "
+                    f"{list(md.size)}, the target is {str(v.dtype).replace('torch.', '')} {list(v.size())}; build the "
+                    "model with the configuration the checkpoint was saved with, or leave its top-level key out "
+                    "(exclude_from_loading=[...])"
+                )
+
+    def _check_leftovers(self, have, asked: set[str], top: set[str]) -> list[str]:
+        not_loaded = sorted(k for k in have if k not in asked and k.split(".", 1)[0] not in self.skipped
+                            and (self.only is None or k.split(".", 1)[0] == self.only))
+        guarded = top | {"model", "optim"}
+        dropped = [k for k in not_loaded if k.split(".", 1)[0] in guarded]
+        if dropped and not self.allow_partial:
+            raise KeysNotLoaded(
+                f"{self.step_url}: {len(dropped)} key(s) of the checkpoint would not be loaded because the target does "
+                f"not ask for them: {_shown(dropped)}. A fresh optimizer's state_dict() has no per-parameter state: "
+                "pass cloudckpt.AppState(model, optimizer, scheduler) as the state, or pass allow_partial=True "
+                "(or model_only=True) if you mean to leave them behind"
+            )
+        rest = [k for k in not_loaded if k not in dropped]
+        if rest:
+            log.warning("%s: %d key(s) of the checkpoint are not loaded (the target does not ask for them): %s",
+                        self.step_url, len(rest), _shown(rest))
+        return not_loaded
+
+
+    def load_bytes(self, read_item, value) -> None:
+        # Stock DCP unpickles non-tensor values with weights_only=False: a checkpoint
+        # from a bucket could run code. Only plain data is accepted (untrusted.plain).
+        from .._torch_compat import set_element
+
+        fqn = read_item.dest_index.fqn
+        obj = load_plain(value, url=self.url, what=f"value of {fqn!r}")
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
