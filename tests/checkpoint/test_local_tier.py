@@ -172,3 +172,24 @@ def test_a_local_dir_without_room_for_the_step_is_a_typed_error_naming_it(tmp_pa
         assert os.listdir(tmp_path / "local") == []  # nothing written
     finally:
         mgr.close()
+
+
+def test_one_process_resumes_from_its_newest_local_step_and_keeps_the_last_k(tmp_path):
+    from cloudckpt import CheckpointConfig
+
+    cfg = CheckpointConfig(save_folder=str(tmp_path / "run"), local_dir=str(tmp_path / "local"), local_save_interval=2,
+                           save_interval=4, keep_last_local=2, work_dir=str(tmp_path / "w"), exact_resume=False)
+    with cfg.build() as mgr:
+        for step in range(1, 8):
+            mgr.maybe_save(step, {"w": torch.full((4,), float(step))}, {"step": step})
+        mgr.wait()
+    assert sorted(os.listdir(tmp_path / "local")) == ["step4", "step6"]  # 2 and older pruned
+    assert [s for s, _ in discovery.find_checkpoints(str(tmp_path / "run"))] == [4]
+    with cfg.build() as mgr:
+        sd = {"w": torch.zeros(4)}
+        assert mgr.resume(sd) == {"step": 6} and (mgr.resumed_from, mgr.resumed_step) == ("local", 6)
+        assert torch.equal(sd["w"], torch.full((4,), 6.0))
+    shutil.rmtree(tmp_path / "local")
+    with cfg.build() as mgr:
+        sd = {"w": torch.zeros(4)}
+        assert mgr.resume(sd) == {"step": 4} and mgr.resumed_from == "bucket"
