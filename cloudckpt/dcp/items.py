@@ -14,7 +14,7 @@ Why: the general path copies every byte twice (into the loaded storage, then
 into the target) and ``copy_`` runs on torch's OpenMP pool, whose threads
 spin-wait after each copy. On a loaded machine (ranks, download threads and the
 store sharing the cores) that spinning cost ~14 % of all CPU in a 2-rank load;
-the direct path cut the load's client CPU by ~1/3 (docs/performance.md).
+the direct path cut the load's client CPU by ~1/3 (bench/NOTES.md).
 """
 
 from __future__ import annotations

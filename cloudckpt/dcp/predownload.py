@@ -171,7 +171,7 @@ class FileDownload(ResumableStream):
         machine has not written lately costs more than the copy here (the page cache's
         pages of a new file: 0.13-0.29 CPU-s per 512 MiB against 0.06 over pages just
         used); with files freed whole once read, a 1 GiB pre-download load took 2.2-2.6 s,
-        with pages freed behind the reader 1.7-2.5 s (docs/performance.md)."""
+        with pages freed behind the reader 1.7-2.5 s (bench/NOTES.md)."""
         upto = self.local(pos)
         upto -= upto % _PAGE
         if upto > self._discarded and self.fd >= 0 and _punch_hole(self.fd, self._discarded, upto - self._discarded):

@@ -158,7 +158,7 @@ class S3Store(ObjectStore):
     # PUT, larger ones in 64 MiB parts. Measured against 16 MiB parts on SeaweedFS (1 GiB,
     # 2 ranks): the store spent 30-50 % less CPU per save and saves ran 1.3-1.7x faster;
     # on S3 it is one request per shard file instead of ~18, against the per-prefix
-    # request rate (docs/performance.md). Uploads by file name read each part from disk
+    # request rate (bench/NOTES.md). Uploads by file name read each part from disk
     # while sending, so larger parts cost no memory there.
     default_multipart_threshold = 512 * MiB
     default_part_size = 64 * MiB
