@@ -100,28 +100,12 @@ class CheckpointManager:
         instead of the newest; a step that is not committed raises NotACheckpoint
         naming the nearest committed ones. ``load_kwargs`` go to ``Checkpointer.load``."""
         folder = self.config.save_folder
-        loc = self.save_location
         load_step = self.config.load_step if load_step is None else load_step
-
-        def discover():
-            if load_step is not None:
-                latest = _committed_step(loc, load_step)
-            else:
-                try:
-                    latest = discovery.latest_checkpoint(loc, use_pointer=False)
-                except NotACheckpoint:
-                    latest = None
-            step = layout.parse_step_dir(latest) if latest else -1
-            rep = retention.gc(loc, only_steps_above=step)
-            if rep.step_dirs:
-                log.warning("removed uncommitted leftovers of a crashed attempt above step %d: %s", step, rep.step_dirs)
-            return latest
-
         found = None
         if self.local is not None and load_step is not None:
             self.local.drain()
             found = self.local.find(step=load_step)
-        latest = None if found is not None else self.coord.on_coordinator("discover", discover)
+        latest = None if found is not None else self.step_to_resume(load_step=load_step)
         if self.local is not None and found is None and load_step is None:
             self.local.drain()
             found = self.local.find(newer_than=layout.parse_step_dir(latest) - 1 if latest else -1)
@@ -151,6 +135,30 @@ class CheckpointManager:
                     log.warning("exact resume: not restored on rank %d: %s (%s)", self.coord.rank, ", ".join(missing),
                                 "the world size changed" if not same else "not in the checkpoint")
         return ts
+
+    def step_to_resume(self, *, load_step: int | None = None) -> str | None:
+        """The bucket step folder ``resume`` loads (``load_step``, default the config's,
+        else the newest committed; None if there is none), after removing uncommitted
+        leftovers of a crashed attempt above it. Collective: rank 0 decides, every rank
+        gets the answer. Integrations that load by themselves (Hugging Face) use it."""
+        loc = self.save_location
+        load_step = self.config.load_step if load_step is None else load_step
+
+        def discover():
+            if load_step is not None:
+                latest = _committed_step(loc, load_step)
+            else:
+                try:
+                    latest = discovery.latest_checkpoint(loc, use_pointer=False)
+                except NotACheckpoint:
+                    latest = None
+            step = layout.parse_step_dir(latest) if latest else -1
+            rep = retention.gc(loc, only_steps_above=step)
+            if rep.step_dirs:
+                log.warning("removed uncommitted leftovers of a crashed attempt above step %d: %s", step, rep.step_dirs)
+            return latest
+
+        return self.coord.on_coordinator("discover", discover)
 
     # ------------------------------------------------------------ save
     def due(self, step: int) -> str | None:

@@ -48,8 +48,8 @@ except ImportError as e:  # pragma: no cover - the extra is missing
     raise ImportError("cloudckpt.integrations.hf needs transformers: pip install 'cloudckpt[hf]'") from e
 
 from .. import AppState, CheckpointConfig, CheckpointManager
-from ..checkpoint import layout, retention
-from ..errors import CheckpointError, IncompatibleCheckpoint, NotACheckpoint
+from ..checkpoint import layout
+from ..errors import CheckpointError, IncompatibleCheckpoint
 from ..export import export_weights
 from ._hf import FORMAT, HF_KEY, build_manager, config_json, hf_section, rng_preserved, unwrap
 
@@ -65,24 +65,6 @@ def _rng_state(world_size: int) -> dict[str, Any]:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.random.get_rng_state_all() if world_size > 1 else torch.cuda.random.get_rng_state()
     return state
-
-
-def _step_to_resume(mgr: CheckpointManager) -> str | None:
-    """The step ``mgr.resume`` would load (the config's ``load_step``, else the newest
-    committed; None if there is none), after removing uncommitted leftovers above it as
-    ``resume`` does. Runs on the coordinator."""
-    loc, want = mgr.save_location, mgr.config.load_step
-    if want is not None:
-        latest = layout.step_dir(loc.url, want)
-        if not mgr.checkpointer.dir_is_checkpoint(loc.at(latest)):
-            raise NotACheckpoint(f"load_step={want}: {latest} is not a committed checkpoint")
-    else:
-        try:
-            latest = mgr.checkpointer.latest_checkpoint(loc)
-        except NotACheckpoint:
-            latest = None
-    retention.gc(loc, only_steps_above=layout.parse_step_dir(latest) if latest else -1)
-    return latest
 
 
 def _write_json(path: str, text: str, what: str, url: str) -> None:
@@ -140,7 +122,7 @@ class CloudCheckpointCallback(TrainerCallback):
         Raises IncompatibleCheckpoint (the step was not written by this callback),
         CorruptCheckpoint/UnsafeCheckpoint (bad bytes), storage errors."""
         mgr = self.manager
-        step_url = mgr.coord.on_coordinator("discover", lambda: _step_to_resume(mgr))
+        step_url = mgr.step_to_resume()
         if step_url is None:
             self._pending = None
             return None
