@@ -84,7 +84,8 @@ class CheckpointManager:
                                  stale_lock_seconds=config.stale_lock_seconds,
                                  collective_timeout=config.collective_timeout)
         return LocalTier(self.checkpointer, persister, local_dir=config.local_dir, replication=rep,
-                         keep_last=config.keep_last_local, collective_timeout=config.collective_timeout)
+                         keep_last=config.keep_last_local, collective_timeout=config.collective_timeout,
+                         save_folder=config.save_folder)
 
     def register_data_loader(self, loader: Any, name: str = "train") -> None:
         """Save and restore this loader's state (``state_dict``/``load_state_dict``) with

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cloudckpt.checkpoint import discovery
+from cloudckpt.checkpoint.local import parts
 from cloudckpt.checkpoint.local.groups import Replication
 from cloudckpt.errors import ConfigError
 from cloudckpt.storage import open_store
@@ -169,7 +170,7 @@ def test_a_local_dir_without_room_for_the_step_is_a_typed_error_naming_it(tmp_pa
         with pytest.raises(LocalCapacityError, match=r"local_dir .*local has 1024 bytes free; the next local step needs "
                                                      r"about 40000 .*replication_factor 1"):
             mgr.maybe_save(1, {"w": torch.zeros(100, 100)})
-        assert os.listdir(tmp_path / "local") == []  # nothing written
+        assert parts.steps_on_disk(str(tmp_path / "local")) == []  # nothing written
     finally:
         mgr.close()
 
@@ -183,7 +184,7 @@ def test_one_process_resumes_from_its_newest_local_step_and_keeps_the_last_k(tmp
         for step in range(1, 8):
             mgr.maybe_save(step, {"w": torch.full((4,), float(step))}, {"step": step})
         mgr.wait()
-    assert sorted(os.listdir(tmp_path / "local")) == ["step4", "step6"]  # 2 and older pruned
+    assert parts.steps_on_disk(str(tmp_path / "local")) == [4, 6]  # 2 and older pruned
     assert [s for s, _ in discovery.find_checkpoints(str(tmp_path / "run"))] == [4]
     with cfg.build() as mgr:
         sd = {"w": torch.zeros(4)}
@@ -193,3 +194,18 @@ def test_one_process_resumes_from_its_newest_local_step_and_keeps_the_last_k(tmp
     with cfg.build() as mgr:
         sd = {"w": torch.zeros(4)}
         assert mgr.resume(sd) == {"step": 4} and mgr.resumed_from == "bucket"
+
+
+def test_a_local_dir_holding_another_runs_steps_is_refused_not_resumed_from(tmp_path):
+    from cloudckpt import CheckpointConfig
+
+    local = str(tmp_path / "local")
+    first = CheckpointConfig(save_folder=str(tmp_path / "run-a"), local_dir=local, local_save_interval=1,
+                             work_dir=str(tmp_path / "w"), exact_resume=False)
+    with first.build() as mgr:
+        mgr.maybe_save(1, {"w": torch.ones(2)})
+    with pytest.raises(ConfigError, match=r"holds local steps of another run \(save_folder .*run-a\)"):
+        first.replace(save_folder=str(tmp_path / "run-b")).build()
+    shutil.rmtree(os.path.join(local, "step1"))  # that run's steps are gone: the folder is taken over
+    with first.replace(save_folder=str(tmp_path / "run-b")).build() as mgr:
+        assert mgr.resume({"w": torch.zeros(2)}) is None

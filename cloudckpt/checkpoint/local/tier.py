@@ -18,6 +18,7 @@ logged and raised by ``wait()``/``close()``.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -38,6 +39,7 @@ from . import exchange, parts
 from .groups import Replication
 
 log = logging.getLogger(__name__)
+RUN_FILE = ".cloudckpt-run.json"  # the run (save_folder) whose local steps the folder holds
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ def node_folder(local_dir: str, node: int) -> str:
 
 class LocalTier:
     def __init__(self, checkpointer, persister, *, local_dir: str, replication: Replication, keep_last: int,
-                 collective_timeout: float):
+                 collective_timeout: float, save_folder: str):
         self.ck = checkpointer
         self.persister = persister
         self.rep = replication
@@ -65,6 +67,7 @@ class LocalTier:
         self.rank = checkpointer.coord.rank
         self.root = node_folder(local_dir, replication.node_of(self.rank))
         self._check_writable(local_dir)
+        self._claim(local_dir, save_folder)
         self.coord = dist.Coordinator(timeout=collective_timeout)
         self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloudckpt-replicate")
         self._persist = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloudckpt-persist")
@@ -86,6 +89,26 @@ class LocalTier:
         except OSError as e:
             raise ConfigError(f"local_dir={local_dir!r} is not usable on rank {self.rank} ({self.root}: {e.strerror or e}): "
                               "use a writable node-local folder such as /dev/shm/ckpt or a local NVMe path") from None
+
+    def _claim(self, local_dir: str, save_folder: str) -> None:
+        """Record the run (its ``save_folder``) the node's folder serves; refuse a folder
+        holding local steps of another run, which resume would otherwise load."""
+        path = os.path.join(self.root, RUN_FILE)
+        try:
+            with open(path, "rb") as f:
+                owner = json.loads(f.read(64 * 1024)).get("save_folder")
+        except (OSError, ValueError, AttributeError):
+            owner = None
+        if owner not in (None, save_folder) and parts.steps_on_disk(self.root):
+            raise ConfigError(
+                f"local_dir={local_dir!r} ({self.root}) holds local steps of another run (save_folder {owner}); resuming "
+                f"{save_folder} from them would load the wrong state: use another local_dir for this run, or remove "
+                "the folder if that run is over")
+        if owner != save_folder:
+            tmp = f"{path}.{uuid.uuid4().hex[:8]}"
+            with open(tmp, "w") as f:
+                json.dump({"save_folder": save_folder}, f)
+            os.replace(tmp, path)
 
     def _check_room(self, state_dict: dict) -> None:
         need = _state_bytes(state_dict) * self.rep.factor
