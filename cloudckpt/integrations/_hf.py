@@ -4,10 +4,7 @@ config as JSON, building the manager. Imports neither transformers nor accelerat
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import random
-from typing import Any, Iterator
+from typing import Any
 
 from .. import CheckpointConfig, CheckpointManager
 from ..errors import IncompatibleCheckpoint
@@ -52,23 +49,3 @@ def hf_section(train_state: Any, step_url: str) -> dict:
             f"{step_url} was not saved by cloudckpt's Hugging Face integration (its train state has no {HF_KEY!r} "
             f"section of format {FORMAT}); load it with Checkpointer.load and an AppState instead")
     return section
-
-
-@contextlib.contextmanager
-def rng_preserved() -> Iterator[None]:
-    """Around a synchronous save on the training thread: the global RNG states (Python,
-    NumPy, torch CPU) are put back afterwards, so the save leaves the training's random
-    stream where the checkpoint recorded it. Storage SDKs draw from the global ``random``
-    (google-resumable-media picks each multipart boundary with ``random.randrange``);
-    without this an uninterrupted run would continue from another Python RNG state than
-    a resumed one."""
-    import numpy as np
-    import torch
-
-    py, np_state, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    try:
-        yield
-    finally:
-        random.setstate(py)
-        np.random.set_state(np_state)
-        torch.set_rng_state(cpu)

@@ -51,7 +51,7 @@ from .. import AppState, CheckpointConfig, CheckpointManager
 from ..checkpoint import layout
 from ..errors import CheckpointError, IncompatibleCheckpoint
 from ..export import export_weights
-from ._hf import FORMAT, HF_KEY, build_manager, config_json, hf_section, rng_preserved, unwrap
+from ._hf import FORMAT, HF_KEY, build_manager, config_json, hf_section, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +172,7 @@ class CloudCheckpointCallback(TrainerCallback):
             "process_index": args.process_index,
             "world_size": args.world_size,
         }
-        with rng_preserved():
-            self.manager.save(state.global_step, self._app_state(model, optimizer, lr_scheduler), {HF_KEY: section})
+        self.manager.save(state.global_step, self._app_state(model, optimizer, lr_scheduler), {HF_KEY: section})
 
     def on_train_end(self, args, state, control, **kwargs):
         """Every save is committed (async saves waited for) when ``train`` returns."""

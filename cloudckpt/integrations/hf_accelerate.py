@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import AppState, CheckpointConfig, CheckpointManager
-from ._hf import FORMAT, HF_KEY, build_manager, config_json, rng_preserved, unwrap
+from ._hf import FORMAT, HF_KEY, build_manager, config_json, unwrap
 
 USER_KEY = "train_state"
 
@@ -66,13 +66,11 @@ class AcceleratorCheckpointer:
     def save_state(self, step: int, train_state: Any = None, *, ephemeral: bool = False) -> Any:
         """Save and commit ``{save_folder}/step{step}`` (in the background with
         ``async_save=True``; the returned Future, or the Marker)."""
-        with rng_preserved():
-            return self.manager.save(step, self.state, self._train_state(train_state), ephemeral=ephemeral)
+        return self.manager.save(step, self.state, self._train_state(train_state), ephemeral=ephemeral)
 
     def maybe_save_state(self, step: int, train_state: Any = None, *, force: bool = False) -> Any:
         """Save if ``step`` is due by ``save_interval``/``ephemeral_save_interval`` (or ``force``)."""
-        with rng_preserved():
-            return self.manager.maybe_save(step, self.state, self._train_state(train_state), force=force)
+        return self.manager.maybe_save(step, self.state, self._train_state(train_state), force=force)
 
     def _train_state(self, train_state: Any) -> dict:
         return {USER_KEY: train_state, HF_KEY: {"format": FORMAT, "config": self._config,
