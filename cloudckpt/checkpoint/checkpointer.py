@@ -516,9 +516,6 @@ class Checkpointer:
         dir = resolve_step_dir(dir)
         self._connect_in_background(dir)
         marker, data = self.coord.on_coordinator("read marker", lambda: self._read_marker_and_metadata(dir))
-        url = urls.join(dir, layout.DCP_METADATA)
-        if data is None:
-            raise CorruptCheckpoint(f"{url}: the checkpoint's marker lists no DCP metadata; it holds no model or optimizer state")
         state_dict = build(step_files.parse_metadata(self._at(dir), marker, data))
         opts = dict(load_optim_state=None, load_trainer_state=None, strict=True, pre_download=None,
                     exclude_from_loading=(), allow_partial=False)
@@ -724,11 +721,10 @@ class _Outcome:
 
 def _kept(path: str, crc: str | None) -> Future:
     """A finished 'transfer' of a file kept where it was written (local steps)."""
-    from ..transfer import TransferResult
+    from ..transfer import TransferResult, crc32c_file
 
     if crc is None:
-        with open(path, "rb") as f:
-            crc = crc32c_bytes(f.read())
+        crc = crc32c_file(path)
     fut: Future = Future()
     fut.set_result(TransferResult(url=path, local_path=path, size=os.path.getsize(path), crc32c=crc, attempts=0, seconds=0.0))
     return fut

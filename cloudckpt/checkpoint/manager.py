@@ -44,18 +44,7 @@ log = logging.getLogger(__name__)
 class CheckpointManager:
     def __init__(self, config):
         self.config = config
-        self.checkpointer = Checkpointer(
-            work_dir=config.work_dir,
-            save_overwrite=config.save_overwrite,
-            storage_options=config.storage,
-            transfer=config.transfer,
-            verify_checksums=config.verify_checksums,
-            pre_download=config.pre_download,
-            max_in_flight=config.max_in_flight,
-            thread_count=config.thread_count,
-            stale_lock_seconds=config.stale_lock_seconds,
-            collective_timeout=config.collective_timeout,
-        )
+        self.checkpointer = _checkpointer(config)
         self.coord = self.checkpointer.coord
         self.save_location = Location.of(config.save_folder, self.checkpointer.storage_options)
         self.local = self._local_tier(config) if config.local_dir else None
@@ -79,11 +68,8 @@ class CheckpointManager:
         jump = config.replication_jump or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         factor = config.replication_factor or (2 if ws // max(jump, 1) >= 2 else 1)
         rep = Replication(ws, factor, jump)
-        persister = Checkpointer(work_dir=config.work_dir, save_overwrite=config.save_overwrite,
-                                 storage_options=config.storage, transfer=config.transfer,
-                                 stale_lock_seconds=config.stale_lock_seconds,
-                                 collective_timeout=config.collective_timeout)
-        return LocalTier(self.checkpointer, persister, local_dir=config.local_dir, replication=rep,
+        # uploads local steps from their own thread and group: a Checkpointer of its own
+        return LocalTier(self.checkpointer, _checkpointer(config), local_dir=config.local_dir, replication=rep,
                          keep_last=config.keep_last_local, collective_timeout=config.collective_timeout,
                          save_folder=config.save_folder)
 
@@ -310,6 +296,22 @@ class CheckpointManager:
         else:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _checkpointer(config) -> Checkpointer:
+    """A Checkpointer with the config's settings (collective: it creates its own group)."""
+    return Checkpointer(
+        work_dir=config.work_dir,
+        save_overwrite=config.save_overwrite,
+        storage_options=config.storage,
+        transfer=config.transfer,
+        verify_checksums=config.verify_checksums,
+        pre_download=config.pre_download,
+        max_in_flight=config.max_in_flight,
+        thread_count=config.thread_count,
+        stale_lock_seconds=config.stale_lock_seconds,
+        collective_timeout=config.collective_timeout,
+    )
 
 
 def _committed_step(folder: Location, step: int) -> str:

@@ -29,10 +29,14 @@ def metadata_bytes(step: Location, marker: Marker, *, verify: bool = True) -> by
     return read_checked(step.store, url, entry, limit=MAX_METADATA_BYTES, what="DCP metadata", verify=verify)
 
 
-def parse_metadata(step: Location, marker: Marker, data: bytes) -> Any:
+def parse_metadata(step: Location, marker: Marker, data: bytes | None) -> Any:
     """DCP ``Metadata`` from the bytes of the step's ``.metadata`` (allowlisted
-    unpickling; every item inside one of the manifest's files)."""
-    return loads_metadata(data, url=step.join(METADATA_REL).url, files=marker.sizes_under(layout.MODEL_DIR))
+    unpickling; every item inside one of the manifest's files). ``data`` None (the
+    marker lists no metadata) raises CorruptCheckpoint."""
+    url = step.join(METADATA_REL).url
+    if data is None:
+        raise CorruptCheckpoint(f"{url}: the checkpoint's marker lists no DCP metadata; it holds no model or optimizer state")
+    return loads_metadata(data, url=url, files=marker.sizes_under(layout.MODEL_DIR))
 
 
 def read_dcp_metadata(step: Location, *, verify: bool = True) -> tuple[Marker, Any]:
@@ -42,11 +46,7 @@ def read_dcp_metadata(step: Location, *, verify: bool = True) -> tuple[Marker, A
     storage errors."""
     step = step.resolved_step()
     marker = discovery.read_marker(step)
-    data = metadata_bytes(step, marker, verify=verify)
-    url = step.join(METADATA_REL).url
-    if data is None:
-        raise CorruptCheckpoint(f"{url}: the checkpoint's marker lists no DCP metadata; it holds no model or optimizer state")
-    return marker, parse_metadata(step, marker, data)
+    return marker, parse_metadata(step, marker, metadata_bytes(step, marker, verify=verify))
 
 
 def train_state(step: Location, marker: Marker, rel: str, *, verify: bool = True) -> Any:

@@ -78,3 +78,8 @@ def positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"invalid value {text!r}: use an integer >= 1")
     return v
+
+
+def yes_opt(s, help: str = "really delete (default: dry run)") -> None:
+    """``--yes`` / ``-y`` of the commands that are dry runs unless told otherwise."""
+    s.add_argument("--yes", "-y", action="store_true", help=help)

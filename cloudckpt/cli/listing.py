@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from .common import EXIT_NO, EXIT_NOT_FOUND, EXIT_OK, loc, positive_int
+from .common import EXIT_NO, EXIT_NOT_FOUND, EXIT_OK, loc, positive_int, yes_opt
 from .output import age, emit, emit_records, size, table, utc
 
 
@@ -196,4 +196,4 @@ def register(command) -> None:
                 "so a crash part-way leaves an uncommitted folder, never a committed step with objects missing. "
                 "Dry run unless --yes.")
     s.add_argument("step", metavar="STEP", help="a step folder, e.g. s3://bucket/run-7/step1000")
-    s.add_argument("--yes", "-y", action="store_true", help="really delete (default: dry run)")
+    yes_opt(s)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from .common import EXIT_OK, EXIT_USAGE, CliError, duration_arg, loc, positive_int, storage_options
+from .common import EXIT_OK, EXIT_USAGE, CliError, duration_arg, loc, positive_int, storage_options, yes_opt
 from .output import Bar, age, emit, size, table, utc
 from .step import progress_opts, transfer_opts
 
@@ -134,7 +134,7 @@ def register(command) -> None:
     s.add_argument("--ephemeral-only", action="store_true", help="consider only ephemeral steps")
     s.add_argument("--include-foreign", action="store_true",
                    help="also count (and delete) steps another tool wrote, e.g. OLMo-core's (default: left alone)")
-    s.add_argument("--yes", "-y", action="store_true", help="really delete (default: dry run)")
+    yes_opt(s)
 
     s = command("gc", cmd_gc, "remove uncommitted step folders and orphaned multipart uploads (dry run unless --yes)",
                 "Remove what crashed saves left: step folders without a marker whose newest object is older than "
@@ -143,7 +143,7 @@ def register(command) -> None:
     s.add_argument("folder", metavar="FOLDER")
     s.add_argument("--older-than", type=duration_arg, default=3600.0, metavar="DURATION",
                    help="only what is older than this, e.g. 30m, 2h, 1d (default 1h)")
-    s.add_argument("--yes", "-y", action="store_true", help="really delete (default: dry run)")
+    yes_opt(s)
 
     s = command("adopt", cmd_adopt, "record sizes and CRC32Cs for a step another tool wrote (dry run unless --yes)",
                 "Give a step another tool committed (OLMo-core's marker, no manifest) cloudckpt's manifest: every "
@@ -151,7 +151,7 @@ def register(command) -> None:
                 "other tool's marker, which is left unchanged; loads and verify then check them. Refuses a step "
                 "with anything missing. Dry run unless --yes.")
     s.add_argument("step", metavar="STEP")
-    s.add_argument("--yes", "-y", action="store_true", help="read every object and write the manifest (default: dry run)")
+    yes_opt(s, "read every object and write the manifest (default: dry run)")
     transfer_opts(s, jobs=8, what="objects read")
 
     s = command("export", cmd_export, "export model weights of a step (safetensors, torch file, Hugging Face folder)",

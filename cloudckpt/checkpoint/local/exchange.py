@@ -53,7 +53,7 @@ def replicate(coord: dist.Coordinator, rep: Replication, root: str, step: int) -
     me = coord.rank
     t0 = time.monotonic()
     sent = received = 0
-    own = parts.read_part(root, step, me) if any(s == me for s, _ in rep.transfers()) else None
+    own = parts.read_part(root, step, me) if rep.factor > 1 else None  # factor 1: nothing to send
     for src, dst in rep.transfers():
         if src == me:
             body = own.marker.to_bytes() if own is not None else b""

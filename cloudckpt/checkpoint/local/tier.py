@@ -192,7 +192,7 @@ class LocalTier:
     def _summary(self) -> dict[int, list[int]]:
         return {s: sorted(self._held(s)) for s in parts.steps_on_disk(self.root)}
 
-    def _complete(self, every: list[dict[int, list[int]]], *, verified: bool = False) -> list[int]:
+    def _complete(self, every: list[dict[int, list[int]]]) -> list[int]:
         covered: dict[int, set[int]] = {}
         for summary in every:
             for s, rs in summary.items():
