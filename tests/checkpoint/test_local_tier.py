@@ -209,3 +209,31 @@ def test_a_local_dir_holding_another_runs_steps_is_refused_not_resumed_from(tmp_
     shutil.rmtree(os.path.join(local, "step1"))  # that run's steps are gone: the folder is taken over
     with first.replace(save_folder=str(tmp_path / "run-b")).build() as mgr:
         assert mgr.resume({"w": torch.zeros(2)}) is None
+
+
+def test_a_crafted_local_part_is_ignored_and_nothing_outside_its_folder_is_read_or_linked(tmp_path):
+    """A part manifest naming a path outside its folder (or an absolute one) is refused by
+    the marker parser: the part does not count, resume falls back, no file outside is used."""
+    import json
+
+    from cloudckpt import CheckpointConfig
+
+    secret = tmp_path / "secret.pt"
+    torch.save({"w": torch.full((2,), 7.0)}, secret)
+    local = tmp_path / "local"
+    cfg = CheckpointConfig(save_folder=str(tmp_path / "run"), local_dir=str(local), local_save_interval=1,
+                           work_dir=str(tmp_path / "w"), exact_resume=False)
+    with cfg.build():
+        pass  # the folder now belongs to this run
+    for i, path in enumerate(["../../../secret.pt", str(secret), "model_and_optim/../../x"]):
+        part = local / f"step{i + 1}" / "rank0"
+        part.mkdir(parents=True)
+        (local / f"step{i + 1}" / ".replicated-rank0").touch()
+        (part / "part.json").write_text(json.dumps({
+            "format": "cloudckpt", "format_version": 1, "step": i + 1, "ephemeral": False, "world_size": 1,
+            "created_unix": 0, "objects": [{"path": path, "size": secret.stat().st_size, "crc32c": None}]}))
+        assert parts.read_part(str(local), i + 1, 0) is None
+    with cfg.build() as mgr:
+        sd = {"w": torch.zeros(2)}
+        assert mgr.resume(sd) is None and torch.equal(sd["w"], torch.zeros(2))
+    assert torch.load(secret, weights_only=True)["w"].tolist() == [7.0, 7.0]
