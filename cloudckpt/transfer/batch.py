@@ -17,23 +17,28 @@ def run_all(submit: Callable[[Any], Future], items: Iterable) -> list:
     in the background)."""
     failed = threading.Event()
     futures: list[Future] = []
+    # held while a transfer is submitted and listed, and while a failure cancels the
+    # listed ones: a transfer queued by ``submit`` is listed before a failure's
+    # callback looks at the list (re-entrant: an inline executor fails inside submit)
+    listing = threading.RLock()
 
     def on_done(f: Future) -> None:
-        # runs in the failing worker inside set_exception, before it starts the
-        # next queued transfer: the rest are cancelled before any can start
+        # runs in the failing worker inside set_exception, while the engine still
+        # holds the failed transfer's slot: the rest are cancelled before any of
+        # them can be admitted
         if f.cancelled() or f.exception() is not None:
-            failed.set()
-            for other in list(futures):
-                other.cancel()
+            with listing:
+                failed.set()
+                for other in list(futures):
+                    other.cancel()
 
     for item in items:
-        if failed.is_set():
-            break  # do not even queue the rest (matters with an inline executor)
-        f = submit(item)
-        futures.append(f)
+        with listing:
+            if failed.is_set():
+                break  # do not even queue the rest (matters with an inline executor)
+            f = submit(item)
+            futures.append(f)
         f.add_done_callback(on_done)
-        if failed.is_set():
-            f.cancel()
     try:
         return wait_all(futures)
     finally:

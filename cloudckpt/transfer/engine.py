@@ -230,11 +230,13 @@ class TransferEngine:
         progress = att.progress_fn(self._clock, throttle, notify)
         return task.run(store, progress, att.number, checksum=self.config.checksum, clock=self._clock)
 
-    def _free_locked(self, att: Attempt) -> None:
-        """Settle the attempt: it leaves the running set and gives back its slot."""
+    def _free_locked(self, att: Attempt, *, keep_slot: bool = False) -> None:
+        """Settle the attempt: it leaves the running set and (unless ``keep_slot``)
+        gives back its slot."""
         att.settle_locked()
         self._running.discard(att)
-        self._sched.release_locked(att.task.size)
+        if not keep_slot:
+            self._sched.release_locked(att.task.size)
 
     def _release(self, att: Attempt) -> bool:
         """Give back the attempt's slot and bytes. False if it was already settled."""
@@ -251,8 +253,11 @@ class TransferEngine:
         with self._cv:
             if att.settled:
                 return None
-            self._free_locked(att)
             retry = retry_ok and exc is not None and self._retry.retries(att, exc, stopping=self._stop.is_set())
+            # a final outcome keeps the slot until the future's callbacks have run:
+            # a batch cancels its queued transfers from the failing future's callback,
+            # and no queued transfer may be admitted into this slot before that
+            self._free_locked(att, keep_slot=not retry)
             s = self._stats
             if isinstance(exc, TransferStalled):
                 s.stalls += 1
@@ -273,10 +278,14 @@ class TransferEngine:
         if retry:
             task.last_exc = exc
             return self._retry.backoff(att, exc)
-        if exc is None:
-            task.future.set_result(result)
-        else:
-            task.future.set_exception(exc)
+        try:
+            if exc is None:
+                task.future.set_result(result)
+            else:
+                task.future.set_exception(exc)
+        finally:
+            with self._cv:
+                self._sched.release_locked(task.size)
         self._pump()
         return None
 

@@ -8,6 +8,7 @@ calls for that URL do before (or instead of) their normal work:
 - ``("block",)``: wait until ``release()`` (then carry on normally: a late result)
 - ``("sleep", seconds)``: wait, then carry on
 - ``("wait", event)``: wait until the test sets ``event`` (30 s at most), then carry on
+- ``("wait", event, exc)``: the same, then raise ``exc``
 - ``("midway", exc)``: (uploads) read and report half the file, then raise ``exc``
 - ``("restart",)``: (uploads) read half the file, ``seek(0)``, then upload all of it
 - ``("signal", kind)``: report an SDK retry of ``kind`` to the retry listeners, carry on
@@ -63,6 +64,8 @@ class FaultyStore(ObjectStore):
             time.sleep(action[1])
         elif action[0] == "wait":
             action[1].wait(30)
+            if len(action) > 2:
+                raise action[2]
         elif action[0] == "signal":
             self._notify_retry(action[1])
         return action

@@ -26,6 +26,7 @@ from cloudckpt.errors import (
     Transient,
 )
 from cloudckpt.storage.registry import clear_cache, open_store
+from cloudckpt.transfer import batch
 from cloudckpt.transfer import (
     Crc32cReader,
     ProgressSubscriber,
@@ -120,6 +121,36 @@ def test_no_queued_transfer_starts_after_a_fatal_error_in_a_tight_race(make_file
                 engine.upload_all(pairs)
         assert len(store.calls) == 2, f"round {round_}: {store.calls}"
     clear_cache()
+
+
+def test_no_transfer_starts_while_a_failure_is_being_handled(faulty, make_files):
+    # the interleaving the test above hits by chance, forced: the running transfer
+    # fails while the batch is queueing another one in the engine. Neither the
+    # queued transfer (q1) may take the failed one's slot while the failure's
+    # callback waits to cancel it, nor the one being queued (q2) start before the
+    # batch has listed it for cancelling
+    files = make_files(3, 1 * KiB)
+    pairs = [(p, f"faulty://bucket/q{i}") for i, (p, _) in enumerate(files)]
+    go = threading.Event()
+    faulty.script(pairs[0][1], ("wait", go, AccessDenied("denied", url=pairs[0][1])))
+    with TransferEngine(TransferConfig(max_concurrency=1)) as engine:
+        submitted = []
+
+        def submit(pair):
+            if len(submitted) == 2:  # q1 is queued behind q0: let q0 fail now
+                go.set()
+                cf.wait([submitted[0]], timeout=5)
+                assert submitted[0].done()
+            f = engine.submit_upload(*pair)
+            submitted.append(f)
+            if len(submitted) == 3:
+                time.sleep(0.3)  # time for a worker to start q1 or q2, were either admitted
+            return f
+
+        with pytest.raises(AccessDenied):
+            batch.run_all(submit, pairs)
+        assert [f.cancelled() for f in submitted] == [False, True, True]
+    assert faulty.calls == [("upload", pairs[0][1])]
 
 
 def test_wait_all_raises_the_error_that_happened_first_and_cancels_pending():
