@@ -43,13 +43,13 @@ def main() -> int:
 
         print(f"== run 1: training, to be preempted at step {KILL_AT_STEP}", flush=True)
         p = torchrun(env, "--step-delay", "0.05")
-        last_loss = None
+        losses: dict[int, str] = {}  # run 1's loss at each step, as printed
         for line in p.stdout:
             if "loss" in line and line.startswith("step") or "RESUMED" in line:
                 print("   " + line.rstrip(), flush=True)
             m = re.match(r"step\s+(\d+) loss ([\d.]+)", line)
             if m:
-                last_loss = float(m.group(2))
+                losses[int(m.group(1))] = m.group(2)
                 if int(m.group(1)) >= KILL_AT_STEP:
                     print(f"== preempting the job at step {m.group(1)} (SIGTERM to torchrun)", flush=True)
                     os.killpg(p.pid, signal.SIGTERM)
@@ -73,9 +73,18 @@ def main() -> int:
             print(text[-4000:])
             print("!! run 2 failed or did not resume")
             return 1
-        first = re.search(r"step\s+(\d+) loss ([\d.]+)", text)
-        print(f"== resumed: first step after resume {first.group(1)} with loss {first.group(2)} "
-              f"(last loss before the kill: {last_loss})", flush=True)
+        again = {int(n): loss for n, loss in re.findall(r"^step\s+(\d+) loss ([\d.]+)", text, re.M)}
+        redone = sorted(set(again) & set(losses))  # steps run 1 took after its last checkpoint
+        if any(again[n] != losses[n] for n in redone):
+            print("!! the resumed run's losses differ from run 1's at the same steps:")
+            for n in redone:
+                print(f"   step {n}: run 1 {losses[n]}, run 2 {again[n]}")
+            return 1
+        if redone:
+            print(f"== resumed at step {redone[0]}: steps {redone[0]}-{redone[-1]} repeat run 1's losses exactly "
+                  f"({', '.join(again[n] for n in redone)})", flush=True)
+        else:  # the preemption's own checkpoint was the newest: nothing to repeat
+            print(f"== resumed after step {max(losses)}, the last step run 1 took", flush=True)
 
         print("== cloudckpt list s3://demo/run-1", flush=True)
         r = subprocess.run([sys.executable, "-m", "cloudckpt", "list", "s3://demo/run-1", "--all"], env=env, cwd=ROOT)
