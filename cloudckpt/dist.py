@@ -102,8 +102,9 @@ class Coordinator:
 
     # ------------------------------------------------------------ point to point
     # Bulk bytes (files of the node-local tier) between two ranks of this group, in
-    # pieces of CHUNK bytes: memory above the file's own pages is one piece per side.
-    CHUNK = 16 * 1024 * 1024
+    # pieces of CHUNK bytes, pipelined: memory above the file's own pages is two pieces
+    # per side (one on the wire, one being read, or checked and written).
+    CHUNK = 8 * 1024 * 1024
 
     def send_bytes(self, data: bytes, dst: int) -> None:
         """Send ``data`` (its length first) to rank ``dst`` of this group."""
@@ -131,43 +132,56 @@ class Coordinator:
         return buf.numpy().tobytes()
 
     def send_file(self, path: str, size: int, dst: int, *, offset: int = 0) -> None:
-        """Send ``size`` bytes of the file ``path`` from ``offset`` to rank ``dst`` of this group."""
+        """Send ``size`` bytes of the file ``path`` from ``offset`` to rank ``dst`` of this group.
+        Pipelined: the next piece is read while the one before it is on the wire."""
         import torch
 
         peer = dist.get_global_rank(self.group, dst)
-        buf = torch.empty(min(self.CHUNK, max(size, 1)), dtype=torch.uint8)
+        n_bufs = 1 if size <= self.CHUNK else 2
+        bufs = [torch.empty(min(self.CHUNK, max(size, 1)), dtype=torch.uint8) for _ in range(n_bufs)]
+        # (on an error the buffers are not freed under a transfer: its Work holds them)
+        sending = None
         with open(path, "rb") as f:
             f.seek(offset)
-            left = size
+            left, k = size, 0
             while left > 0:
                 n = min(left, self.CHUNK)
-                view = buf[:n]
+                view = bufs[k % n_bufs][:n]  # the send that used this buffer is done (waited below)
                 got = f.readinto(memoryview(view.numpy()))
                 if got != n:
                     raise OSError(f"{path}: read {got} bytes where {n} were expected (the file changed)")
-                dist.send(view, dst=peer, group=self.group)
+                if sending is not None:
+                    sending.wait()
+                sending = dist.isend(view, dst=peer, group=self.group)
                 left -= n
+                k += 1
+        if sending is not None:
+            sending.wait()
 
     def recv_file(self, path: str, size: int, src: int, on_chunk: Callable[[memoryview], None] | None = None, *,
                   offset: int | None = None) -> None:
         """Receive ``size`` bytes from rank ``src`` of this group into a new file ``path``
-        (``offset``: into the existing file ``path`` at that offset)."""
+        (``offset``: into the existing file ``path`` at that offset). Pipelined: the next
+        piece arrives while the one before it is checked (``on_chunk``) and written."""
         import torch
 
         peer = dist.get_global_rank(self.group, src)
-        buf = torch.empty(min(self.CHUNK, max(size, 1)), dtype=torch.uint8)
+        sizes = [min(self.CHUNK, size - at) for at in range(0, size, self.CHUNK)]
+        bufs = [torch.empty(min(self.CHUNK, max(size, 1)), dtype=torch.uint8) for _ in range(min(2, len(sizes)))]
         with open(path, "xb" if offset is None else "r+b") as f:
             f.seek(offset or 0)
-            left = size
-            while left > 0:
-                n = min(left, self.CHUNK)
-                view = buf[:n]
-                dist.recv(view, src=peer, group=self.group)
+            receiving = dist.irecv(bufs[0][:sizes[0]], src=peer, group=self.group) if sizes else None
+            for k, n in enumerate(sizes):
+                receiving.wait()
+                view = bufs[k % len(bufs)][:n]
+                # the next piece's buffer held piece k - 1, checked and written already
+                # (on an error the buffers are not freed under a transfer: its Work holds them)
+                if k + 1 < len(sizes):
+                    receiving = dist.irecv(bufs[(k + 1) % len(bufs)][:sizes[k + 1]], src=peer, group=self.group)
                 data = memoryview(view.numpy())
                 if on_chunk is not None:
                     on_chunk(data)
                 f.write(data)
-                left -= n
 
     def on_coordinator(self, step: str, fn: Callable[[], T]) -> T:
         """Rank 0 runs ``fn``; every rank gets its value, or raises its error

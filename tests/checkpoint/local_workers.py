@@ -90,3 +90,36 @@ def _arm(rank: int, step: int, victim: int, where: str) -> None:
             return real_write(self, folder, state_dict, train_state)
 
         checkpointer.Checkpointer.write_local = dying_write
+
+
+def file_pieces(rank: int, world_size: int, folder: str) -> dict:
+    """Rank 0 sends a file in small pieces (CHUNK lowered to 1000 bytes, so the
+    transfers are pipelined over several pieces of uneven last size) to rank 1: whole,
+    a range from an offset into an existing file, and a size of one piece or less.
+    Returns what rank 1 received and the CRC32C its ``on_chunk`` computed."""
+    import google_crc32c
+
+    from cloudckpt import dist
+
+    coord = dist.Coordinator(timeout=30)
+    coord.CHUNK = 1000
+    src = os.path.join(folder, "src.bin")
+    out: dict = {}
+    for name, size, offset in [("whole", 10_500, 0), ("range", 4_321, 777), ("one", 1000, 0), ("small", 17, 3)]:
+        if coord.rank == 0:
+            coord.send_file(src, size, 1, offset=offset)
+        else:
+            dst = os.path.join(folder, f"dst-{name}.bin")
+            crc = {"v": 0}
+
+            def on_chunk(data, crc=crc) -> None:
+                crc["v"] = google_crc32c.extend(crc["v"], bytes(data))
+            if name == "range":
+                with open(dst, "wb") as f:
+                    f.write(b"\0" * (offset + size + 5))
+                coord.recv_file(dst, size, 0, on_chunk=on_chunk, offset=offset)
+            else:
+                coord.recv_file(dst, size, 0, on_chunk=on_chunk)
+            with open(dst, "rb") as f:
+                out[name] = (f.read(), crc["v"])
+    return out

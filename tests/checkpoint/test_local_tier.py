@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 
+import google_crc32c
 import pytest
 import torch
 
@@ -237,3 +238,15 @@ def test_a_crafted_local_part_is_ignored_and_nothing_outside_its_folder_is_read_
         sd = {"w": torch.zeros(2)}
         assert mgr.resume(sd) is None and torch.equal(sd["w"], torch.zeros(2))
     assert torch.load(secret, weights_only=True)["w"].tolist() == [7.0, 7.0]
+
+
+def test_files_move_between_ranks_in_pipelined_pieces_byte_for_byte(tmp_path):
+    data = os.urandom(12_000)
+    (tmp_path / "src.bin").write_bytes(data)
+    got = run_ranks(2, local_workers.file_pieces, str(tmp_path), timeout=120)[1]
+    whole, crc = got["whole"]
+    assert whole == data[:10_500] and crc == google_crc32c.value(data[:10_500])
+    ranged, crc = got["range"]
+    assert ranged == b"\0" * 777 + data[777:777 + 4_321] + b"\0" * 5 and crc == google_crc32c.value(data[777:5_098])
+    assert got["one"] == (data[:1000], google_crc32c.value(data[:1000]))
+    assert got["small"] == (data[3:20], google_crc32c.value(data[3:20]))
