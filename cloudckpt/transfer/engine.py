@@ -13,6 +13,9 @@ and an internal task that owns its attempts, its progress and its result.
   (Transient errors, backoff, the deadline since the last new bytes) and the stall
   watchdog; an admitted attempt runs on the executor (a thread pool by default);
 - batches (``batch.py``): many transfers, results in order, stop at the first error.
+  A transfer's slot is given back only after its future's callbacks have run, so a
+  batch cancels its queued transfers from a failure's callback before any of them
+  can be admitted into the failed one's slot.
 
 What the SDKs already do, they keep doing: botocore retries each request
 (``standard`` mode) and s3transfer does the multipart work; the engine adds what
