@@ -20,7 +20,8 @@ bytes over the process group's loopback bandwidth (measured in the same run: one
 rank per node sends 64 MiB to its peer); host memory above the baseline during a
 local save and its copying (peak RSS, a multiple of S); and a recovery: node 1's
 folder is wiped, and ``resume()`` (its parts fetched from node 0) is timed against
-``Checkpointer.load`` of the same step from the bucket.
+``Checkpointer.load`` of the same step from the bucket, and against ``resume()`` of a
+job configured without the tier (which finds that step in the bucket, then loads it).
 
 Targets (issue 25): local blocked <= 1.1x the copy; copies complete <= 2x state
 bytes / loopback bandwidth; recovery from peers >= 3x faster than the bucket load.
@@ -142,7 +143,18 @@ def rank_main(rank: int, world_size: int, args: dict) -> dict:
     t0 = time.perf_counter()
     ck.load(f"{args['s3_url']}/tier/step{last}", target)
     out["recover_bucket_s"] = time.perf_counter() - t0
-    out["bit_exact"] = ok_local and S.fingerprint(target) == S.fingerprint(sd)
+    ok_bucket = S.fingerprint(target) == S.fingerprint(sd)
+    # what a job without the tier does at restart: resume() (finds the newest bucket step, then loads it)
+    target = S.build_state(world_size, args["bytes"], zero=True)
+    no_tier = CheckpointConfig(save_folder=args["s3_url"] + "/tier", work_dir=os.path.join(work, "nt"),
+                               exact_resume=False)
+    S.barrier()
+    with no_tier.build() as plain:
+        t0 = time.perf_counter()
+        plain.resume(target)
+        out["resume_bucket_s"] = time.perf_counter() - t0
+        assert (plain.resumed_from, plain.resumed_step) == ("bucket", last), (plain.resumed_from, plain.resumed_step)
+    out["bit_exact"] = ok_local and ok_bucket and S.fingerprint(target) == S.fingerprint(sd)
     ck.close()
     S.barrier()
     shutil.rmtree(work, ignore_errors=True)
@@ -161,6 +173,7 @@ def summarize(ranks: list[dict]) -> dict:
         "replicated_s": slowest("replicated_s"), "copying_s": slowest("copying_s"), "local_peak_over_S": slowest("local_peak_over_S"),
         "loopback_MBps": bw / 1e6, "replication_bound_s": 2 * total_state / bw,
         "recover_local_s": max(r["recover_local_s"] for r in ranks), "recover_bucket_s": max(r["recover_bucket_s"] for r in ranks),
+        "resume_bucket_s": max(r["resume_bucket_s"] for r in ranks),
         "recovered_from": ranks[0]["recovered_from"], "fetched_bytes_node1": sum(r["fetched_bytes"] for r in ranks[2:]),
         "bit_exact": all(r["bit_exact"] for r in ranks),
     }
@@ -169,6 +182,7 @@ def summarize(ranks: list[dict]) -> dict:
     row["replicated_over_bound"] = row["replicated_s"] / row["replication_bound_s"]
     row["copying_over_bound"] = row["copying_s"] / row["replication_bound_s"]
     row["recovery_speedup"] = row["recover_bucket_s"] / row["recover_local_s"]
+    row["resume_speedup"] = row["resume_bucket_s"] / row["recover_local_s"]
     return row
 
 
@@ -196,6 +210,8 @@ def markdown(meta: dict, r: dict) -> str:
         f"{r['replication_bound_s']:.3f} | {r['copying_over_bound']:.2f} |",
         f"| recovery of a replaced node from peers (s) | {r['recover_local_s']:.3f} | bucket load {r['recover_bucket_s']:.3f} | "
         f"{r['recovery_speedup']:.2f}x faster |",
+        f"| the same, against resume() of a job without the tier (s) | {r['recover_local_s']:.3f} | bucket resume "
+        f"{r['resume_bucket_s']:.3f} | {r['resume_speedup']:.2f}x faster |",
         f"| host memory above baseline during a local save and its copying | {r['local_peak_over_S']:.2f} x S | | |", "",
         f"Recovery resumed from {r['recovered_from'][0]} step {r['recovered_from'][1]}; node 1 fetched "
         f"{r['fetched_bytes_node1'] / MiB:.1f} MiB from node 0; bit-exact: {r['bit_exact']}.", "",
