@@ -38,7 +38,7 @@ def run_all(submit: Callable[[Any], Future], items: Iterable) -> list:
                 break  # do not even queue the rest (matters with an inline executor)
             f = submit(item)
             futures.append(f)
-        f.add_done_callback(on_done)
+            f.add_done_callback(on_done)  # at once if it already failed: before the next submit
     try:
         return wait_all(futures)
     finally:
