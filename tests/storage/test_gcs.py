@@ -6,9 +6,7 @@ requests adapter mounted on the store's own HTTP session (fake-gcs-server on
 from __future__ import annotations
 
 import io
-import logging
 import os
-import warnings
 
 import pytest
 import requests
@@ -171,17 +169,20 @@ def test_listing_keeps_the_gcs_alias_scheme_of_the_prefix(gcs_bucket):
 
 # ---------------------------------------------------------------- retries (faults injected)
 class FaultAdapter(requests.adapters.HTTPAdapter):
-    """Answers the first ``n`` matching requests with ``status`` (after sending them
-    to the server when ``lose_response``: the request lands, the answer is lost)."""
+    """Answers the first ``n`` matching requests (``method``, a ``path`` in the URL)
+    with ``status`` (after sending them to the server when ``lose_response``: the
+    request lands, the answer is lost)."""
 
-    def __init__(self, *, status: int, n: int, method: str | None = None, lose_response: bool = False):
+    def __init__(self, *, status: int, n: int, method: str | None = None, lose_response: bool = False,
+                 path: str | None = None):
         super().__init__()
-        self.status, self.left, self.method, self.lose = status, n, method, lose_response
+        self.status, self.left, self.method, self.lose, self.path = status, n, method, lose_response, path
         self.injected = 0
         self.requests: list[str] = []  # the requests answered with a fault
 
     def send(self, request, **kw):
-        if self.left > 0 and (self.method is None or request.method == self.method):
+        if self.left > 0 and (self.method is None or request.method == self.method) and \
+                (self.path is None or self.path in request.url.split("?")[0]):
             self.left -= 1
             self.injected += 1
             self.requests.append(f"{request.method} {request.url}")
@@ -203,30 +204,21 @@ def _inject(store: GCSStore, endpoint: str, adapter: FaultAdapter) -> FaultAdapt
 
 
 @pytest.mark.parametrize("status,kind", [(503, "throttled"), (429, "throttled"), (500, "transient")])
-def test_retried_requests_are_reported_to_retry_listeners_and_then_succeed(gcs_bucket, fake_gcs, status, kind, caplog):
-    # the oracle is the SDK's own record of its retries (api-core logs "Retrying due to"
-    # for each one): every retry it makes must reach the listeners, with its kind
-    caplog.set_level(logging.DEBUG, logger="google.api_core.retry")
-
-    def sdk_retries() -> list[str]:
-        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Retrying due to")]
-
+def test_retried_requests_are_reported_to_retry_listeners_and_then_succeed(gcs_bucket, fake_gcs, status, kind):
     store = GCSStore()
     u = gcs_bucket + "/retried"
     store.put_bytes(u, b"payload")
     seen: list[str] = []
     store.add_retry_listener(seen.append)
-    fault = _inject(store, fake_gcs.endpoint_url, FaultAdapter(status=status, n=2))
+    # only requests for this object are answered with faults: a CI run once saw a GET of
+    # the test's bucket (projection=noAcl, a request this store never sends) take one of
+    # the faults, retried by google's own default policy and so reported to nobody
+    fault = _inject(store, fake_gcs.endpoint_url, FaultAdapter(status=status, n=2, path="/o/retried"))
     assert store.get_bytes(u) == b"payload"
+    assert fault.injected == 2 and seen == [kind, kind], fault.requests
     fault.left = 1
     assert store.stat(u).size == 7  # JSON API calls retry too
-    assert fault.injected == 3 and sdk_retries(), (fault.requests, sdk_retries())
-    assert seen == [kind] * len(sdk_retries()), (fault.requests, sdk_retries())
-    if len(sdk_retries()) != fault.injected:
-        # seen once in CI (two faults answered, one retry logged and reported) and not
-        # reproduced since: say so when it happens, with the requests
-        warnings.warn(f"{fault.injected} faults answered but api-core retried {len(sdk_retries())} times: "
-                      f"{fault.requests} {sdk_retries()}")
+    assert fault.injected == 3 and seen == [kind] * 3, fault.requests
 
 
 def test_forbidden_is_not_retried(gcs_bucket, fake_gcs):
