@@ -79,7 +79,7 @@ def rank_main(rank: int, world_size: int, args: dict) -> dict:
     nbytes = S.local_bytes(sd)
     work = tempfile.mkdtemp(prefix=f"local-bench-r{rank}-", dir=args["tmp"])
     out: dict = {"rank": rank, "S": nbytes, "copy_s": [], "local_blocked_s": [], "replicated_s": [],
-                 "local_peak_over_S": [], "bucket_s": []}
+                 "copying_s": [], "local_peak_over_S": [], "bucket_s": []}
     out["loopback_Bps"] = _loopback_bandwidth(args["probe"])
 
     bufs = [torch.empty_like(t) for t in S.local_tensors(sd)]
@@ -108,7 +108,7 @@ def rank_main(rank: int, world_size: int, args: dict) -> dict:
         out["local_written_s"].append(time.perf_counter() - t0)
         mgr.local.drain()
         out["replicated_s"].append(time.perf_counter() - t0)
-        out.setdefault("copying_s", []).append(out["replicated_s"][-1] - out["local_written_s"][-1])
+        out["copying_s"].append(out["replicated_s"][-1] - out["local_written_s"][-1])
         out["local_peak_over_S"].append((S.peak_rss() - before) / nbytes)
     mgr.wait()
     last = args["reps"]

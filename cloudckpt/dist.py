@@ -134,27 +134,20 @@ class Coordinator:
     def send_file(self, path: str, size: int, dst: int, *, offset: int = 0) -> None:
         """Send ``size`` bytes of the file ``path`` from ``offset`` to rank ``dst`` of this group.
         Pipelined: the next piece is read while the one before it is on the wire."""
-        import torch
-
         peer = dist.get_global_rank(self.group, dst)
-        n_bufs = 1 if size <= self.CHUNK else 2
-        bufs = [torch.empty(min(self.CHUNK, max(size, 1)), dtype=torch.uint8) for _ in range(n_bufs)]
+        sizes, bufs = self._pieces(size)
         # (on an error the buffers are not freed under a transfer: its Work holds them)
         sending = None
         with open(path, "rb") as f:
             f.seek(offset)
-            left, k = size, 0
-            while left > 0:
-                n = min(left, self.CHUNK)
-                view = bufs[k % n_bufs][:n]  # the send that used this buffer is done (waited below)
+            for k, n in enumerate(sizes):
+                view = bufs[k % len(bufs)][:n]  # the send that used this buffer is done (waited below)
                 got = f.readinto(memoryview(view.numpy()))
                 if got != n:
                     raise OSError(f"{path}: read {got} bytes where {n} were expected (the file changed)")
                 if sending is not None:
                     sending.wait()
                 sending = dist.isend(view, dst=peer, group=self.group)
-                left -= n
-                k += 1
         if sending is not None:
             sending.wait()
 
@@ -163,11 +156,8 @@ class Coordinator:
         """Receive ``size`` bytes from rank ``src`` of this group into a new file ``path``
         (``offset``: into the existing file ``path`` at that offset). Pipelined: the next
         piece arrives while the one before it is checked (``on_chunk``) and written."""
-        import torch
-
         peer = dist.get_global_rank(self.group, src)
-        sizes = [min(self.CHUNK, size - at) for at in range(0, size, self.CHUNK)]
-        bufs = [torch.empty(min(self.CHUNK, max(size, 1)), dtype=torch.uint8) for _ in range(min(2, len(sizes)))]
+        sizes, bufs = self._pieces(size)
         with open(path, "xb" if offset is None else "r+b") as f:
             f.seek(offset or 0)
             receiving = dist.irecv(bufs[0][:sizes[0]], src=peer, group=self.group) if sizes else None
@@ -182,6 +172,14 @@ class Coordinator:
                 if on_chunk is not None:
                     on_chunk(data)
                 f.write(data)
+
+    def _pieces(self, size: int) -> tuple[list[int], list]:
+        """The sizes of the pieces ``size`` bytes move in, and their buffers (two, one
+        for a single piece)."""
+        import torch
+
+        sizes = [min(self.CHUNK, size - at) for at in range(0, size, self.CHUNK)]
+        return sizes, [torch.empty(min(self.CHUNK, max(size, 1)), dtype=torch.uint8) for _ in range(min(2, len(sizes)))]
 
     def on_coordinator(self, step: str, fn: Callable[[], T]) -> T:
         """Rank 0 runs ``fn``; every rank gets its value, or raises its error
