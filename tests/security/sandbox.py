@@ -1,0 +1,222 @@
+"""Run one hostile try in a child process with an address-space and a wall-clock limit,
+and say what happened to it: returned, refused with a typed error, raised something
+untyped, crashed (a signal such as SIGSEGV), ran out of memory (a bomb) or hung.
+
+A try is ``"package.module:function"`` called with keyword arguments that are plain
+JSON. It runs in a grandchild forked from a *zygote*: one long-lived child of the test
+process that imported torch, numpy, boto3 and cloudckpt once and started no threads of
+its own, so each try costs a fork (tens of milliseconds) instead of a Python start-up
+with torch (seconds), and a try never shares state with the test process or with
+another try.
+
+    with Sandbox() as sb:
+        r = sb.run("tests.security.hostile_x:load_step", step="/tmp/x/step1", work="/tmp/w")
+        assert r.outcome == REFUSED, r
+
+Outcomes: ``ok`` (returned), ``refused`` (raised a :class:`cloudckpt.errors.CloudCkptError`
+or, where an entry point documents it, a CLI exit code that means "refused"),
+``untyped`` (any other exception), ``crash`` (killed by a signal), ``bomb``
+(``MemoryError`` under the address-space limit, or a peak RSS above ``rss_limit``),
+``hang`` (still running at ``timeout``; killed).
+
+The zygote is ``python -m tests.security.sandbox`` reading one JSON request per line on
+stdin and answering one JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+OK, REFUSED, UNTYPED, CRASH, BOMB, HANG = "ok", "refused", "untyped", "crash", "bomb", "hang"
+OUTCOMES = (OK, REFUSED, UNTYPED, CRASH, BOMB, HANG)
+
+AS_LIMIT = 4 << 30  # the address space a try may map (the issue's reproduction used 4 GiB)
+RSS_LIMIT = 1536 << 20  # peak resident memory above which a try that returned still counts as a bomb
+TIMEOUT = 60.0  # seconds of wall clock per try
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Result:
+    outcome: str
+    error: str = ""  # the exception's type name (qualified) for refused/untyped, the signal for crash
+    message: str = ""  # str(exception), or the tail of the try's output
+    value: object = None  # what the function returned, if JSON-able (else its repr)
+    seconds: float = 0.0
+    max_rss_mb: float = 0.0
+    output: str = field(default="", repr=False)  # stdout+stderr of the try (last 4 KiB)
+
+    def __str__(self) -> str:
+        return (f"{self.outcome} {self.error} {self.message[:500]!r} ({self.seconds:.1f}s, "
+                f"{self.max_rss_mb:.0f} MB)\n{self.output[-1500:]}")
+
+
+class Sandbox:
+    """A zygote process and the tries run through it (one at a time)."""
+
+    def __init__(self, *, env: dict[str, str] | None = None):
+        e = dict(os.environ)
+        e.update(env or {})
+        e["PYTHONPATH"] = os.pathsep.join([str(_REPO), str(_REPO / "tests"), e.get("PYTHONPATH", "")])
+        self._proc = subprocess.Popen([sys.executable, "-m", "tests.security.sandbox"], cwd=_REPO, env=e,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        ready = self._proc.stdout.readline()
+        if ready.strip() != "ready":
+            raise RuntimeError(f"the sandbox zygote did not start: {ready!r}")
+
+    def run(self, target: str, *, timeout: float = TIMEOUT, as_limit: int = AS_LIMIT, rss_limit: int = RSS_LIMIT,
+            env: dict[str, str] | None = None, **kwargs) -> Result:
+        """Run ``target`` (``"module:function"``) with ``kwargs`` in a fresh fork; never raises
+        for what the try does."""
+        req = {"target": target, "kwargs": kwargs, "timeout": timeout, "as_limit": as_limit,
+               "rss_limit": rss_limit, "env": env or {}}
+        self._proc.stdin.write(json.dumps(req) + "\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the sandbox zygote died")
+        return Result(**json.loads(line))
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------- the zygote side
+def _jsonable(v):
+    try:
+        json.dumps(v)
+        return v
+    except (TypeError, ValueError):
+        return repr(v)[:2000]
+
+
+def _child(req: dict, result_path: str, log_fd: int) -> None:
+    """The grandchild: limits, run, write the result file, exit without cleanup."""
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    resource.setrlimit(resource.RLIMIT_AS, (req["as_limit"], req["as_limit"]))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.environ.update(req["env"])
+    import importlib
+
+    from cloudckpt.errors import CloudCkptError
+
+    out: dict
+    try:
+        mod, fn = req["target"].split(":")
+        value = getattr(importlib.import_module(mod), fn)(**req["kwargs"])
+        out = {"outcome": OK, "value": _jsonable(value)}
+    except MemoryError as e:
+        out = {"outcome": BOMB, "error": "MemoryError", "message": str(e)[:2000]}
+    except CloudCkptError as e:
+        out = {"outcome": REFUSED, "error": f"{type(e).__module__}.{type(e).__qualname__}", "message": str(e)[:4000]}
+    except SystemExit as e:  # a CLI entry point: exit codes are mapped by the caller through the value
+        out = {"outcome": OK, "value": {"exit": e.code if isinstance(e.code, int) else 1}}
+    except BaseException as e:  # noqa: BLE001 - the point is to see everything that escapes
+        try:
+            msg = str(e)[:4000]
+        except BaseException as e2:  # noqa: BLE001 - str() of a hostile exception may itself fail
+            msg = f"<str() raised {type(e2).__name__}>"
+        out = {"outcome": UNTYPED, "error": f"{type(e).__module__}.{type(e).__qualname__}", "message": msg}
+    try:
+        data = json.dumps(out)
+    except BaseException:  # noqa: BLE001
+        data = json.dumps({"outcome": out["outcome"], "error": out.get("error", ""), "message": "<unprintable>"})
+    with open(result_path, "w") as f:
+        f.write(data)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _serve_one(req: dict) -> dict:
+    tmp = tempfile.mkdtemp(prefix="cloudckpt-sandbox-")
+    result_path, log_path = os.path.join(tmp, "result.json"), os.path.join(tmp, "log.txt")
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _child(req, result_path, log_fd)
+        finally:
+            os._exit(99)
+    os.close(log_fd)
+    status, rusage, hung = None, None, False
+    while True:
+        wpid, st, ru = os.wait4(pid, os.WNOHANG)
+        if wpid == pid:
+            status, rusage = st, ru
+            break
+        if time.monotonic() - t0 > req["timeout"]:
+            os.kill(pid, signal.SIGKILL)
+            _, status, rusage = os.wait4(pid, 0)
+            hung = True
+            break
+        time.sleep(0.01)
+    seconds = time.monotonic() - t0
+    with open(log_path, "rb") as f:
+        f.seek(max(0, os.path.getsize(log_path) - 4096))
+        output = f.read().decode("utf-8", "replace")
+    max_rss_mb = rusage.ru_maxrss / 1024 if rusage else 0.0
+    res: dict = {"seconds": seconds, "max_rss_mb": max_rss_mb, "output": output}
+    if hung:
+        res.update(outcome=HANG, message=f"still running after {req['timeout']} s")
+    elif os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        res.update(outcome=CRASH, error=signal.Signals(sig).name, message=f"killed by {signal.Signals(sig).name}")
+    elif not os.path.exists(result_path):
+        res.update(outcome=CRASH, error=f"exit {os.WEXITSTATUS(status)}", message="exited without a result")
+    else:
+        with open(result_path) as f:
+            res.update(json.load(f))
+        if res["outcome"] == OK and max_rss_mb * (1 << 20) > req["rss_limit"]:
+            res.update(outcome=BOMB, error="rss", message=f"peak RSS {max_rss_mb:.0f} MB over the limit")
+    for p in (result_path, log_path):
+        if os.path.exists(p):
+            os.unlink(p)
+    os.rmdir(tmp)
+    return res
+
+
+def _zygote() -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import boto3  # noqa: F401 - imported once here so each try only forks
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+
+    import cloudckpt  # noqa: F401
+    import cloudckpt.cli  # noqa: F401
+
+    # the zygote's own stdout is the protocol; a try writes to its log file instead
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    proto.write("ready\n")
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        proto.write(json.dumps(_serve_one(json.loads(line))) + "\n")
+
+
+if __name__ == "__main__":
+    _zygote()
