@@ -13,6 +13,8 @@ wrong weights:
   against the manifest (sizes, counts, ranges) before anyone uses it.
 - ``plain``: train state and DCP byte items load with torch's weights-only
   unpickler; extra plain types (numpy's RNG state) are admitted by exact name.
+- ``jsondoc``: small JSON documents (pointer, lock, run files, configs) with size,
+  depth and number bounds checked before or while parsing.
 - ``reads``: objects are read with a ceiling on their size, checked against their
   manifest entry before they are parsed.
 
@@ -20,6 +22,7 @@ Every refusal is an ``UnsafeCheckpoint`` (a ``CorruptCheckpoint``) naming the UR
 and what was refused. See docs/security.md for the threat model.
 """
 
+from .jsondoc import loads_json
 from .limits import MAX_MARKER_BYTES, MAX_METADATA_BYTES, MAX_TRAIN_STATE_BYTES
 from .names import check_name, local_name
 from .reads import read_capped, read_checked
@@ -44,6 +47,7 @@ __all__ = [
     "check_name",
     "load_plain",
     "load_tensor",
+    "loads_json",
     "loads_metadata",
     "local_name",
     "read_capped",
