@@ -4,8 +4,8 @@ a YAML file, and ``CLOUDCKPT_*`` environment overrides.
 Precedence (stated once): defaults < the dict / YAML file you pass < environment
 variables ``CLOUDCKPT_<FIELD>`` (e.g. ``CLOUDCKPT_SAVE_FOLDER``,
 ``CLOUDCKPT_ASYNC_SAVE=true``), so an operator can redirect a job without editing
-its config (``from_dict`` / ``from_yaml`` apply them; keyword arguments to the class
-are taken as given). Every error names the field, the bad value and what is allowed.
+its config. They apply however the config is built: ``from_dict``, ``from_yaml`` and
+keyword arguments to the class alike (each applied variable is logged at INFO). Every error names the field, the bad value and what is allowed.
 
 Unknown ``CLOUDCKPT_*`` variables are an error too, with a did-you-mean: a misspelt
 variable would otherwise be ignored while the job runs with the default. The few
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import os
 import re
 import tempfile
@@ -28,6 +29,8 @@ from .errors import ConfigError, InvalidURL
 from .storage import StorageOptions
 from .storage import url as urls
 from .transfer import TransferConfig
+
+_log = logging.getLogger(__name__)
 
 ENV_PREFIX = "CLOUDCKPT_"
 #: ``CLOUDCKPT_*`` variables that are not config fields: knobs of the test suite and
@@ -144,7 +147,20 @@ class CheckpointConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
 
     # ------------------------------------------------------------ construction
-    def __init__(self, save_folder: Any = None, **kw: Any) -> None:
+    def __init__(self, save_folder: Any = None, *, _env: Mapping[str, str] | None = None, **kw: Any) -> None:
+        # CLOUDCKPT_* overrides apply however the config is built (keyword arguments
+        # included); from_dict passes the variables it already applied as ``_env={}``.
+        overrides = self._env_overrides(os.environ if _env is None else _env)
+        if overrides:
+            hints = _hints()
+            for name, raw in overrides.items():
+                value = _coerce(name, raw, hints[name])
+                if name == "save_folder":
+                    save_folder = value
+                else:
+                    kw[name] = value
+            _log.info("checkpoint config: environment overrides %s",
+                      ", ".join(f"{ENV_PREFIX}{n.upper()}" for n in sorted(overrides)))
         own = {f.name: f for f in fields(self)}
         flat = {k: kw.pop(k) for k in list(kw) if k in FLAT_STORAGE + FLAT_TRANSFER}
         unknown = sorted(set(kw) - set(own))
@@ -198,7 +214,7 @@ class CheckpointConfig:
             raise ConfigError("checkpoint config needs save_folder (a local path, s3://bucket/prefix or gs://bucket/prefix)")
         hints = _hints()
         coerced = {k: v if k in _NESTED else _coerce(k, v, hints[k]) for k, v in values.items()}
-        return cls(**coerced)
+        return cls(**coerced, _env={})
 
     @classmethod
     def from_yaml(cls, path: str, *, section: str | None = None, env: Mapping[str, str] | None = None) -> "CheckpointConfig":
