@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` and `make test`.
-.PHONY: setup demo test test-fast docs bench
+.PHONY: setup demo test test-fast docs docs-serve bench
 
 setup:
 	@bash scripts/setup.sh
@@ -15,6 +15,10 @@ test-fast: setup
 
 docs: setup
 	.venv/bin/mkdocs build --strict
+	@echo "docs built: open site/index.html in a browser (works from disk), or run make docs-serve"
+
+docs-serve: setup
+	.venv/bin/mkdocs serve -a 127.0.0.1:8000
 
 bench: setup
 	.venv/bin/python -m bench.run

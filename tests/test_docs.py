@@ -17,6 +17,16 @@ def test_mkdocs_build_strict(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+    # the site works opened from disk: nav links name pages (not folders a browser lists)
+    # and the search index is bundled as a script (fetch of search_index.json fails on file://)
+    site = tmp_path / "site"
+    index = (site / "index.html").read_text()
+    links = set(re.findall(r'href="((?:\./)?[a-z-]+(?:/|\.html))"', index))
+    assert "configuration.html" in {x.lstrip("./") for x in links}, links
+    assert not [x for x in links if x.endswith("/") and x not in ("./", "/")], f"folder links: {links}"
+    assert (site / "search" / "search_index.js").is_file()
+    css = (site / "stylesheets" / "extra.css").read_text()
+    assert "nowrap" in css and "stylesheets/extra.css" in (site / "configuration.html").read_text()
 
 
 def test_every_python_sample_in_the_docs_is_included_from_a_tested_file():
