@@ -21,7 +21,8 @@ def coalesce(items: list[tuple[int, int, Any]], *, max_gap: int, max_range: int)
         if out:
             s, e, ps = out[-1]
             if off - e <= max_gap and (off + length) - s <= max_range:
-                out[-1] = (s, max(e, off + length), ps + [(off, length, p)])
+                ps.append((off, length, p))  # in place: linear in the items, whatever the range holds
+                out[-1] = (s, max(e, off + length), ps)
                 continue
         out.append((off, off + length, [(off, length, p)]))
     return out
