@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` and `make test`.
-.PHONY: setup demo test test-fast docs docs-serve bench
+.PHONY: setup demo test test-fast docs docs-serve bench local-s3
 
 setup:
 	@bash scripts/setup.sh
@@ -19,6 +19,9 @@ docs: setup
 
 docs-serve: setup
 	.venv/bin/mkdocs serve -a 127.0.0.1:8000
+
+local-s3: setup
+	.venv/bin/python -m cloudckpt.testing.serve s3 --bucket demo --env-file local-s3.env
 
 bench: setup
 	.venv/bin/python -m bench.run
