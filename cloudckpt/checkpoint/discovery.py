@@ -3,7 +3,8 @@
 Cost: one paginated LIST of the save folder (delimiter ``/``), then markers read
 only as needed: ``latest_checkpoint`` walks from the highest step down and stops
 at the first committed one; ``find_checkpoints`` reads markers concurrently.
-A folder counts only if it is named exactly ``step{N}`` and its marker parses:
+A folder counts only if it is named exactly ``step{N}`` (the canonical spelling:
+ASCII digits, no leading zero; ``step04`` is not step 4) and its marker parses:
 
 - our marker: a committed step with its manifest (sizes, CRC32Cs);
 - another tool's marker (OLMo-core's ``{"ephemeral": ..., "version": ...}``) and a
@@ -87,17 +88,30 @@ def _foreign(dir: str, step: int, fm: ForeignMarker, data: bytes, store) -> Mark
 
 def list_step_dirs(folder: Where) -> list[tuple[int, str]]:
     """Every ``step{N}`` folder under ``folder`` (committed or not), ascending, from one LIST pass."""
+    return scan_step_dirs(folder)[0]
+
+
+def scan_step_dirs(folder: Where) -> tuple[list[tuple[int, str]], list[str]]:
+    """One LIST pass of ``folder``: its ``step{N}`` folders ``(step, url)`` ascending,
+    and the URLs of folders that look like steps but are not spelled canonically
+    (``step04``, ``step4.old``: ``layout.is_step_junk``). Only the first are steps: a
+    step number comes from exactly one folder name, so junk planted beside a step can
+    never make it count twice."""
     loc = Location.of(folder).resolved()
     folder, prefix = loc.url, loc.prefix
-    out = []
+    out, junk = [], []
     for e in loc.store.list(prefix, delimiter="/"):
         if not e.is_prefix:
             continue
-        step = layout.step_of_name(urls.basename(e.url))
+        name = urls.basename(e.url)
+        step = layout.step_of_name(name)
         if step is not None:
             out.append((step, urls.join(folder, f"step{step}")))
+        elif layout.is_step_junk(name):
+            junk.append(e.url.rstrip("/"))
     out.sort()
-    return out
+    junk.sort()
+    return out, junk
 
 
 def _try_marker(dir: Location) -> Marker | None:

@@ -21,7 +21,12 @@ MODEL_DIR = "model_and_optim"
 DCP_METADATA = f"{MODEL_DIR}/.metadata"  # DCP's own file name, fixed by torch.distributed.checkpoint
 LATEST_POINTER = "latest"
 
-_STEP_RE = re.compile(r"^step(\d+)$")
+# the one spelling of a step folder: ASCII digits, no leading zero (step0 is allowed), at
+# most 19 digits (below 2**63). ``step04``, ``step٤`` or ``step4.bak`` are not steps: they
+# are never counted, kept or deleted by retention (``list --all`` shows them as junk).
+_STEP_RE = re.compile(r"step(0|[1-9][0-9]{0,18})")
+# names that look like a step folder and are not one (shown as junk, never counted)
+_STEPLIKE_RE = re.compile(r"step\d", re.IGNORECASE)
 
 
 def train_state_name(rank: int) -> str:
@@ -33,9 +38,17 @@ def step_dir(folder: str, step: int) -> str:
 
 
 def step_of_name(name: str) -> int | None:
-    """``step12`` -> 12; anything else -> None (names must be exactly ``step{N}``)."""
-    m = _STEP_RE.match(name.rstrip("/"))
+    """``step12`` -> 12; anything else -> None. Names must be exactly ``step{N}`` in its
+    canonical spelling: ``step0``, ``step12``; not ``step012``, ``Step12``, ``step12/x``."""
+    m = _STEP_RE.fullmatch(name[:-1] if name.endswith("/") else name)
     return int(m.group(1)) if m else None
+
+
+def is_step_junk(name: str) -> bool:
+    """True for a folder name that looks like a step and is not one (``step04``,
+    ``STEP4``, ``step4.old``): listed as junk by ``cloudckpt list --all``, never a step."""
+    name = name[:-1] if name.endswith("/") else name
+    return step_of_name(name) is None and _STEPLIKE_RE.match(name) is not None
 
 
 def parse_step_dir(dir: str) -> int:

@@ -35,6 +35,8 @@ from typing import Any, Iterable
 
 from .._version import __version__
 from ..errors import CorruptCheckpoint, IncompatibleCheckpoint, UnsafeCheckpoint
+from ..untrusted.jsondoc import loads_json
+from ..untrusted.limits import MAX_MARKER_BYTES
 from ..untrusted.names import check_name
 from .layout import DCP_METADATA
 
@@ -44,6 +46,9 @@ MARKER_NAME = ".metadata.json"  # layout.MARKER (layout imports storage; this mo
 ADOPTED_MANIFEST = ".cloudckpt.json"  # our manifest beside another tool's marker (``cloudckpt adopt``)
 FOREIGN_WRITER = "olmo-core"  # the tool whose layout (step{N}/model_and_optim, .metadata.json) we share
 MAX_FOREIGN_OBJECTS = 1_000_000  # objects a listed (foreign) step may hold; honest ones hold ranks x threads
+MARKER_MAX_DEPTH = 8  # a marker nests 5 deep (marker, objects, entry, chunks, chunk); room for additions
+MAX_WORLD_SIZE = 1 << 24  # ranks a marker may name (jobs run on thousands)
+MAX_UNIX_TIME = 253402300799.0  # 9999-12-31T23:59:59Z: the latest time a date can show
 _WRITER = re.compile(r"[a-z0-9][a-z0-9._-]{0,39}")
 _RANK_FILE = re.compile(r"train/rank(\d{1,9})\.pt")
 
@@ -181,7 +186,7 @@ class Marker:
                 ephemeral=d["ephemeral"],
                 world_size=world_size,
                 objects=objects,
-                created_unix=float(d["created_unix"]),
+                created_unix=_unix_time(d["created_unix"]),
                 library_version=str(d.get("library_version", "")),
                 torch_version=str(d.get("torch_version", "")),
                 save_id=str(d.get("save_id", "")),
@@ -191,8 +196,9 @@ class Marker:
             )
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise CorruptCheckpoint(f"commit marker {url} is missing or has a bad field ({type(e).__name__}: {e})") from None
-        if world_size < 1:
-            raise CorruptCheckpoint(f"commit marker {url} has world_size {world_size}; it must be at least 1")
+        if not 1 <= world_size <= MAX_WORLD_SIZE:
+            raise CorruptCheckpoint(f"commit marker {url} has world_size {world_size}; it must be between 1 and "
+                                    f"{MAX_WORLD_SIZE}")
         if len(marker._by_path) != len(objects):
             raise UnsafeCheckpoint(f"commit marker {url} lists an object path twice; refusing the checkpoint")
         return marker
@@ -245,15 +251,27 @@ def foreign_step(fm: ForeignMarker, *, step: int, listing: Iterable[tuple[str, i
     if not any(o.path == DCP_METADATA for o in objects):
         raise CorruptCheckpoint(f"{url}: the step has another tool's marker but no {DCP_METADATA}; it is not a checkpoint")
     return Marker(step=step, ephemeral=fm.ephemeral, world_size=max(ranks, default=0) + 1, objects=tuple(objects),
-                  created_unix=created or newest, library_version=fm.version,
+                  created_unix=_clamp_time(created or newest), library_version=fm.version,
                   format_version=0, writer=fm.writer, verified=False)
 
 
 def _json(data: bytes, url: str) -> Any:
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as e:  # not JSON, bad UTF-8, over-long integers, nested too deeply
-        raise CorruptCheckpoint(f"commit marker {url} is not valid JSON ({e}); the step is not a usable checkpoint") from None
+    """The marker's JSON under untrusted.loads_json's bounds (size, nesting measured
+    before parsing, finite numbers, integers of at most 20 digits)."""
+    return loads_json(data, url=url, what="commit marker", limit=MAX_MARKER_BYTES, max_depth=MARKER_MAX_DEPTH)
+
+
+def _unix_time(v: Any) -> float:
+    """A marker's time: a JSON number (not a bool or string) between 0 and year 9999,
+    so that every date shown from it can be formatted."""
+    if type(v) not in (int, float) or not 0 <= v <= MAX_UNIX_TIME:
+        raise ValueError(f"created_unix is {str(v)[:40]!r}, not a time in seconds between 0 and {MAX_UNIX_TIME:.0f}")
+    return float(v)
+
+
+def _clamp_time(t: float) -> float:
+    """A time from a listing (mtimes), held inside what a date can show."""
+    return min(max(float(t), 0.0), MAX_UNIX_TIME) if t == t else 0.0
 
 
 def _int(v: Any, name: str) -> int:

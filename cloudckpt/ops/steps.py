@@ -18,16 +18,20 @@ from ..errors import CorruptCheckpoint, IncompatibleCheckpoint, NotACheckpoint
 from ..storage import Location, Where
 
 MARKER_READ_THREADS = 32
+JUNK_NOTE = ("not a step: step folders are named step{N} with no leading zero; this one is never loaded, "
+             "counted or deleted by retention (remove it by hand if it is not yours)")
 
 
 @dataclass(frozen=True)
 class StepRow:
     """One step folder. ``status``: ``committed`` (``marker`` set), ``incomplete`` (no
-    marker) or ``unreadable`` (a marker that does not parse: ``error`` says why).
-    For the last two, ``object_count``/``size_bytes``/``newest_mtime`` describe what
-    the folder holds (None when it was not scanned)."""
+    marker), ``unreadable`` (a marker that does not parse: ``error`` says why) or
+    ``junk`` (a folder named like a step but not ``step{N}`` in its one spelling, e.g.
+    ``step04``: ``step`` is None; it is no step, whatever it holds, and retention never
+    counts or deletes it). For all but ``committed``, ``object_count``/``size_bytes``/
+    ``newest_mtime`` describe what the folder holds (None when it was not scanned)."""
 
-    step: int
+    step: int | None
     url: str
     status: str
     marker: Marker | None = None
@@ -59,7 +63,7 @@ class StepRow:
 class StepListing:
     folder: str
     step_dirs: int  # step{N} folders found, whatever their state (0: not a save folder)
-    rows: list[StepRow]
+    rows: list[StepRow]  # ascending by step; with include_uncommitted, junk folders last
     warnings: list[str] = field(default_factory=list)  # unreadable markers, one line each
     listed_at: float = field(default_factory=time.time)
 
@@ -88,15 +92,16 @@ def list_steps(folder: Where, *, include_uncommitted: bool = False, ephemeral: b
     """The step folders of ``folder``, ascending. Committed steps are filtered by
     ``ephemeral`` (None: both). With ``include_uncommitted``, folders without a
     readable marker are rows too, except empty ones (stores that keep emptied folders,
-    e.g. SeaweedFS, list them as prefixes; an empty folder is no step at all).
+    e.g. SeaweedFS, list them as prefixes; an empty folder is no step at all), and so
+    are folders named like steps in another spelling (``junk`` rows, last).
     Raises storage errors (BucketNotFound, AccessDenied, ...)."""
     loc = Location.of(folder)
-    steps = discovery.list_step_dirs(loc)
+    steps, junk = discovery.scan_step_dirs(loc)
     with ThreadPoolExecutor(max_workers=MARKER_READ_THREADS) as pool:
         probes = list(pool.map(lambda sd: probe_marker(loc.at(sd[1])), steps))
     contents: dict[str, tuple[int, int, float | None]] = {}
     if include_uncommitted:
-        loose = [dir for (_, dir), (m, problem) in zip(steps, probes) if m is None and not problem]
+        loose = [dir for (_, dir), (m, problem) in zip(steps, probes) if m is None and not problem] + junk
         with ThreadPoolExecutor(max_workers=MARKER_READ_THREADS) as pool:
             contents = dict(zip(loose, pool.map(lambda d: _contents(loc.at(d)), loose)))
     rows: list[StepRow] = []
@@ -113,4 +118,10 @@ def list_steps(folder: Where, *, include_uncommitted: bool = False, ephemeral: b
         if ephemeral is not None and m.ephemeral != ephemeral:
             continue
         rows.append(StepRow(step, dir, "committed", marker=m))
+    if include_uncommitted:
+        for dir in junk:
+            count, size, newest = contents[dir]
+            if count:
+                rows.append(StepRow(None, dir, "junk", error=JUNK_NOTE, object_count=count, size_bytes=size,
+                                    newest_mtime=newest))
     return StepListing(loc.url, len(steps), rows, warnings)
