@@ -19,6 +19,12 @@ How it stays correct:
   so an older or slower save never overwrites a newer pointer; a lost race re-reads.
 - A reader of the pointer alone must check the marker of the step it names ("pending"
   or a pruned, deleted or overwritten step has none) and list when it is missing.
+- Anyone who can write the folder can plant a pointer. It is read with a ceiling
+  (``MAX_POINTER_BYTES``: at most that plus one byte, by readers and by every save)
+  and parsed with ``untrusted.loads_json`` (depth, finite numbers, short integers);
+  a step must be a JSON integer in ``[0, 2**63)`` and ``pending`` true or false. A
+  reader ignores anything else with a warning; a save replaces it (conditionally,
+  as always), so a planted pointer never stops the saves of a run.
 """
 
 from __future__ import annotations
@@ -27,31 +33,52 @@ import json
 import logging
 import time
 
-from ..errors import AlreadyExists, CloudCkptError, NotFound, PreconditionFailed, UnsafeCheckpoint
+from typing import Any
+
+from ..errors import AlreadyExists, CloudCkptError, CorruptCheckpoint, NotFound, PreconditionFailed
 from ..storage import Location, Where
 from ..storage import url as urls
-from ..untrusted import read_capped
+from ..untrusted import loads_json
 from . import layout
 
 log = logging.getLogger(__name__)
-_MAX_POINTER_BYTES = 64 * 1024  # ours is under 200 bytes
+MAX_POINTER_BYTES = 64 * 1024  # ours is under 200 bytes
+POINTER_MAX_DEPTH = 4  # ours is one flat object
+MAX_STEP = (1 << 63) - 1
 
 
 def pointer_url(folder: str) -> str:
     return urls.join(folder, layout.LATEST_POINTER)
 
 
+def parse(data: bytes, *, url: str) -> tuple[int, bool]:
+    """``(step, pending)`` from the pointer's bytes. Raises CorruptCheckpoint (larger
+    than MAX_POINTER_BYTES, not JSON within untrusted.loads_json's bounds, not an
+    object with an integer ``step`` in ``[0, 2**63)`` and a boolean ``pending``)."""
+    d: Any = loads_json(data, url=url, what="latest pointer", limit=MAX_POINTER_BYTES, max_depth=POINTER_MAX_DEPTH)
+    if type(d) is not dict:
+        raise CorruptCheckpoint(f"{url}: the latest pointer is not a JSON object; a save replaces it")
+    step, pending = d.get("step"), d.get("pending", False)
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise CorruptCheckpoint(f"{url}: the latest pointer's step is not an integer between 0 and {MAX_STEP}; "
+                                "a save replaces it")
+    if type(pending) is not bool:
+        raise CorruptCheckpoint(f"{url}: the latest pointer's pending is not true or false; a save replaces it")
+    return step, pending
+
+
 def read(folder: Where) -> tuple[int, bool] | None:
-    """``(step, pending)`` from the pointer, or None when missing or unreadable."""
+    """``(step, pending)`` from the pointer, or None when missing or unreadable (a
+    warning says why). Reads at most MAX_POINTER_BYTES + 1 bytes. Raises storage
+    errors other than NotFound."""
     loc = Location.of(folder)
     url = pointer_url(loc.url)
     try:
-        d = json.loads(read_capped(loc.store, url, limit=_MAX_POINTER_BYTES, what="latest pointer"))
-        return int(d["step"]), bool(d.get("pending", False))
+        return parse(loc.store.get_bytes(url, start=0, end=MAX_POINTER_BYTES + 1), url=url)
     except NotFound:
         return None
-    except (ValueError, KeyError, TypeError, RecursionError, UnsafeCheckpoint) as e:
-        log.warning("ignoring unreadable latest pointer %s (%s)", url, e)
+    except CorruptCheckpoint as e:
+        log.warning("ignoring unreadable latest pointer: %s", e)
         return None
 
 
@@ -63,11 +90,11 @@ def advance(folder: Where, step: int, *, pending: bool, attempts: int = 8) -> bo
     body = json.dumps({"step": int(step), "pending": pending, "dir": f"step{int(step)}", "updated_unix": time.time()}).encode()
     for _ in range(attempts):
         try:
-            data, version = store.get_bytes_versioned(url)
+            data, version = store.get_bytes_versioned(url, limit=MAX_POINTER_BYTES)
             try:
-                cur = json.loads(data)
-                cur_step, cur_pending = int(cur["step"]), bool(cur.get("pending", False))
-            except (ValueError, KeyError, TypeError):
+                cur_step, cur_pending = parse(data, url=url)
+            except CorruptCheckpoint as e:
+                log.warning("replacing an unreadable latest pointer: %s", e)
                 cur_step, cur_pending = -1, True  # unreadable: overwrite it
         except NotFound:
             version, cur_step, cur_pending = None, -1, True

@@ -304,9 +304,10 @@ class ObjectStore(ABC):
             n += 1
         return n
 
-    def get_bytes_versioned(self, url: str) -> tuple[bytes, str]:
+    def get_bytes_versioned(self, url: str, *, limit: int | None = None) -> tuple[bytes, str]:
         """Read a small object and its version token (S3 ETag, GCS generation, local
-        inode+mtime+size) for a later ``put_bytes_if_match``. Raises NotFound."""
+        inode+mtime+size) for a later ``put_bytes_if_match``. With ``limit``, at most
+        ``limit + 1`` bytes are read (the caller refuses more). Raises NotFound."""
         raise NotImplementedError(f"{type(self).__name__} has no conditional replace")
 
     def put_bytes_if_match(self, url: str, data: bytes, version: str) -> None:

@@ -375,13 +375,15 @@ class GCSStore(ObjectStore):
         except Exception as e:  # noqa: BLE001 - translated below
             raise self._translate(e, url, "get") from None
 
-    def get_bytes_versioned(self, url: str) -> tuple[bytes, str]:
+    def get_bytes_versioned(self, url: str, *, limit: int | None = None) -> tuple[bytes, str]:
         bucket, key = _object(url)
         try:
             blob = self.client.bucket(bucket).get_blob(key, timeout=self._timeout, retry=self._retry())
             if blob is None:
                 raise NotFound(f"get {url}: no such object", url=url)
+            end = limit if limit is not None and (blob.size or 0) > limit else None  # inclusive: limit + 1 bytes
             data = blob.download_as_bytes(if_generation_match=blob.generation, raw_download=True,
+                                          start=None if end is None else 0, end=end,
                                           timeout=self._timeout, retry=self._retry())
             return data, str(blob.generation)
         except Exception as e:  # noqa: BLE001 - translated below

@@ -340,7 +340,7 @@ class HTTPStore(ObjectStore):
     def upload_file(self, local_path: str, url: str, *, if_absent: bool = False, progress: Progress = None) -> int:
         raise self._read_only(url, "upload to")
 
-    def get_bytes_versioned(self, url: str) -> tuple[bytes, str]:
+    def get_bytes_versioned(self, url: str, *, limit: int | None = None) -> tuple[bytes, str]:
         raise self._read_only(url, "update")  # only ever read to replace the object
 
     def put_bytes_if_match(self, url: str, data: bytes, version: str) -> None:

@@ -216,10 +216,10 @@ class LocalStore(ObjectStore):
     def _version(st: os.stat_result) -> str:
         return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
 
-    def get_bytes_versioned(self, url: str) -> tuple[bytes, str]:
+    def get_bytes_versioned(self, url: str, *, limit: int | None = None) -> tuple[bytes, str]:
         with self._open(url) as f:
             try:
-                return f.read(), self._version(os.fstat(f.fileno()))
+                return f.read(-1 if limit is None else limit + 1), self._version(os.fstat(f.fileno()))
             except OSError as e:
                 raise self._err(e, url, "read") from e
 

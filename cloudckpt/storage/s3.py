@@ -24,6 +24,7 @@ ConfigError for an endpoint that is not a URL.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -345,11 +346,12 @@ class S3Store(ObjectStore):
         a long range costs one request and holds only what the caller keeps."""
         return _S3Range(self._get_body(url, start, end), url)
 
-    def get_bytes_versioned(self, url: str) -> tuple[bytes, str]:
+    def get_bytes_versioned(self, url: str, *, limit: int | None = None) -> tuple[bytes, str]:
         bucket, key = _split(url)
         try:
             r = self.client.get_object(Bucket=bucket, Key=key)
-            return r["Body"].read(), r["ETag"]
+            with contextlib.closing(r["Body"]) as body:  # closed unread past the limit: the rest is never fetched
+                return body.read(None if limit is None else limit + 1), r["ETag"]
         except Exception as e:  # noqa: BLE001 - translated below
             raise translate(e, url, "get") from None
 

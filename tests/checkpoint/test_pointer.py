@@ -12,6 +12,7 @@ import torch
 
 from cloudckpt import Checkpointer
 from cloudckpt.checkpoint import discovery, layout, pointer
+from cloudckpt.errors import CorruptCheckpoint
 from cloudckpt.storage import open_store
 from cloudckpt.storage import url as urls
 
@@ -97,3 +98,79 @@ def test_racing_pointer_updates_end_at_the_highest_step(backend, request, tmp_pa
         t.join()
     assert errors == []
     assert pointer.read(folder) == (24, False)
+
+
+PLANTED = {
+    "infinity": b'{"step": Infinity}',
+    "nan": b'{"step": NaN, "pending": false}',
+    "huge-float": b'{"step": 1e400}',
+    "long-int": b'{"step": ' + b"9" * 5000 + b"}",
+    "negative": b'{"step": -3}',
+    "above-2**63": b'{"step": 9223372036854775808}',
+    "bool-step": b'{"step": true}',
+    "string-step": b'{"step": "7"}',
+    "float-step": b'{"step": 7.0}',
+    "pending-string": b'{"step": 1, "pending": "no"}',
+    "list": b"[1, 2, 3]",
+    "deep": b'{"step": 1, "x": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+    "deep-over-cap": b"[" * 100_000 + b"]" * 100_000,
+    "deep-unbalanced": b"[" * 1_000_000,
+    "not-utf8": b'{"step": 1, "x": "\xff"}',
+    "empty": b"",
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLANTED))
+def test_a_planted_pointer_is_ignored_by_readers_and_replaced_by_the_next_save(case, any_root, tmp_path, caplog):
+    store = open_store(any_root)
+    url = pointer.pointer_url(any_root)
+    store.put_bytes(url, PLANTED[case])
+    with pytest.raises(CorruptCheckpoint):
+        pointer.parse(PLANTED[case], url=url)
+    assert pointer.read(any_root) is None
+    assert "ignoring unreadable latest pointer" in caplog.text
+    _save(Checkpointer(work_dir=str(tmp_path / "w")), any_root, 3)
+    assert pointer.read(any_root) == (3, False)
+    assert discovery.latest_checkpoint(any_root, use_pointer=True) == layout.step_dir(any_root, 3)
+
+
+@pytest.mark.parametrize("backend", ["local", "s3", "gcs"])
+def test_an_oversized_pointer_is_read_only_up_to_its_ceiling(backend, request, tmp_path):
+    """A 64 MiB planted pointer: every read of it (readers and the save's conditional
+    replace) stops at MAX_POINTER_BYTES + 1 bytes, and the save replaces it."""
+    root = {"local": lambda: str(tmp_path / "run"), "s3": lambda: request.getfixturevalue("s3_bucket") + "/run",
+            "gcs": lambda: request.getfixturevalue("gcs_bucket") + "/run"}[backend]()
+    store = open_store(root)
+    url = pointer.pointer_url(root)
+    store.put_bytes(url, b'{"step": 1, "pad": "' + b"x" * (64 << 20) + b'"}')
+    data, version = store.get_bytes_versioned(url, limit=pointer.MAX_POINTER_BYTES)
+    assert len(data) == pointer.MAX_POINTER_BYTES + 1 and version
+    read: list[int] = []
+    real = type(store).get_bytes_versioned
+
+    def spy(self, u, **kw):
+        out = real(self, u, **kw)
+        read.append(len(out[0]))
+        return out
+
+    type(store).get_bytes_versioned = spy
+    try:
+        assert pointer.read(root) is None
+        assert pointer.advance(root, 4, pending=False)
+    finally:
+        type(store).get_bytes_versioned = real
+    assert read == [pointer.MAX_POINTER_BYTES + 1]
+    assert pointer.read(root) == (4, False)
+    assert len(store.get_bytes(url)) < 200
+
+
+def test_a_planted_pointer_with_the_highest_step_does_not_stop_saves(tmp_path):
+    """The pointer never moves backwards, so a planted step 2**63-1 keeps it there;
+    saves still commit and discovery (which lists) still finds them."""
+    folder = str(tmp_path / "run")
+    open_store(folder).put_bytes(pointer.pointer_url(folder), b'{"step": 9223372036854775807}')
+    ck = Checkpointer(work_dir=str(tmp_path / "w"))
+    _save(ck, folder, 1)
+    _save(ck, folder, 2)
+    assert pointer.read(folder) == (pointer.MAX_STEP, False)
+    assert discovery.latest_checkpoint(folder) == layout.step_dir(folder, 2)
