@@ -26,7 +26,6 @@ import contextlib
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -38,7 +37,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import dist
@@ -46,15 +45,12 @@ from ..config import default_work_dir
 from .._version import __version__
 from ..dcp import StreamingReader, UploadingWriter
 from ..errors import (
-    AlreadyExists,
     CheckpointExists,
     CloudCkptError,
     CorruptCheckpoint,
     KeysNotLoaded,
     MissingKeys,
     NotACheckpoint,
-    NotFound,
-    PreconditionFailed,
     SaveFailed,
     SaveInProgress,
     ShapeMismatch,
@@ -63,10 +59,12 @@ from ..storage import Location, StorageOptions, Where, resolve_step_dir
 from ..storage import url as urls
 from ..transfer import TransferConfig, TransferEngine, crc32c_bytes
 from ..untrusted import load_plain
-from . import discovery, layout, pointer, step_files
+from .._torch_compat import caching_save_planner
+from . import discovery, layout, step_files
 from .async_save import AsyncSaver
 from .gcpause import gc_paused
 from .load_guard import KeyCheckingPlanner as _KeyCheckingPlanner
+from .commit import StepCommit
 from .marker import Marker, ObjectEntry
 
 log = logging.getLogger(__name__)
@@ -192,19 +190,20 @@ class Checkpointer:
 
     def _protocol(self, dir: str, step: int | None, ephemeral: bool, commit: bool, produce, *,
                   needs_work: bool = True) -> "Marker | PendingCommit":
-        """The commit protocol around ``produce(dir, work_dir)``, which writes and uploads
-        this rank's objects and returns their outcome: prepare, AGREE, marker last."""
+        """The commit protocol (``commit.StepCommit``) around ``produce(dir, work_dir)``,
+        which writes and uploads this rank's objects and returns their outcome:
+        PREPARE, AGREE, COMMIT (marker last); ABORT on any failure after PREPARE."""
         step = layout.parse_step_dir(dir) if step is None else int(step)
         dir = resolve_step_dir(dir)  # the user's own links above the step: followed once, here
-        save_id = uuid.uuid4().hex
+        # every rank builds the same attempt: the coordinator's save id travels with PREPARE
+        attempt = StepCommit(self._at(dir), step=step, save_id=uuid.uuid4().hex, world_size=self.coord.world_size,
+                             save_overwrite=self.save_overwrite, stale_lock_seconds=self.stale_lock_seconds)
         t0 = time.monotonic()
         work = None
-        locked = False  # rank 0 holds the step's lock
         try:
-            def prepare():
-                nonlocal locked
-                self._prepare_step(dir, save_id)
-                locked = True
+            def prepare() -> str:
+                attempt.prepare()
+                return attempt.save_id
 
             def make_work_dir():
                 nonlocal work
@@ -212,24 +211,18 @@ class Checkpointer:
                 work = tempfile.mkdtemp(dir=self.work_dir, prefix=f"step{step}-rank{self.coord.rank}-")  # mode 0700
 
             self._connect_in_background(dir)
-            self.coord.on_coordinator("prepare", prepare)
+            attempt.save_id = self.coord.on_coordinator("prepare", prepare)
             if needs_work:
                 self.coord.all_ranks("work dir", make_work_dir, error=SaveFailed.from_failures)
             outcome = produce(dir, work)
             results = self.coord.all_ranks("agree", lambda: outcome.result(), error=SaveFailed.from_failures)
-            marker = Marker(
-                step=step,
-                ephemeral=ephemeral,
-                world_size=self.coord.world_size,
-                objects=tuple(sorted((o for r in results for o in r.objects), key=lambda o: o.path)),
-                torch_version=torch.__version__,
-                save_id=save_id,
-            )
+            marker = attempt.marker([o for r in results for o in r.objects], ephemeral=ephemeral,
+                                    torch_version=torch.__version__)
             if not commit:
-                locked = False  # the PendingCommit owns the lock (and the cleanup) from here
-                return PendingCommit(self, dir, marker)
-            self.coord.on_coordinator("commit", lambda: self._commit(dir, marker))
-            locked = False
+                pending = PendingCommit(self, attempt, marker)
+                attempt = None  # the PendingCommit owns the lock (and the cleanup) from here
+                return pending
+            self.coord.on_coordinator("commit", lambda: attempt.commit(marker))
             stats = self.engine.stats()
             self.last_save_stats = {
                 "step": step, "seconds": time.monotonic() - t0, "bytes": marker.total_bytes,
@@ -240,98 +233,12 @@ class Checkpointer:
                      self.last_save_stats["seconds"])
             return marker
         except BaseException:
-            if locked and self.coord.is_coordinator:
-                self._cleanup_attempt(dir, save_id)
+            if attempt is not None and attempt.locked:
+                attempt.abort()
             raise
         finally:
             if work is not None:
                 shutil.rmtree(work, ignore_errors=True)
-
-    def _lock_body(self, save_id: str) -> bytes:
-        import json
-
-        return json.dumps({"save_id": save_id, "host": socket.gethostname(), "pid": os.getpid(),
-                           "created_unix": time.time(), "world_size": self.coord.world_size}).encode()
-
-    def _prepare_step(self, dir: str, save_id: str) -> None:
-        store = self._at(dir).store
-        store.check_bucket(dir)  # a clear BucketNotFound; some S3-compatible stores would create it on PUT
-        marker, lock = layout.marker_url(dir), urls.join(dir, layout.LOCK)
-        if store.exists(marker):
-            if not self.save_overwrite:
-                raise CheckpointExists(f"{dir} is already a committed checkpoint; pass save_overwrite=True to replace it")
-            log.warning("save_overwrite: replacing committed checkpoint %s (marker deleted first)", dir)
-            store.delete(marker)
-            store.delete_prefix(dir)
-        try:
-            store.put_bytes(lock, self._lock_body(save_id), if_absent=True)
-            self._check_not_committed_under_lock(store, dir, marker, lock)
-            return
-        except AlreadyExists:
-            if self._lock_owner(store, lock) == save_id:
-                # our create landed but its answer was lost; the SDK's retry met our own lock
-                self._check_not_committed_under_lock(store, dir, marker, lock)
-                return
-        try:
-            _, version = store.get_bytes_versioned(lock)  # the exact lock we judge below
-        except NotFound:
-            version = None  # released meanwhile: compete for it again below
-        age = self._lock_age(store, lock)
-        if not self.save_overwrite and age is not None and age < self.stale_lock_seconds:
-            raise SaveInProgress(
-                f"another save of {dir} is in progress (its lock is {age:.0f}s old); if that job is dead, wait until the "
-                f"lock is {self.stale_lock_seconds:.0f}s old, delete {lock}, or pass save_overwrite=True"
-            )
-        log.warning("taking over %s: clearing an abandoned save (lock %s old)", dir, "of unknown age" if age is None else f"{age:.0f}s")
-        # Take the lock over with a compare-and-swap of the very lock judged stale: of two
-        # jobs that judged it stale, only one wins; the other (which may have been slow
-        # long enough for the winner to commit) gets SaveInProgress and deletes nothing.
-        try:
-            if version is None:
-                store.put_bytes(lock, self._lock_body(save_id), if_absent=True)
-            else:
-                store.put_bytes_if_match(lock, self._lock_body(save_id), version)
-        except (AlreadyExists, PreconditionFailed):
-            raise SaveInProgress(f"another save of {dir} took its lock over first; retry later") from None
-        self._check_not_committed_under_lock(store, dir, marker, lock)
-        # clear the abandoned save's objects, keeping the lock we now hold
-        store.delete_many(o.url for o in store.walk(urls.as_prefix(dir)) if o.url != lock)
-
-    def _check_not_committed_under_lock(self, store, dir: str, marker: str, lock: str) -> None:
-        """Look at the marker again now that we hold the lock. The check before taking it
-        is not enough: a slow lock request can land after another save of the step
-        committed and released the lock, and writing on would overwrite that committed
-        step's objects. A committer writes its marker before releasing the lock, so the
-        marker is visible here in that case."""
-        if self.save_overwrite or not store.exists(marker):
-            return
-        try:
-            store.delete(lock)
-        except CloudCkptError as e:
-            log.warning("could not release the lock %s (%s); it is harmless", lock, e)
-        raise CheckpointExists(f"{dir} was committed by another save while this one was starting; "
-                               "pass save_overwrite=True to replace it")
-
-    @staticmethod
-    def _lock_owner(store, lock: str) -> str | None:
-        """The save_id in the lock, or None when it cannot be read."""
-        import json
-
-        try:
-            return json.loads(store.get_bytes(lock)).get("save_id")
-        except (CloudCkptError, ValueError, AttributeError):
-            return None
-
-    @staticmethod
-    def _lock_age(store, lock: str) -> float | None:
-        import json
-
-        try:
-            return time.time() - float(json.loads(store.get_bytes(lock))["created_unix"])
-        except NotFound:
-            return 0.0  # released between our create and read: treat as fresh
-        except (ValueError, KeyError, TypeError):
-            return None
 
     def _write_and_upload(self, dir: str | None, work: str, state_dict: dict, train_state: Any):
         """Write this rank's files and upload them (``dir`` None: keep them in ``work``,
@@ -352,7 +259,7 @@ class Checkpointer:
         error: BaseException | None = None
         try:
             with _quiet_dcp():
-                dcp.save(state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=self.coord.group,
+                dcp.save(state_dict, storage_writer=writer, planner=caching_save_planner(f"{self.coord.world_size}:{self.coord.rank}"), process_group=self.coord.group,
                          no_dist=self.coord.local)
             if train_state is not None:
                 path = os.path.join(work, layout.train_state_name(self.coord.rank))
@@ -391,56 +298,6 @@ class Checkpointer:
                 f.cancel()
             error = exc
         return _Outcome([e for _, e in files] if error is None else [], t0, error)
-
-    def _commit(self, dir: str, marker: Marker) -> None:
-        store = self._at(dir).store
-        url = layout.marker_url(dir)
-        folder = urls.parent(dir) if layout.step_of_name(urls.basename(dir)) == marker.step else None
-        if folder is not None:
-            self._advance_pointer(folder, marker.step, pending=True)
-        try:
-            store.put_bytes(url, marker.to_bytes(), if_absent=True)
-        except AlreadyExists:
-            # A lost response can make our own retried create look like a conflict.
-            try:
-                theirs = Marker.from_bytes(store.get_bytes(url), url=url)
-            except CloudCkptError:
-                theirs = None
-            if theirs is None or theirs.save_id != marker.save_id:
-                raise CheckpointExists(f"{dir} was committed by another save while this one ran; this save was not committed") from None
-        if folder is not None:
-            self._advance_pointer(folder, marker.step, pending=False)
-        try:
-            store.delete(urls.join(dir, layout.LOCK))
-        except CloudCkptError as e:
-            log.warning("committed %s but could not remove its lock (%s); it is harmless", dir, e)
-
-    def _advance_pointer(self, folder: str, step: int, *, pending: bool) -> None:
-        """Keep the ``latest`` pointer from ever lagging behind the newest commit. If it
-        cannot be advanced before the commit, remove it (readers then list)."""
-        try:
-            pointer.advance(self._at(folder), step, pending=pending)
-        except NotImplementedError:
-            return  # backend without conditional replace: discovery lists
-        except CloudCkptError as e:
-            log.warning("could not advance the latest pointer of %s to step %d (%s)", folder, step, e)
-            if pending:
-                pointer.best_effort_clear(self._at(folder))
-
-    def _cleanup_attempt(self, dir: str, save_id: str) -> None:
-        """Best effort: remove what a failed attempt uploaded, if we still hold the lock."""
-        import json
-
-        store = self._at(dir).store
-        try:
-            if store.exists(layout.marker_url(dir)):
-                return  # committed after all (the error came later): keep it
-            body = json.loads(store.get_bytes(urls.join(dir, layout.LOCK)))
-            if body.get("save_id") != save_id:
-                return
-            store.delete_prefix(dir)
-        except (CloudCkptError, ValueError) as e:
-            log.warning("could not clean up the failed save at %s (%s); `cloudckpt gc` will remove it", dir, e)
 
     # ================================================================ load
     def load(
@@ -671,9 +528,10 @@ class PendingCommit:
     call them on every rank of the checkpointer, once.
     """
 
-    def __init__(self, checkpointer: "Checkpointer", dir: str, marker: Marker):
+    def __init__(self, checkpointer: "Checkpointer", attempt: StepCommit, marker: Marker):
         self._ckpt = checkpointer
-        self.dir = dir
+        self._attempt = attempt
+        self.dir = attempt.dir
         self.marker = marker
 
     def commit(self) -> Marker:
@@ -685,7 +543,7 @@ class PendingCommit:
 
         marker = dataclasses.replace(self.marker, created_unix=time.time())
         try:
-            self._ckpt.coord.on_coordinator("commit", lambda: self._ckpt._commit(self.dir, marker))
+            self._ckpt.coord.on_coordinator("commit", lambda: self._attempt.commit(marker))
         except BaseException:
             self.abort()
             raise
@@ -695,7 +553,7 @@ class PendingCommit:
     def abort(self) -> None:
         """Best effort: remove what the save uploaded, unless it got committed."""
         if self._ckpt.coord.is_coordinator:
-            self._ckpt._cleanup_attempt(self.dir, self.marker.save_id)
+            self._attempt.abort()
 
 
 @contextlib.contextmanager
