@@ -33,9 +33,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .. import exact_resume
-from ..errors import CloudCkptError, NotACheckpoint
+from ..errors import CloudCkptError, ConfigError, NotACheckpoint
 from ..storage import Location
-from . import discovery, layout, retention
+from . import discovery, layout, loaders, retention
 from .checkpointer import Checkpointer
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,16 @@ class CheckpointManager:
 
     def register_data_loader(self, loader: Any, name: str = "train") -> None:
         """Save and restore this loader's state (``state_dict``/``load_state_dict``) with
-        every checkpoint of this rank (exact resume)."""
+        every checkpoint of this rank (exact resume). Register before ``resume()``.
+
+        Raises:
+            ConfigError: the loader is not stateful (a plain ``torch.utils.data.DataLoader``:
+                use torchdata's ``StatefulDataLoader``), or ``name`` is taken.
+        """
+        loaders.check_stateful(loader, name)
+        if name in self._loaders and self._loaders[name] is not loader:
+            raise ConfigError(f"register_data_loader: a loader named {name!r} is already registered; "
+                              "pass another name= for a second loader")
         self._loaders[name] = loader
 
     # ------------------------------------------------------------ resume
@@ -118,6 +127,9 @@ class CheckpointManager:
             if self.config.exact_resume:
                 same = self.checkpointer.last_load_info.get("saved_world_size") == self.coord.world_size
                 done, missing = exact_resume.restore(saved, self._loaders, same_world_size=same)
+                if "rng:torch" in done:
+                    for name, loader in self._loaders.items():
+                        loaders.keep_rng_across_first_iter(loader, name)
                 if missing:
                     log.warning("exact resume: not restored on rank %d: %s (%s)", self.coord.rank, ", ".join(missing),
                                 "the world size changed" if not same else "not in the checkpoint")
@@ -160,6 +172,8 @@ class CheckpointManager:
     def maybe_save(self, step: int, state_dict: dict, train_state: Any = None, *, force: bool = False) -> Any:
         """Save if ``step`` is due (or ``force``). Returns the Marker (sync), a Future
         (async) or None when not due. Collective."""
+        for loader in self._loaders.values():
+            loaders.release(loader)  # the first step after a resume has run
         kind = self.due(step) or ("persistent" if force else None)
         local = self.local is not None and bool(self.config.local_save_interval) and step % self.config.local_save_interval == 0
         if kind is None and not local:
