@@ -120,12 +120,12 @@ def _check_complete(store, dir: str, marker: Marker) -> tuple[dict[str, str], di
     md = loads_metadata(data, url=url)
     named = {info.relative_path for info in md.storage_data.values()}
     missing = sorted(prefix + rel for rel in named - set(files))
-    ranks = [layout.train_state_name(r) for r in range(marker.world_size)]
-    has_train = any(marker.object(r) for r in ranks)
-    missing += [r for r in ranks if has_train and marker.object(r) is None]
-    if missing:
-        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
-        raise CorruptCheckpoint(f"refusing to adopt {dir}: {len(missing)} object(s) are missing ({shown}); "
+    ranks, missing_ranks, named_ranks = _rank_files(marker)
+    count = len(missing) + missing_ranks
+    missing += named_ranks
+    if count:
+        shown = ", ".join(missing[:10]) + (f" and {count - 10} more" if count > 10 else "")
+        raise CorruptCheckpoint(f"refusing to adopt {dir}: {count} object(s) are missing ({shown}); "
                                 "the step is incomplete")
     validate_metadata(md, url=url, files=files, budget=4 * len(data) + 10_000)  # every item inside its file
     items: dict[str, list[tuple[int, int]]] = {}
@@ -133,13 +133,31 @@ def _check_complete(store, dir: str, marker: Marker) -> tuple[dict[str, str], di
         items.setdefault(prefix + info.relative_path, []).append((info.offset, info.length))
     for ranges in items.values():
         ranges.sort()
-    for rel in ranks if has_train else ():
+    for rel in ranks:
         entry = marker.object(rel)
         u = urls.join(dir, rel)
         data = read_checked(store, u, entry, limit=MAX_TRAIN_STATE_BYTES, what="train state", verify=False)
         load_plain(data, url=u)
         sums[rel] = crc32c_bytes(data)
     return sums, items
+
+
+def _rank_files(marker: Marker) -> tuple[list[str], int, list[str]]:
+    """The step's ``train/rank{R}.pt`` files (R below its world size), how many are
+    missing, and the first ten missing names. None listed: a model-only step, nothing
+    missing. The world size of a foreign step comes from the highest R listed
+    (``train/rank999999999.pt`` says 10^9): the names built here are bounded by what
+    the listing holds, never by that number."""
+    present = sorted(r for o in marker.objects if (r := layout.rank_of_train_state(o.path)) is not None
+                     and r < marker.world_size)
+    if not present:
+        return [], 0, []
+    have, missing, r = set(present), [], 0
+    while len(missing) < 10 and r < marker.world_size:  # at most len(present) + 10 turns
+        if r not in have:
+            missing.append(layout.train_state_name(r))
+        r += 1
+    return [layout.train_state_name(r) for r in present], marker.world_size - len(present), missing
 
 
 def _stream_crc(store, url: str, size: int, ranges: list[tuple[int, int]],

@@ -29,8 +29,17 @@ _STEP_RE = re.compile(r"step(0|[1-9][0-9]{0,18})")
 _STEPLIKE_RE = re.compile(r"step\d", re.IGNORECASE)
 
 
+_RANK_RE = re.compile(rf"{TRAIN_DIR}/rank(0|[1-9][0-9]{{0,8}})\.pt")
+
+
 def train_state_name(rank: int) -> str:
     return f"{TRAIN_DIR}/rank{rank}.pt"
+
+
+def rank_of_train_state(path: str) -> int | None:
+    """``train/rank3.pt`` -> 3; anything else (``train/rank03.pt`` too) -> None."""
+    m = _RANK_RE.fullmatch(path)
+    return int(m.group(1)) if m else None
 
 
 def step_dir(folder: str, step: int) -> str:

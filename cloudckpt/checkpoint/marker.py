@@ -38,7 +38,7 @@ from ..errors import CorruptCheckpoint, IncompatibleCheckpoint, UnsafeCheckpoint
 from ..untrusted.jsondoc import loads_json
 from ..untrusted.limits import MAX_MARKER_BYTES
 from ..untrusted.names import check_name
-from .layout import DCP_METADATA
+from .layout import DCP_METADATA, rank_of_train_state
 
 FORMAT = "cloudckpt"
 FORMAT_VERSION = 1
@@ -50,7 +50,6 @@ MARKER_MAX_DEPTH = 8  # a marker nests 5 deep (marker, objects, entry, chunks, c
 MAX_WORLD_SIZE = 1 << 24  # ranks a marker may name (jobs run on thousands)
 MAX_UNIX_TIME = 253402300799.0  # 9999-12-31T23:59:59Z: the latest time a date can show
 _WRITER = re.compile(r"[a-z0-9][a-z0-9._-]{0,39}")
-_RANK_FILE = re.compile(r"train/rank(\d{1,9})\.pt")
 
 
 @dataclass(frozen=True)
@@ -244,9 +243,9 @@ def foreign_step(fm: ForeignMarker, *, step: int, listing: Iterable[tuple[str, i
         if len(objects) >= MAX_FOREIGN_OBJECTS:
             raise UnsafeCheckpoint(f"{url}: the step folder holds more than {MAX_FOREIGN_OBJECTS} objects; refusing it")
         objects.append(ObjectEntry(check_name(rel, what="object name in the step folder", url=url), int(size), None))
-        m = _RANK_FILE.fullmatch(rel)
-        if m:
-            ranks.append(int(m.group(1)))
+        rank = rank_of_train_state(rel)
+        if rank is not None:
+            ranks.append(rank)
     objects.sort(key=lambda o: o.path)
     if not any(o.path == DCP_METADATA for o in objects):
         raise CorruptCheckpoint(f"{url}: the step has another tool's marker but no {DCP_METADATA}; it is not a checkpoint")
