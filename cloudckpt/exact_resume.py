@@ -2,7 +2,14 @@
 states of Python ``random``, NumPy, torch CPU (and CUDA when present) and the state of
 stateful data loaders (torchdata's ``StatefulDataLoader`` or anything with
 ``state_dict``/``load_state_dict``), as plain data that ``torch.load(weights_only=True)``
-accepts. The manager stores them under one key of the per-rank train state."""
+accepts. The manager stores them under one key of the per-rank train state.
+
+That state comes back from a checkpoint anyone with write access may have crafted:
+``restore`` checks every value's type and shape before it restores anything (a
+Python RNG state is a version, 625 words and a gauss; torch's a CPU byte tensor of
+torch's own length; NumPy's MT19937 keys 624 words), and a value of the wrong type
+is a CorruptCheckpoint naming the step, never an AttributeError from deep inside
+``random`` or torch."""
 
 from __future__ import annotations
 
@@ -11,6 +18,8 @@ import random
 from typing import Any
 
 import torch
+
+from .errors import CorruptCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +39,18 @@ def capture_rng_state() -> dict[str, Any]:
     return state
 
 
-def restore_rng_state(state: dict[str, Any]) -> list[str]:
-    """Restore what the state holds; returns the names restored."""
+def restore_rng_state(state: dict[str, Any], *, where: str = "the checkpoint") -> list[str]:
+    """Restore what the state holds; returns the names restored. Raises
+    CorruptCheckpoint (naming ``where``) when a value is not what ``capture_rng_state``
+    writes; then nothing was restored."""
+    _check_rng(state, where)
+    try:
+        return _restore_rng(state)
+    except (TypeError, ValueError, RuntimeError, IndexError, KeyError, AttributeError, OverflowError) as e:
+        raise _bad(where, f"the RNG state does not restore ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _restore_rng(state: dict[str, Any]) -> list[str]:
     done = []
     if "python" in state:
         random.setstate(_plain_to_py(state["python"]))
@@ -75,19 +94,71 @@ def capture(loaders: dict[str, Any]) -> dict[str, Any]:
     return {"rng": capture_rng_state(), "loaders": {name: dl.state_dict() for name, dl in loaders.items()}}
 
 
-def restore(state: dict[str, Any], loaders: dict[str, Any], *, same_world_size: bool) -> tuple[list[str], list[str]]:
+def restore(state: dict[str, Any], loaders: dict[str, Any], *, same_world_size: bool,
+            where: str = "the checkpoint") -> tuple[list[str], list[str]]:
     """Restore RNG and loader states; returns (restored, not_restored) names. With a
     changed world size the per-rank states of this rank do not exist: nothing is
-    restored and the caller says so."""
+    restored and the caller says so. Raises CorruptCheckpoint naming ``where`` (the
+    step) when the state is not what ``capture`` writes (checked before anything is
+    restored), or when a loader refuses its state with a TypeError, ValueError,
+    KeyError, IndexError or AttributeError."""
     names = ["rng"] + [f"loader:{n}" for n in loaders]
     if not same_world_size:
         return [], names
-    done = [f"rng:{n}" for n in restore_rng_state(state.get("rng", {}))]
+    if type(state) is not dict:
+        raise _bad(where, f"it is a {type(state).__name__}, not a dict")
+    saved = state.get("loaders", {})
+    if type(saved) is not dict:
+        raise _bad(where, f"its loaders are a {type(saved).__name__}, not a dict")
+    done = [f"rng:{n}" for n in restore_rng_state(state.get("rng", {}), where=where)]
     missing = []
     for name, dl in loaders.items():
-        if name in state.get("loaders", {}):
-            dl.load_state_dict(state["loaders"][name])
+        if name in saved:
+            try:
+                dl.load_state_dict(saved[name])
+            except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+                raise _bad(where, f"data loader {name!r} refused its saved state ({type(e).__name__}: "
+                                  f"{str(e)[:200]})") from e
             done.append(f"loader:{name}")
         else:
             missing.append(f"loader:{name}")
     return done, missing
+
+
+_PY_WORDS = 625  # random.getstate()'s internal state: 624 words and the position
+
+
+def _bad(where: str, what: str) -> CorruptCheckpoint:
+    return CorruptCheckpoint(f"{where}: the exact-resume state ({KEY}) is not what cloudckpt saves: {what}; "
+                             "resume from another step, or set exact_resume=False to skip it")
+
+
+def _is_cpu_tensor(t: Any, dtype: torch.dtype, numel: int | None = None) -> bool:
+    return (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type == "cpu" and t.dtype == dtype
+            and t.dim() == 1 and (numel is None or t.numel() == numel))
+
+
+def _check_rng(rng: Any, where: str) -> None:
+    """What ``capture_rng_state`` writes, checked by type and shape (nothing restored yet)."""
+    if type(rng) is not dict:
+        raise _bad(where, f"the RNG state is a {type(rng).__name__}, not a dict")
+    if "python" in rng:
+        p = rng["python"]
+        ok = type(p) in (list, tuple) and len(p) == 3 and type(p[0]) is int and type(p[1]) in (list, tuple) \
+            and len(p[1]) == _PY_WORDS and all(type(w) is int and 0 <= w < 1 << 32 for w in p[1]) \
+            and (p[2] is None or type(p[2]) is float)
+        if not ok:
+            raise _bad(where, "the Python RNG state is not [version, 625 words, gauss]")
+    if "torch" in rng and not _is_cpu_tensor(rng["torch"], torch.uint8, torch.get_rng_state().numel()):
+        raise _bad(where, "the torch RNG state is not a CPU byte tensor of torch's RNG state length")
+    if "numpy" in rng:
+        n = rng["numpy"]
+        ok = type(n) is dict and n.get("kind") == "MT19937" and _is_cpu_tensor(n.get("keys"), torch.int64, 624) \
+            and type(n.get("pos")) is int and 0 <= n["pos"] <= 624 and n.get("has_gauss") in (0, 1) \
+            and type(n.get("has_gauss")) is int and type(n.get("gauss")) is float
+        if not ok:
+            raise _bad(where, "the NumPy RNG state is not MT19937 with 624 keys, a position and a gauss")
+    if "cuda" in rng:
+        c = rng["cuda"]
+        if type(c) not in (list, tuple) or len(c) > 1024 or not all(_is_cpu_tensor(t, torch.uint8) for t in c):
+            raise _bad(where, "the CUDA RNG states are not a list of CPU byte tensors")

@@ -126,7 +126,8 @@ class CheckpointManager:
             saved = ts.pop(exact_resume.KEY)
             if self.config.exact_resume:
                 same = self.checkpointer.last_load_info.get("saved_world_size") == self.coord.world_size
-                done, missing = exact_resume.restore(saved, self._loaders, same_world_size=same)
+                where = latest if self.resumed_from == "bucket" else f"local step {self.resumed_step}"
+                done, missing = exact_resume.restore(saved, self._loaders, same_world_size=same, where=where)
                 if "rng:torch" in done:
                     for name, loader in self._loaders.items():
                         loaders.keep_rng_across_first_iter(loader, name)
