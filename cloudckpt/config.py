@@ -102,6 +102,8 @@ class CheckpointConfig:
     - ``replication_factor``: copies of each rank's part on distinct nodes, its own included (None: 2 when there are two
       nodes or more, else 1); ``replication_jump``: ranks per node (None: ``LOCAL_WORLD_SIZE``, else 1).
     - ``load_step``: ``resume()`` loads this committed step instead of the newest (None: the newest).
+    - ``strict_resume``: a newest step that fails its checks stops ``resume()`` (CorruptCheckpoint) instead of
+      being logged, recorded in ``CheckpointManager.skipped_steps`` and skipped for the previous committed step.
     - ``thread_count``: threads writing DCP files per rank; ``stale_lock_seconds``: a step's ``.lock`` older than
       this is taken over; ``collective_timeout`` (s): how long a rank waits for the others in a save/load step.
     - ``storage``: a :class:`~cloudckpt.storage.StorageOptions` (endpoint, credentials profile, region, part size,
@@ -135,6 +137,7 @@ class CheckpointConfig:
     sigterm: str = "finish"
     sigterm_timeout: float = 120.0
     load_step: Optional[int] = None
+    strict_resume: bool = False
     local_dir: Optional[str] = None
     local_save_interval: Optional[int] = None
     keep_last_local: int = 2

@@ -16,7 +16,9 @@
 - After a save commits, rank 0 prunes by policy and garbage-collects (old
   uncommitted folders, orphaned multipart uploads) on a background thread: marker
   first, never the newest committed step, never a step being written, never a
-  step another tool wrote (``retention.Policy.include_foreign`` is off).
+  step another tool wrote (``retention.Policy.include_foreign`` is off). Its cost
+  per save does not grow with the kept steps (``retention.Maintenance``: two LISTs
+  and the deletes; a committed step's header is read once, or known from the save).
 - On SIGTERM (main thread only): ``sigterm="finish"`` waits up to
   ``sigterm_timeout`` for in-flight saves to commit, ``"abandon"`` does not wait;
   either way the process then exits with the signal. An abandoned save has no
@@ -30,15 +32,25 @@ import os
 import signal
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from .. import exact_resume
-from ..errors import CloudCkptError, ConfigError, NotACheckpoint
+from ..errors import CloudCkptError, ConfigError, CorruptCheckpoint, NotACheckpoint
 from ..storage import Location
 from . import discovery, layout, loaders, retention
 from .checkpointer import Checkpointer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SkippedStep:
+    """A committed bucket step that ``resume()`` did not use because it failed its checks."""
+
+    step: int
+    dir: str
+    reason: str  # the first failing ranks' errors
 
 
 class CheckpointManager:
@@ -50,11 +62,14 @@ class CheckpointManager:
         self.local = self._local_tier(config) if config.local_dir else None
         self.resumed_from: str | None = None  # "local" or "bucket"
         self.policy = retention.Policy(config.keep_last_ephemeral, config.max_checkpoints, config.keep_every)
+        self.maintenance = retention.Maintenance(self.save_location, self.policy, older_than=config.gc_grace_seconds)
         self._maint = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloudckpt-maint")
         self._maint_futures: list[Future] = []
         self._writing: set[int] = set()
         self._lock = threading.Lock()
         self.resumed_step: int | None = None
+        self.skipped_steps: tuple[SkippedStep, ...] = ()  # bucket steps resume() found failing their checks
+        self.steps_above_resumed: frozenset[int] = frozenset()  # committed steps above the resumed one
         self.last_saved_step: int | None = None
         self._closed = False
         self._loaders: dict[str, Any] = {}
@@ -113,7 +128,7 @@ class CheckpointManager:
             log.info("no committed checkpoint in %s: starting from scratch", folder)
             return None
         else:
-            ts = self.checkpointer.load(latest, state_dict, **load_kwargs)
+            latest, ts = self._load_with_fallback(latest, state_dict, explicit=load_step is not None, **load_kwargs)
             self.resumed_step, self.resumed_from = layout.parse_step_dir(latest), "bucket"
             info = self.checkpointer.last_load_info
             if info.get("writer", "cloudckpt") != "cloudckpt":
@@ -135,6 +150,65 @@ class CheckpointManager:
                     log.warning("exact resume: not restored on rank %d: %s (%s)", self.coord.rank, ", ".join(missing),
                                 "the world size changed" if not same else "not in the checkpoint")
         return ts
+
+    def _load_with_fallback(self, dir: str, state_dict: dict, *, explicit: bool, **load_kwargs: Any) -> tuple[str, Any]:
+        """Load the bucket step ``dir``; if it fails its checks (CorruptCheckpoint, on any
+        rank) and neither ``explicit`` (``load_step``) nor ``strict_resume`` is set, log
+        it, record it in ``skipped_steps`` and load the next older committed step. Every
+        rank takes the same decision (one collective per attempt). Returns (dir, train state)."""
+        while True:
+            got: dict = {}
+
+            def attempt(dir=dir, got=got):
+                try:
+                    got["ts"] = self.checkpointer.load(dir, state_dict, **load_kwargs)
+                    return None
+                except CorruptCheckpoint as e:
+                    return " ".join(str(e).split())[:500]
+
+            failed = {r: t for r, t in enumerate(self.coord.all_ranks(f"load {dir}", attempt)) if t}
+            if not failed:
+                self._decide_steps_above(dir, explicit=explicit)
+                return dir, got["ts"]
+            step = layout.parse_step_dir(dir)
+            reason = "; ".join(f"rank {r}: {t}" for r, t in sorted(failed.items())[:3]) + \
+                (f" (and {len(failed) - 3} more ranks)" if len(failed) > 3 else "")
+            if explicit or self.config.strict_resume:
+                why = f"load_step={step} was asked for" if explicit else "strict_resume=True"
+                raise CorruptCheckpoint(f"{dir} fails its checks ({reason}); not falling back to an older step "
+                                        f"because {why}: restore the step, or resume from an older one with "
+                                        "load_step=N (cloudckpt list shows them)")
+            older = self.coord.on_coordinator("find older step", lambda: _newest_committed_below(self.save_location, step))
+            self.skipped_steps += (SkippedStep(step, dir, reason),)
+            if older is None:
+                raise CorruptCheckpoint(f"{dir} fails its checks ({reason}) and no older committed step exists to "
+                                        "fall back to: restore the step, or start the run afresh in a new save_folder")
+            if self.coord.is_coordinator:
+                log.error("resume: %s fails its checks (%s); falling back to the previous committed step %s. "
+                          "Set strict_resume=True to stop instead; `cloudckpt verify %s` shows what is wrong",
+                          dir, reason, older, dir)
+            dir = older
+
+    def _decide_steps_above(self, dir: str, *, explicit: bool) -> None:
+        """Committed steps above the resumed one (skipped as corrupt, or newer than an
+        explicit ``load_step``) are decided now, not at the save that would meet them."""
+        step = layout.parse_step_dir(dir)
+        above = self.coord.on_coordinator("steps above", lambda: _committed_above(self.save_location, step))
+        if not above:
+            return
+        bad = {s.step for s in self.skipped_steps}
+        if explicit and not self.config.save_overwrite and set(above) - bad:
+            raise ConfigError(
+                f"resume: load_step={step}, but {self.config.save_folder} has committed steps above it "
+                f"({_steps_text(above)}); training on would mix two histories in one folder and meet those steps. "
+                "Branch into a new save_folder, remove them (cloudckpt rm), or set save_overwrite=True to replace "
+                "them as the run reaches them")
+        self.steps_above_resumed = frozenset(above)
+        if self.coord.is_coordinator:
+            what = ("replaced as the run reaches them (save_overwrite=True)" if self.config.save_overwrite else
+                    "kept: the saves of these step numbers are skipped (set save_overwrite=True to replace them)")
+            log.warning("resume: committed steps above the resumed step %d: %s; they will be %s", step,
+                        _steps_text(above), what)
 
     def step_to_resume(self, *, load_step: int | None = None) -> str | None:
         """The bucket step folder ``resume`` loads (``load_step``, default the config's,
@@ -176,6 +250,11 @@ class CheckpointManager:
         for loader in self._loaders.values():
             loaders.release(loader)  # the first step after a resume has run
         kind = self.due(step) or ("persistent" if force else None)
+        if kind is not None and step in self.steps_above_resumed and not self.config.save_overwrite:
+            if self.coord.is_coordinator:
+                log.warning("step %d is already committed in %s (it was above the resumed step): not saving over it",
+                            step, self.config.save_folder)
+            kind = None
         local = self.local is not None and bool(self.config.local_save_interval) and step % self.config.local_save_interval == 0
         if kind is None and not local:
             return None
@@ -203,7 +282,7 @@ class CheckpointManager:
 
         def write(sd: dict, ts: Any):
             return self.local.save(step, sd, ts, persist_to=dest, ephemeral=ephemeral,
-                                   on_persisted=(lambda ok: self._after_save(step, ok)) if persist else None)
+                                   on_persisted=(lambda ok: self._after_save(step, ok, ephemeral)) if persist else None)
 
         if self.config.async_save:
             return self.checkpointer.run_async(write, state_dict, train_state)
@@ -211,7 +290,7 @@ class CheckpointManager:
             return write(state_dict, train_state)
         except BaseException:
             if persist:
-                self._after_save(step, False)
+                self._after_save(step, False, ephemeral)
             raise
 
     def save(self, step: int, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False) -> Any:
@@ -221,21 +300,23 @@ class CheckpointManager:
             self._writing.add(step)
         if self.config.async_save:
             fut = self.checkpointer.save_async(dir, state_dict, train_state, ephemeral=ephemeral)
-            fut.add_done_callback(lambda f: self._after_save(step, f.exception() is None))
+            fut.add_done_callback(lambda f: self._after_save(step, f.exception() is None, ephemeral))
             return fut
         try:
             marker = self.checkpointer.save(dir, state_dict, train_state, ephemeral=ephemeral)
         except BaseException:
-            self._after_save(step, False)
+            self._after_save(step, False, ephemeral)
             raise
-        self._after_save(step, True)
+        self._after_save(step, True, ephemeral)
         return marker
 
-    def _after_save(self, step: int, ok: bool) -> None:
+    def _after_save(self, step: int, ok: bool, ephemeral: bool) -> None:
         with self._lock:
             self._writing.discard(step)
             if ok:
                 self.last_saved_step = step
+        if ok:
+            self.maintenance.committed(step, ephemeral=ephemeral)
         if ok and self.coord.is_coordinator and not self._closed:
             self._maint_futures = [f for f in self._maint_futures if not f.done()]
             self._maint_futures.append(self._maint.submit(self._maintain))
@@ -245,9 +326,8 @@ class CheckpointManager:
             protect = frozenset(self._writing)
             newest = self.last_saved_step
         try:
-            retention.prune(self.save_location, self.policy, protect=protect)
             # a save that starts after ``protect`` was taken is above the newest committed step
-            retention.gc(self.save_location, older_than=self.config.gc_grace_seconds, protect=protect, keep_above=newest)
+            self.maintenance.run(protect=protect, keep_above=newest)
         except CloudCkptError as e:
             log.warning("background prune/gc of %s failed (will retry after the next save): %s", self.config.save_folder, e)
 
@@ -341,3 +421,20 @@ def _committed_step(folder: Location, step: int) -> str:
         f"load_step={step}: {dir} is not a committed checkpoint; "
         + (f"the nearest committed steps are {nearest} (of {len(committed)}): pass one of them, or leave load_step "
            "unset to resume from the newest" if committed else f"{folder.url} holds no committed checkpoint"))
+
+
+def _steps_text(steps: list[int]) -> str:
+    return ", ".join(f"step{s}" for s in steps[:10]) + (f" and {len(steps) - 10} more" if len(steps) > 10 else "")
+
+
+def _committed_above(folder: Location, step: int) -> list[int]:
+    """Committed steps above ``step`` (one LIST, one marker check per step above)."""
+    return [s for s, d in discovery.list_step_dirs(folder) if s > step and discovery.dir_is_checkpoint(folder.at(d))]
+
+
+def _newest_committed_below(folder: Location, step: int) -> str | None:
+    """The newest committed step folder below ``step`` (one LIST, marker checks from the top down)."""
+    for s, d in sorted(discovery.list_step_dirs(folder), reverse=True):
+        if s < step and discovery.dir_is_checkpoint(folder.at(d)):
+            return d
+    return None

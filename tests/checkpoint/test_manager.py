@@ -296,7 +296,9 @@ def test_resume_load_step_loads_that_committed_step_or_names_the_nearest(tmp_pat
     from cloudckpt.errors import NotACheckpoint
 
     folder = str(tmp_path / "run")
-    cfg = CheckpointConfig(save_folder=folder, save_interval=10, work_dir=str(tmp_path / "w"), exact_resume=False)
+    # save_overwrite: rewinding below committed steps is decided at resume (test_resume_fallback.py)
+    cfg = CheckpointConfig(save_folder=folder, save_interval=10, work_dir=str(tmp_path / "w"), exact_resume=False,
+                           save_overwrite=True)
     mgr = cfg.build()
     for step in (10, 20, 30):
         mgr.maybe_save(step, {"w": torch.full((3,), float(step))}, {"step": step})

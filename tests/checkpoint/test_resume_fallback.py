@@ -1,0 +1,121 @@
+"""A newest step that fails its checks: resume() says so loudly, records it on the
+manager and loads the previous committed step (every rank the same), or stops with
+strict_resume=True. Committed steps above the resumed one are decided at resume time:
+their saves are skipped (never overwritten) and said at resume, not a crash later;
+with an explicit load_step they are a ConfigError at resume."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from cloudckpt import CheckpointConfig
+from cloudckpt.errors import ConfigError, CorruptCheckpoint
+from cloudckpt.testing.multiprocess import run_ranks
+
+from . import fallback_workers as fw
+from .test_checkpointer import _env
+
+
+def _flip_a_shard_byte(step_dir: str) -> None:
+    model = os.path.join(step_dir, "model_and_optim")
+    shard = sorted(n for n in os.listdir(model) if n.endswith(".distcp"))[0]
+    with open(os.path.join(model, shard), "r+b") as f:
+        f.seek(40)
+        b = f.read(1)
+        f.seek(40)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _mgr(folder, tmp_path, **kw):
+    return CheckpointConfig(save_folder=folder, work_dir=str(tmp_path / "w"), save_interval=5, **kw).build()
+
+
+def test_a_corrupt_newest_step_is_logged_recorded_and_skipped_and_its_step_number_is_not_saved_over(tmp_path, caplog):
+    folder = str(tmp_path / "run")
+    fw.save_steps(0, 1, folder, str(tmp_path / "w"), [50, 55, 60])
+    _flip_a_shard_byte(os.path.join(folder, "step60"))
+    mgr = _mgr(folder, tmp_path)
+    sd = fw.state(999)
+    with caplog.at_level(logging.WARNING, logger="cloudckpt"):
+        ts = mgr.resume(sd)
+    assert ts["step"] == 55 and mgr.resumed_step == 55 and torch.equal(sd["model"]["w"], fw.state(55)["model"]["w"])
+    assert [s.step for s in mgr.skipped_steps] == [60] and "CRC32C" in mgr.skipped_steps[0].reason
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR and r.name.startswith("cloudckpt")]
+    assert errors and "step60 fails its checks" in errors[0].getMessage() and "falling back" in errors[0].getMessage()
+    assert "strict_resume=True" in errors[0].getMessage()
+    assert "committed steps above the resumed step 55: step60" in caplog.text  # said at resume
+    assert mgr.steps_above_resumed == {60}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cloudckpt"):
+        assert mgr.maybe_save(60, fw.state(60), {"step": 60}) is None  # kept, not saved over, no crash
+        assert mgr.maybe_save(65, fw.state(65), {"step": 65}) is not None
+    mgr.close()
+    assert "step 60 is already committed" in caplog.text
+    mgr2 = _mgr(folder, tmp_path)
+    assert mgr2.resume(fw.state(1))["step"] == 65 and mgr2.skipped_steps == ()
+    mgr2.close()
+
+
+def test_strict_resume_stops_at_a_corrupt_newest_step(tmp_path):
+    folder = str(tmp_path / "run")
+    fw.save_steps(0, 1, folder, str(tmp_path / "w"), [5, 10])
+    _flip_a_shard_byte(os.path.join(folder, "step10"))
+    mgr = _mgr(folder, tmp_path, strict_resume=True)
+    with pytest.raises(CorruptCheckpoint, match="step10 fails its checks.*strict_resume=True"):
+        mgr.resume(fw.state(1))
+    mgr.close()
+    mgr = _mgr(folder, tmp_path, load_step=10)  # an explicit step never falls back either
+    with pytest.raises(CorruptCheckpoint, match="load_step=10 was asked for"):
+        mgr.resume(fw.state(1))
+    mgr.close()
+
+
+def test_the_only_committed_step_failing_its_checks_is_an_error_not_a_fresh_start(tmp_path):
+    folder = str(tmp_path / "run")
+    fw.save_steps(0, 1, folder, str(tmp_path / "w"), [5])
+    _flip_a_shard_byte(os.path.join(folder, "step5"))
+    mgr = _mgr(folder, tmp_path)
+    with pytest.raises(CorruptCheckpoint, match="no older committed step"):
+        mgr.resume(fw.state(1))
+    assert [s.step for s in mgr.skipped_steps] == [5]
+    mgr.close()
+
+
+def test_load_step_below_committed_steps_is_decided_at_resume(tmp_path, caplog):
+    folder = str(tmp_path / "run")
+    fw.save_steps(0, 1, folder, str(tmp_path / "w"), [50, 55, 60])
+    mgr = _mgr(folder, tmp_path, load_step=55)
+    with pytest.raises(ConfigError, match="load_step=55.*step60.*new save_folder.*save_overwrite=True"):
+        mgr.resume(fw.state(1))
+    mgr.close()
+    mgr = _mgr(folder, tmp_path, load_step=55, save_overwrite=True)
+    with caplog.at_level(logging.WARNING, logger="cloudckpt"):
+        assert mgr.resume(fw.state(1))["step"] == 55
+    assert "replaced as the run reaches them" in caplog.text
+    assert mgr.maybe_save(60, fw.state(61), {"step": 60}) is not None  # replaced, as asked
+    mgr.close()
+
+
+def test_two_ranks_fall_back_together_when_one_ranks_train_state_is_corrupt(s3_bucket, tmp_path):
+    import boto3
+
+    folder = s3_bucket + "/fb"
+    work = str(tmp_path / "w")
+    run_ranks(2, fw.save_steps, folder, work, [5, 10], env=_env())
+    bucket = s3_bucket[len("s3://"):]
+    c = boto3.client("s3")
+    key = "fb/step10/train/rank1.pt"
+    body = bytearray(c.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[-30] ^= 0xFF
+    c.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    out = run_ranks(2, fw.resume, folder, work, env=_env())
+    for r in range(2):
+        assert "error" not in out[r], out[r]
+        assert out[r]["ts"] == {"step": 5, "rank": r} and out[r]["equal"]
+        assert [s for s, _ in out[r]["skipped"]] == [10] and "rank 1" in out[r]["skipped"][0][1]
+    strict = run_ranks(2, fw.resume, folder, work, True, env=_env())
+    assert all("CorruptCheckpoint" in strict[r]["error"] for r in range(2)), strict
