@@ -581,3 +581,95 @@ class ObjectStoreConformance:
         assert copy.get_bytes(u) == b"before pickling"
         copy.put_bytes(u, b"written by the copy")
         assert backend.store.get_bytes(u) == b"written by the copy"
+
+    # ------------------------------------------------------------ the commit protocol
+    # cloudckpt.checkpoint.commit drives the step's lock, marker and pointer through the
+    # store alone: every backend runs the protocol here, without ranks.
+    def _attempt(self, backend: StoreUnderTest, step: int = 1, **kw):
+        from ..checkpoint.commit import StepCommit
+        from ..storage import Location
+
+        return StepCommit(Location.of(backend.url("run", f"step{step}")), step=step, save_id=uuid.uuid4().hex,
+                          world_size=2, **kw)
+
+    def _entry(self, backend: StoreUnderTest, attempt, rel: str, data: bytes):
+        from ..checkpoint.marker import ObjectEntry
+        from ..transfer import crc32c_bytes
+
+        backend.store.put_bytes(urls.join(attempt.dir, rel), data)
+        return ObjectEntry(rel, len(data), crc32c_bytes(data))
+
+    def test_commit_protocol_prepare_commit_writes_the_marker_last_and_releases_the_lock(self, backend):
+        from ..checkpoint import discovery
+        from ..errors import CheckpointExists
+
+        a = self._attempt(backend)
+        a.prepare()
+        assert a.locked and backend.store.exists(a.lock_url) and not backend.store.exists(a.marker_url)
+        entries = [self._entry(backend, a, "model_and_optim/.metadata", b"meta"),
+                   self._entry(backend, a, "train/rank0.pt", b"train state")]
+        assert not discovery.dir_is_checkpoint(a.dir), "no marker yet: not a checkpoint"
+        marker = a.commit(a.marker(entries, ephemeral=False))
+        assert not backend.store.exists(a.lock_url), "the lock is released after the commit"
+        got = discovery.read_marker(a.dir)
+        assert got.save_id == a.save_id and got.step == 1 and got.total_bytes == marker.total_bytes
+        assert discovery.latest_checkpoint(backend.url("run")) == a.dir
+        with pytest.raises(CheckpointExists, match="step1"):
+            self._attempt(backend).prepare()
+
+    def test_commit_protocol_a_fresh_lock_refuses_a_second_save_and_a_stale_one_is_taken_over(self, backend):
+        from ..errors import SaveInProgress
+
+        first = self._attempt(backend)
+        first.prepare()
+        self._entry(backend, first, "train/rank0.pt", b"left by the first attempt")
+        with pytest.raises(SaveInProgress, match="in progress"):
+            self._attempt(backend).prepare()
+        second = self._attempt(backend, stale_lock_seconds=0.0)  # every lock is stale to it
+        second.prepare()
+        assert second.locked
+        assert sorted(o.url for o in backend.store.walk(urls.as_prefix(second.dir))) == [second.lock_url], \
+            "the abandoned attempt's objects are cleared; only the new lock stays"
+        first.abort()  # the first attempt lost its lock: its abort removes nothing
+        assert backend.store.exists(second.lock_url)
+
+    @pytest.mark.parametrize("body", [b"[" * 30_000 + b"]" * 30_000, b'{"save_id": "x", "created_unix": Infinity}',
+                                      b'{"save_id": "x", "created_unix": 1e999}', b"\xff\xfe not json",
+                                      b'{"save_id": "' + b"9" * 5000 + b'", "created_unix": 1}', b"[]"])
+    def test_commit_protocol_a_lock_that_is_not_ours_is_taken_over_as_abandoned(self, backend, body):
+        a = self._attempt(backend)
+        backend.store.put_bytes(a.lock_url, body)
+        a.prepare()  # judged stale (unreadable), taken over with a compare-and-swap
+        assert a.locked and a._lock_owner() == a.save_id
+
+    def test_commit_protocol_an_oversized_lock_is_a_typed_error_read_no_further(self, backend):
+        from ..errors import CorruptCheckpoint
+
+        a = self._attempt(backend)
+        backend.store.put_bytes(a.lock_url, b"{" + b" " * (2 * MiB) + b"}")
+        with self.count_requests(backend.store, "get") as gets:
+            with pytest.raises(CorruptCheckpoint, match="delete it") as ei:
+                a.prepare()
+        assert a.lock_url in str(ei.value)
+        if gets is not None:
+            assert all(end - start <= 64 * 1024 + 1 for start, end in gets), f"reads stay under the lock ceiling: {gets}"
+
+    def test_commit_protocol_abort_removes_the_attempt_and_a_lost_commit_answer_is_our_own(self, backend):
+        from ..errors import CheckpointExists
+
+        a = self._attempt(backend)
+        a.prepare()
+        self._entry(backend, a, "train/rank0.pt", b"x")
+        a.abort()
+        assert list(backend.store.walk(urls.as_prefix(a.dir))) == [] and not a.locked
+        b = self._attempt(backend)
+        b.prepare()
+        marker = b.marker([self._entry(backend, b, "train/rank0.pt", b"y")], ephemeral=True)
+        backend.store.put_bytes(b.marker_url, marker.to_bytes())  # our create landed, its answer was lost
+        assert b.commit(marker).save_id == b.save_id
+        c = self._attempt(backend, save_overwrite=True)
+        c.prepare()  # replaces the committed step (marker first)
+        other = self._attempt(backend)
+        backend.store.put_bytes(c.marker_url, other.marker([], ephemeral=False).to_bytes())  # another job committed
+        with pytest.raises(CheckpointExists, match="another save"):
+            c.commit(c.marker([], ephemeral=False))

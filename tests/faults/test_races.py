@@ -11,6 +11,7 @@ import torch
 
 from cloudckpt import Checkpointer
 from cloudckpt.checkpoint import discovery, layout
+from cloudckpt.checkpoint.commit import StepCommit
 from cloudckpt.errors import CheckpointExists, CorruptCheckpoint, SaveInProgress
 from cloudckpt.storage import open_store
 from cloudckpt.storage import url as urls
@@ -140,7 +141,7 @@ def _plant_stale_lock(step: str) -> None:
     open_store(step).put_bytes(urls.join(step, "model_and_optim", "__0_0.distcp"), b"left over by the dead job")
 
 
-def test_a_slow_second_taker_of_a_stale_lock_does_not_destroy_the_first_takers_commit(tmp_path, secret_scan):
+def test_a_slow_second_taker_of_a_stale_lock_does_not_destroy_the_first_takers_commit(tmp_path, secret_scan, monkeypatch):
     """Job A and job B both find the stale lock of a crashed save; B is slow between judging it
     stale and clearing it. A's committed step must survive B."""
     step = str(tmp_path / "ckpt" / "step1")
@@ -149,15 +150,16 @@ def test_a_slow_second_taker_of_a_stale_lock_does_not_destroy_the_first_takers_c
     b = Checkpointer(work_dir=str(tmp_path / "wb"), stale_lock_seconds=60)
     judged = threading.Event()
     a_done = threading.Event()
-    real_age = Checkpointer._lock_age
+    real_age = StepCommit._age
 
-    def slow_age(store, lock):
-        age = real_age(store, lock)  # stale: an hour old
-        judged.set()
-        a_done.wait(60)  # B stalls (GC pause, slow network) while A takes over and commits
+    def slow_age(self, data):
+        age = real_age(self, data)  # stale: an hour old
+        if threading.current_thread() is tb:  # only B judges slowly
+            judged.set()
+            a_done.wait(60)  # B stalls (GC pause, slow network) while A takes over and commits
         return age
 
-    b._lock_age = slow_age
+    monkeypatch.setattr(StepCommit, "_age", slow_age)
     outcome: dict = {}
 
     def run_b():

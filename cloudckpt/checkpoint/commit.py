@@ -1,0 +1,308 @@
+"""The commit protocol of one save of one step, torch-free.
+
+A save makes a step visible to readers only when every object of it is stored: the
+marker ``.metadata.json`` is written last, by the coordinator, with a conditional
+create. This module holds every storage request of that protocol; the checkpointer
+writes the files and runs the collectives (``cloudckpt/dist.py``) between the calls.
+
+Call order (``C``: the coordinator, rank 0, alone; ``R``: every rank)::
+
+    c = StepCommit(step_location, step=N, save_id=..., world_size=W, ...)   # R
+    c.prepare()              # C  check the step, take its lock (conditional create)
+    ... each rank writes and uploads its objects ...                       # R
+    ref = c.publish_part(rank, entries)   # R  upload this rank's manifest part
+    ... "agree": every rank's outcome and ``ref`` travel to the coordinator ...
+    marker = c.marker(parts, objects, ephemeral=...)   # C  the header listing the parts
+    c.commit(marker)         # C  pointer "pending", marker (conditional create),
+                             #    pointer final, release the lock
+    c.abort()                # C  on any failure after prepare(): remove what this
+                             #    attempt uploaded, if it still holds the lock
+
+``prepare`` raises before anything is written if the step is committed (unless
+``save_overwrite``) or another save holds a fresh lock. ``commit`` raises
+CheckpointExists if another save committed the step meanwhile; a marker that exists
+with this save's id is this save's own create whose answer was lost: success.
+
+Each rank's part (``manifest/rank{R}.json``) is uploaded before the agree step, so the
+coordinator receives one small reference per rank (path, size, CRC32C), never another
+rank's manifest; the marker lists the parts with their size and CRC32C, and a reader
+checks a part against it before trusting it (``marker.py``).
+
+The lock body is a small JSON object (``LockBody``); a lock that is not one (another
+tool's, damaged, planted: deep, non-finite or oversized JSON) is judged abandoned
+(stale) and taken over with a compare-and-swap, never parsed without a ceiling.
+Every call here runs on storage only, so ``cloudckpt.testing.conformance`` drives
+the protocol on every backend without spawning ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ..errors import (
+    AlreadyExists,
+    CheckpointExists,
+    CloudCkptError,
+    CorruptCheckpoint,
+    NotFound,
+    PreconditionFailed,
+    SaveFailed,
+    SaveInProgress,
+)
+from ..storage import Location
+from ..storage import url as urls
+from ..untrusted import loads_json, read_capped
+from . import layout, pointer
+from .marker import Marker, ObjectEntry
+
+log = logging.getLogger(__name__)
+
+MAX_LOCK_BYTES = 64 * 1024  # ours is under 200 bytes
+
+
+@dataclass(frozen=True)
+class LockBody:
+    """What a step's ``.lock`` holds: which save took it, where, and when."""
+
+    save_id: str
+    host: str = ""
+    pid: int = 0
+    created_unix: float = 0.0
+    world_size: int = 0
+
+    @classmethod
+    def new(cls, save_id: str, world_size: int) -> "LockBody":
+        return cls(save_id, socket.gethostname(), os.getpid(), time.time(), world_size)
+
+    def to_bytes(self) -> bytes:
+        import json
+
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, url: str) -> "LockBody":
+        """Parse a lock body (at most MAX_LOCK_BYTES, bounded JSON). Raises CorruptCheckpoint
+        when it is not one of ours."""
+        d = loads_json(data, url=url, what="save lock", limit=MAX_LOCK_BYTES)
+        if type(d) is not dict:
+            raise CorruptCheckpoint(f"{url}: the save lock is not a JSON object")
+        save_id, created = d.get("save_id"), d.get("created_unix")
+        if type(save_id) is not str or not 0 < len(save_id) <= 128:
+            raise CorruptCheckpoint(f"{url}: the save lock has no save_id")
+        if type(created) not in (int, float) or not math.isfinite(created):
+            raise CorruptCheckpoint(f"{url}: the save lock has no creation time")
+        host, pid, ws = d.get("host", ""), d.get("pid", 0), d.get("world_size", 0)
+        return cls(save_id, host[:256] if type(host) is str else "", pid if type(pid) is int else 0,
+                   float(created), ws if type(ws) is int else 0)
+
+    @classmethod
+    def read(cls, store: Any, url: str) -> "LockBody | None":
+        """The lock at ``url``, or None when it cannot be read as ours (then it is judged
+        stale). Raises NotFound (no lock), storage errors."""
+        try:
+            return cls.from_bytes(read_capped(store, url, limit=MAX_LOCK_BYTES, what="save lock"), url=url)
+        except CorruptCheckpoint as e:  # UnsafeCheckpoint (oversized) included
+            log.warning("the save lock %s is not readable as cloudckpt's (%s); it is treated as abandoned", url, e)
+            return None
+
+
+class StepCommit:
+    """The storage side of one save attempt of the step folder ``step_dir``.
+
+    Build it on every rank with the same ``save_id`` (the coordinator chooses it);
+    ``prepare``, ``commit``, ``abort`` run on the coordinator only, ``publish_part``
+    on every rank. See the module docstring for the order.
+    """
+
+    def __init__(self, step_dir: Location, *, step: int, save_id: str, world_size: int,
+                 save_overwrite: bool = False, stale_lock_seconds: float = 600.0):
+        self.loc = step_dir
+        self.dir = step_dir.url
+        self.step = int(step)
+        self.save_id = save_id
+        self.world_size = world_size
+        self.save_overwrite = save_overwrite
+        self.stale_lock_seconds = stale_lock_seconds
+        self.locked = False  # this object took the lock (coordinator)
+
+    @property
+    def store(self):
+        return self.loc.store
+
+    @property
+    def marker_url(self) -> str:
+        return layout.marker_url(self.dir)
+
+    @property
+    def lock_url(self) -> str:
+        return urls.join(self.dir, layout.LOCK)
+
+    # ------------------------------------------------------------ coordinator: prepare
+    def prepare(self) -> None:
+        """Check the step and take its lock. Raises CheckpointExists (committed and no
+        ``save_overwrite``), SaveInProgress (another save holds a fresh lock, or took a
+        stale one over first), CorruptCheckpoint (an oversized lock: not ours), storage
+        errors (BucketNotFound included)."""
+        store, dir, marker, lock = self.store, self.dir, self.marker_url, self.lock_url
+        store.check_bucket(dir)  # a clear BucketNotFound; some S3-compatible stores would create it on PUT
+        if store.exists(marker):
+            if not self.save_overwrite:
+                raise CheckpointExists(f"{dir} is already a committed checkpoint; pass save_overwrite=True to replace it")
+            log.warning("save_overwrite: replacing committed checkpoint %s (marker deleted first)", dir)
+            store.delete(marker)
+            store.delete_prefix(dir)
+        body = LockBody.new(self.save_id, self.world_size).to_bytes()
+        try:
+            store.put_bytes(lock, body, if_absent=True)
+            self._check_not_committed_under_lock()
+            self.locked = True
+            return
+        except AlreadyExists:
+            if self._lock_owner() == self.save_id:
+                # our create landed but its answer was lost; the SDK's retry met our own lock
+                self._check_not_committed_under_lock()
+                self.locked = True
+                return
+        try:
+            if store.stat(lock).size > MAX_LOCK_BYTES:
+                raise CorruptCheckpoint(f"{lock} is {store.stat(lock).size} bytes: not a cloudckpt save lock (ours are "
+                                        f"under {MAX_LOCK_BYTES} bytes); delete it to save {dir}")
+            data, version = store.get_bytes_versioned(lock)  # the exact lock we judge below
+        except NotFound:
+            data, version = None, None  # released meanwhile: compete for it again below
+        age = self._age(data)
+        if not self.save_overwrite and age is not None and age < self.stale_lock_seconds:
+            raise SaveInProgress(
+                f"another save of {dir} is in progress (its lock is {age:.0f}s old); if that job is dead, wait until the "
+                f"lock is {self.stale_lock_seconds:.0f}s old, delete {lock}, or pass save_overwrite=True"
+            )
+        log.warning("taking over %s: clearing an abandoned save (lock %s old)", dir,
+                    "of unknown age" if age is None else f"{age:.0f}s")
+        # Take the lock over with a compare-and-swap of the very lock judged stale: of two
+        # jobs that judged it stale, only one wins; the other (which may have been slow
+        # long enough for the winner to commit) gets SaveInProgress and deletes nothing.
+        try:
+            if version is None:
+                store.put_bytes(lock, body, if_absent=True)
+            else:
+                store.put_bytes_if_match(lock, body, version)
+        except (AlreadyExists, PreconditionFailed):
+            raise SaveInProgress(f"another save of {dir} took its lock over first; retry later") from None
+        self._check_not_committed_under_lock()
+        self.locked = True
+        # clear the abandoned save's objects, keeping the lock we now hold
+        store.delete_many(o.url for o in store.walk(urls.as_prefix(dir)) if o.url != lock)
+
+    def _age(self, data: bytes | None) -> float | None:
+        """Seconds since the lock ``data`` was taken: 0 when it is gone (released between
+        our create and read: treat as fresh), None when it is not ours (stale)."""
+        if data is None:
+            return 0.0
+        try:
+            return time.time() - LockBody.from_bytes(data, url=self.lock_url).created_unix
+        except CorruptCheckpoint as e:
+            log.warning("the save lock %s is not readable as cloudckpt's (%s)", self.lock_url, e)
+            return None
+
+    def _lock_owner(self) -> str | None:
+        """The save_id in the lock, or None when it cannot be read."""
+        try:
+            body = LockBody.read(self.store, self.lock_url)
+        except CloudCkptError:
+            return None
+        return None if body is None else body.save_id
+
+    def _check_not_committed_under_lock(self) -> None:
+        """Look at the marker again now that we hold the lock. The check before taking it
+        is not enough: a slow lock request can land after another save of the step
+        committed and released the lock, and writing on would overwrite that committed
+        step's objects. A committer writes its marker before releasing the lock, so the
+        marker is visible here in that case."""
+        if self.save_overwrite or not self.store.exists(self.marker_url):
+            return
+        try:
+            self.store.delete(self.lock_url)
+        except CloudCkptError as e:
+            log.warning("could not release the lock %s (%s); it is harmless", self.lock_url, e)
+        raise CheckpointExists(f"{self.dir} was committed by another save while this one was starting; "
+                               "pass save_overwrite=True to replace it")
+
+    # ------------------------------------------------------------ coordinator: commit
+    def marker(self, objects: Sequence[ObjectEntry], *, ephemeral: bool, torch_version: str = "") -> Marker:
+        """The marker of this save: the step header and ``objects``."""
+        return Marker(step=self.step, ephemeral=ephemeral, world_size=self.world_size,
+                      objects=tuple(sorted(objects, key=lambda o: o.path)), torch_version=torch_version,
+                      save_id=self.save_id)
+
+    def commit(self, marker: Marker) -> Marker:
+        """Write the marker last (conditional create) and release the lock; the ``latest``
+        pointer goes to "pending" before and final after. Raises SaveFailed (a marker
+        this library could not read back), CheckpointExists (another save committed
+        the step meanwhile), storage errors."""
+        store, url = self.store, self.marker_url
+        data = marker.to_bytes()
+        try:
+            Marker.from_bytes(data, url=url)  # what readers will parse: checked before it is written
+        except CorruptCheckpoint as e:
+            raise SaveFailed(f"the marker of {self.dir} would not be readable: {e}") from None
+        folder = self.loc.parent() if layout.step_of_name(self.loc.name) == marker.step else None
+        if folder is not None:
+            self._advance_pointer(folder, marker.step, pending=True)
+        try:
+            store.put_bytes(url, data, if_absent=True)
+        except AlreadyExists:
+            # A lost response can make our own retried create look like a conflict.
+            try:
+                theirs = Marker.from_bytes(read_capped(store, url, limit=max(len(data), MAX_LOCK_BYTES),
+                                                       what="commit marker"), url=url)
+            except CloudCkptError:
+                theirs = None
+            if theirs is None or theirs.save_id != marker.save_id:
+                raise CheckpointExists(f"{self.dir} was committed by another save while this one ran; this save was not "
+                                       "committed") from None
+        if folder is not None:
+            self._advance_pointer(folder, marker.step, pending=False)
+        self.locked = False
+        try:
+            store.delete(self.lock_url)
+        except CloudCkptError as e:
+            log.warning("committed %s but could not remove its lock (%s); it is harmless", self.dir, e)
+        return marker
+
+    @staticmethod
+    def _advance_pointer(folder: Location, step: int, *, pending: bool) -> None:
+        """Keep the ``latest`` pointer from ever lagging behind the newest commit. If it
+        cannot be advanced before the commit, remove it (readers then list)."""
+        try:
+            pointer.advance(folder, step, pending=pending)
+        except NotImplementedError:
+            return  # backend without conditional replace: discovery lists
+        except CloudCkptError as e:
+            log.warning("could not advance the latest pointer of %s to step %d (%s)", folder.url, step, e)
+            if pending:
+                pointer.best_effort_clear(folder)
+
+    # ------------------------------------------------------------ coordinator: abort
+    def abort(self) -> None:
+        """Best effort: remove what this attempt uploaded, if it still holds the lock
+        and nothing committed the step (the error may have come after the commit)."""
+        store = self.store
+        try:
+            if store.exists(self.marker_url):
+                return  # committed after all: keep it
+            if self._lock_owner() != self.save_id:
+                return
+            store.delete_prefix(self.dir)
+        except CloudCkptError as e:
+            log.warning("could not clean up the failed save at %s (%s); `cloudckpt gc` will remove it", self.dir, e)
+        self.locked = False
+
+
+__all__ = ["LockBody", "MAX_LOCK_BYTES", "StepCommit"]
