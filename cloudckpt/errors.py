@@ -84,6 +84,28 @@ class UnsafeDelete(StorageError):
     """A delete was refused because the prefix is a bucket root or too shallow."""
 
 
+class DeleteFailed(StorageError):
+    """Some objects of a delete were not deleted (each one tried). ``failed``: their
+    URLs; ``deleted``: how many objects are gone; the message names the first few
+    keys escaped (control characters shown as ``\\xNN``)."""
+
+    def __init__(self, message: str, *, url: str | None = None, failed: tuple[str, ...] = (), deleted: int = 0):
+        super().__init__(message, url=url)
+        self.failed = tuple(failed)
+        self.deleted = deleted
+
+
+class ObjectTooLarge(StorageError):
+    """An object holds (or its server announces) more bytes than the caller expects:
+    its size in the manifest, or the stated ceiling for a read with no size. Nothing
+    past that size was read or written."""
+
+
+class RedirectRefused(StorageError):
+    """An http(s):// server redirected to another origin (scheme, host or port): only
+    redirects within the origin of the URL given are followed."""
+
+
 # ---------------------------------------------------------------- checkpoints
 class CheckpointError(CloudCkptError):
     """Base class of checkpoint-level errors."""

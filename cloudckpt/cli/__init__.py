@@ -41,6 +41,7 @@ from ..errors import (
     CloudCkptError,
     ConfigError,
     CorruptCheckpoint,
+    DeleteFailed,
     IncompatibleCheckpoint,
     InvalidURL,
     NotFound,
@@ -59,6 +60,7 @@ from .common import (
     parse_duration,
     seconds_arg,
 )
+from .output import escaped_streams
 
 __all__ = ["CliError", "build_parser", "exit_code", "main", "parse_duration"]
 
@@ -112,6 +114,8 @@ def exit_code(e: BaseException) -> int:
 
     if isinstance(e, CliError):
         return e.code
+    if isinstance(e, DeleteFailed) and isinstance(e.__cause__, CloudCkptError):
+        return exit_code(e.__cause__)  # what the objects' own errors say (e.g. 4 when access is denied)
     if isinstance(e, (InvalidURL, ConfigError, UnsafeDelete)):
         return EXIT_USAGE
     if isinstance(e, (CorruptCheckpoint, IncompatibleCheckpoint)):
@@ -145,6 +149,13 @@ def _resolve_local_paths(args) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. What it prints is escaped: a name from a checkpoint or a
+    listing never sends a control character to the terminal (:mod:`.output`)."""
+    with escaped_streams():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     args.json = args.json or args.json_pretty
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -162,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # the reader of our stdout went away (e.g. `| head`): not an error
         try:
-            sys.stdout = open(os.devnull, "w")
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - main's caller gets its own stdout back
         except OSError:
             pass
         return EXIT_OK

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from .common import EXIT_OK, EXIT_USAGE, CliError, duration_arg, loc, positive_int, storage_options, yes_opt
+from .common import EXIT_ERROR, EXIT_OK, EXIT_USAGE, CliError, duration_arg, loc, positive_int, storage_options, yes_opt
 from .output import Bar, age, emit, size, table, utc
 from .step import progress_opts, transfer_opts
 
@@ -49,21 +49,24 @@ def cmd_gc(args) -> int:
     rep = retention.gc(loc(args, args.folder), older_than=args.older_than, dry_run=not args.yes)
     if args.json:
         emit(args, {"folder": args.folder, "dry_run": not args.yes, "older_than_seconds": args.older_than,
-                    "step_dirs": rep.step_dirs, "uploads": rep.uploads})
-        return EXIT_OK
+                    "step_dirs": rep.step_dirs, "uploads": rep.uploads, "failed": rep.failed})
+        return EXIT_ERROR if rep.failed else EXIT_OK
     verb = "removed" if args.yes else "would remove"
     older = f"{age(args.older_than)} (before {utc(time.time() - args.older_than)})"
-    if not rep.step_dirs and not rep.uploads:
+    if not rep.step_dirs and not rep.uploads and not rep.failed:
         print(f"nothing to collect in {args.folder}: no uncommitted step folder or multipart upload older than {older}")
         return EXIT_OK
     for d in rep.step_dirs:
         print(f"{verb} uncommitted step folder {d}")
+    for d in rep.failed:
+        print(f"could not remove uncommitted step folder {d} (the warning above says why)")
     for u in rep.uploads:
         print(f"{'aborted' if args.yes else 'would abort'} multipart upload {u}")
-    print(f"{len(rep.step_dirs)} uncommitted folder(s), {len(rep.uploads)} multipart upload(s) older than {older}")
+    print(f"{len(rep.step_dirs)} uncommitted folder(s), {len(rep.uploads)} multipart upload(s) older than {older}"
+          f"{f'; {len(rep.failed)} folder(s) could not be removed' if rep.failed else ''}")
     if not args.yes:
         print("dry run: nothing was deleted; run again with --yes to delete")
-    return EXIT_OK
+    return EXIT_ERROR if rep.failed else EXIT_OK
 
 
 # ---------------------------------------------------------------- adopt

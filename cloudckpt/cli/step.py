@@ -122,8 +122,9 @@ def cmd_download(args) -> int:
         if args.json:
             emit(args, rep.to_json())
         for b in rep.bad:
-            print(f"BAD  {b['path']}: size {b['size']} crc32c {b['crc32c']}, the marker says size "
-                  f"{b['expected_size']} crc32c {b['expected_crc32c']}", file=sys.stderr)
+            got = b.get("detail") or f"size {b['size']} crc32c {b['crc32c']}"
+            print(f"BAD  {b['path']}: {got}, the marker says size {b['expected_size']} crc32c {b['expected_crc32c']}",
+                  file=sys.stderr)
         print(f"cloudckpt: download of {args.step} failed: {len(rep.bad)} object(s) do not match the marker; "
               f"{rep.dest} is left uncommitted (run `cloudckpt verify {args.step}`)", file=sys.stderr)
         return EXIT_NO

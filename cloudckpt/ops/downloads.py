@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..checkpoint import discovery, layout
 from ..checkpoint.marker import ADOPTED_MANIFEST, Marker, ObjectEntry
-from ..errors import CorruptCheckpoint, InvalidURL, NotFound
+from ..errors import CorruptCheckpoint, InvalidURL, NotFound, ObjectTooLarge
 from ..storage import Location, Where
 from ..storage import url as urls
 from ..transfer import TransferConfig, TransferEngine, crc32c_file
@@ -136,8 +136,8 @@ def _fetch(plan: DownloadPlan, jobs: int, progress: Progress | None) -> list[dic
     try:
         with TransferEngine(TransferConfig(max_concurrency=jobs), storage_options=plan.step.options,
                             progress=engine_subscriber(progress) if progress is not None else None) as eng:
-            futures = {eng.submit_download(i.url, os.path.join(staging, str(n))): (i, os.path.join(staging, str(n)))
-                       for n, i in enumerate(plan.todo)}
+            futures = {eng.submit_download(i.url, os.path.join(staging, str(n)), size=i.entry.size):
+                       (i, os.path.join(staging, str(n))) for n, i in enumerate(plan.todo)}
             try:
                 for fut in as_completed(futures):
                     item, staged = futures[fut]
@@ -148,6 +148,12 @@ def _fetch(plan: DownloadPlan, jobs: int, progress: Progress | None) -> list[dic
                             raise
                         raise CorruptCheckpoint(f"{e.url or e} is listed in the marker of {plan.step.url} but missing; the "
                                                 "checkpoint is damaged (run `cloudckpt verify`, or download an older step)") from None
+                    except ObjectTooLarge:  # stopped at the manifest's size: nothing past it was written
+                        o = item.entry
+                        bad.append({"path": o.path, "url": item.url, "size": None, "expected_size": o.size,
+                                    "crc32c": None, "expected_crc32c": o.crc32c,
+                                    "detail": f"more than {o.size} bytes (not read past that)"})
+                        continue
                     o = item.entry
                     if res.size != o.size or (o.crc32c and res.crc32c != o.crc32c):
                         bad.append({"path": o.path, "url": item.url, "size": res.size, "expected_size": o.size,

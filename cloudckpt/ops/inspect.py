@@ -5,6 +5,7 @@ the untrusted-input checks). Imports torch (the metadata holds torch types)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +34,29 @@ class StepReport:
                 "train_state": self.train_state, "objects": objects}
 
 
+_MAX_INT_DIGITS = 60  # a longer integer is described by its size (str() of a 5,000-digit one raises)
+
+
+def _int_text(v: int) -> str | None:
+    """``repr(v)``, or None when it would have more than ``_MAX_INT_DIGITS`` digits."""
+    return repr(v) if v.bit_length() <= _MAX_INT_DIGITS * 3 else None
+
+
+def key_text(k: Any) -> str:
+    """A train-state key as text (keys are what the untrusted unpickler admitted: a
+    long integer is named by its size instead of its digits)."""
+    if isinstance(k, int) and not isinstance(k, bool) and _int_text(k) is None:
+        return f"<int of {k.bit_length()} bits>"
+    return k if isinstance(k, str) else repr(k)
+
+
 def describe_value(v: Any) -> tuple[str, Any, str]:
     """(type name, JSON-able scalar or None, short text) of a train-state value."""
     tname = type(v).__name__
+    if isinstance(v, int) and not isinstance(v, bool) and _int_text(v) is None:
+        return tname, None, f"<{v.bit_length()}-bit integer>"
+    if isinstance(v, float) and not math.isfinite(v):
+        return tname, None, repr(v)  # not a JSON number
     if v is None or isinstance(v, (bool, int, float)):
         return tname, v, repr(v)
     if isinstance(v, str):
@@ -79,7 +100,7 @@ def _train_state(step: Location, marker: Marker) -> dict | None:
     if isinstance(obj, dict):
         for k, v in obj.items():
             tname, value, text = describe_value(v)
-            keys.append({"key": str(k), "type": tname, "value": value, "summary": text})
+            keys.append({"key": key_text(k), "type": tname, "value": value, "summary": text})
     tname, _, text = describe_value(obj)
     return {"path": rel, "type": tname, "keys": keys, "ranks": marker.world_size,
             **({} if isinstance(obj, dict) else {"summary": text})}

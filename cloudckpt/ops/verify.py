@@ -14,7 +14,7 @@ from typing import Callable
 
 from ..checkpoint import discovery, layout
 from ..checkpoint.marker import Marker, ObjectEntry
-from ..errors import BucketNotFound, CorruptCheckpoint, NotFound
+from ..errors import BucketNotFound, CorruptCheckpoint, NotFound, ObjectTooLarge
 from ..storage import Location, Where
 from .progress import Progress
 
@@ -98,12 +98,16 @@ def _check_object(store, url: str, entry: ObjectEntry, *, size_only: bool,
             size, crc = store.stat(url).size, None
         else:
             sink = _CrcSink(on_bytes)
-            store.download_fileobj(url, sink)
+            store.download_sized(url, sink, size=entry.size)  # never more than the marker's size
             size, crc = sink.size, sink.hexdigest()
     except BucketNotFound:
         raise
     except NotFound:
         return {"path": entry.path, "url": url, "problem": "missing", "detail": "object is missing"}
+    except ObjectTooLarge:
+        return {"path": entry.path, "url": url, "problem": "size",
+                "detail": f"more than {entry.size} bytes, the marker says {entry.size} (not read past that)",
+                "size": None, "expected_size": entry.size}
     if size != entry.size:
         return {"path": entry.path, "url": url, "problem": "size",
                 "detail": f"size {size} bytes, the marker says {entry.size}", "size": size, "expected_size": entry.size}

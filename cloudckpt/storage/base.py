@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, ClassVar, Iterable, Iterator, Optional
 
-from ..errors import UnsafeDelete
+from ..errors import AccessDenied, BucketNotFound, DeleteFailed, StorageError, Transient, UnsafeDelete
 from . import url as urls
 
 Progress = Optional[Callable[[int], None]]
@@ -150,6 +150,69 @@ class PendingUpload:
     upload_id: str
     initiated: float | None = None
     extra: dict = field(default_factory=dict, compare=False)
+
+
+class _SizedWriter:
+    """A file object that passes writes to ``f`` until they would end past ``size``
+    bytes (counted by position when ``f`` seeks: s3transfer writes ranges in place),
+    then raises ObjectTooLarge."""
+
+    def __init__(self, f: BinaryIO, size: int, url: str):
+        self._f, self._size, self._url = f, size, url
+        self._pos = 0
+        self._seekable = bool(getattr(f, "seekable", lambda: False)())
+
+    def write(self, b) -> int:
+        n = len(memoryview(b))
+        if self._pos + n > self._size:
+            from ..errors import ObjectTooLarge
+
+            raise ObjectTooLarge(f"download {self._url}: the object holds more than the {self._size} bytes expected "
+                                 "(its size in the checkpoint's manifest); refusing to write further", url=self._url)
+        self._f.write(b)
+        self._pos += n
+        return n
+
+    def seekable(self) -> bool:
+        return self._seekable
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = self._f.seek(pos, whence)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        getattr(self._f, "flush", lambda: None)()
+
+
+class DeleteFailures:
+    """The objects of one ``delete_many`` that were not deleted. ``add`` raises at once
+    an error that is not about the object itself (AccessDenied, a missing bucket,
+    Transient: trying the other objects would fail the same way)."""
+
+    SHOWN = 5  # keys named in the message
+
+    def __init__(self) -> None:
+        self.urls: list[str] = []
+        self.first: StorageError | None = None
+
+    def add(self, url: str, err: StorageError) -> None:
+        if isinstance(err, (AccessDenied, BucketNotFound, Transient)):
+            raise err
+        self.urls.append(url)
+        self.first = self.first or err
+
+    def raise_if_any(self, deleted: int) -> None:
+        if not self.urls:
+            return
+        names = ", ".join(ascii(u) for u in self.urls[:self.SHOWN]) + (", ..." if len(self.urls) > self.SHOWN else "")
+        first = " ".join(str(self.first).split())[:300]
+        raise DeleteFailed(f"delete: {len(self.urls)} object(s) were not deleted ({deleted} were): {names}; the "
+                           f"first error: {first}. Delete them with the store's own tools (the names are shown "
+                           "with Python escapes)", url=self.urls[0], failed=tuple(self.urls), deleted=deleted) \
+            from self.first
 
 
 class RangeReader:
@@ -297,11 +360,20 @@ class ObjectStore(ABC):
         """Delete one object; deleting a missing object is not an error."""
 
     def delete_many(self, urls_: Iterable[str]) -> int:
-        """Delete objects (batched where the backend can). Returns how many were asked."""
+        """Delete objects (batched where the backend can). Every object is tried; returns
+        how many are gone (deleted, or already missing). Raises DeleteFailed naming the
+        objects a delete refused (each object's own problem, e.g. a key the store will
+        not take); a failure that is not about one object (AccessDenied, a missing
+        bucket, Transient after retries) is raised at once."""
+        failed = DeleteFailures()
         n = 0
         for u in urls_:
-            self.delete(u)
-            n += 1
+            try:
+                self.delete(u)
+                n += 1
+            except StorageError as e:
+                failed.add(u, e)
+        failed.raise_if_any(n)
         return n
 
     def get_bytes_versioned(self, url: str, *, limit: int | None = None) -> tuple[bytes, str]:
@@ -346,15 +418,27 @@ class ObjectStore(ABC):
             self.upload_fileobj(f, url, size=size, if_absent=if_absent, progress=progress)
         return size
 
-    def download_file(self, url: str, local_path: str, *, progress: Progress = None) -> int:
+    def download_sized(self, url: str, fileobj: BinaryIO, *, size: int, progress: Progress = None) -> int:
+        """``download_fileobj`` of an object the caller expects to hold ``size`` bytes
+        (its manifest's size): at most ``size`` bytes reach ``fileobj``; an object that
+        holds more raises ObjectTooLarge (a hostile store cannot fill a disk). Returns
+        the bytes written (fewer than ``size`` when the object is shorter: the caller
+        compares). This default counts what the backend writes; http(s) also refuses
+        an answer that announces more."""
+        return self.download_fileobj(url, _SizedWriter(fileobj, size, url), progress=progress)
+
+    def download_file(self, url: str, local_path: str, *, progress: Progress = None, size: int | None = None) -> int:
         """Download to ``local_path`` via a temporary file and a rename, so a partial
-        download never has the final name."""
+        download never has the final name. ``size``: as ``download_sized``."""
         d = os.path.dirname(os.path.abspath(local_path))
         os.makedirs(d, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=d, prefix=".part-")
         try:
             with os.fdopen(fd, "wb") as f:
-                n = self.download_fileobj(url, f, progress=progress)
+                if size is None:
+                    n = self.download_fileobj(url, f, progress=progress)
+                else:
+                    n = self.download_sized(url, f, size=size, progress=progress)
             os.replace(tmp, local_path)
             return n
         except BaseException:
@@ -373,7 +457,8 @@ class ObjectStore(ABC):
     def delete_prefix(self, prefix: str, *, force: bool = False) -> int:
         """Delete every object under the folder ``prefix`` (a trailing ``/`` is added).
         Refuses (UnsafeDelete) a bucket root or a prefix shallower than
-        ``options.min_delete_depth`` unless ``force``. Returns the number deleted."""
+        ``options.min_delete_depth`` unless ``force``. Returns the number deleted (gone);
+        raises DeleteFailed (see ``delete_many``) when some were not."""
         prefix = urls.as_prefix(prefix)
         d = urls.depth(prefix)
         if not force and (d == 0 or d < self.options.min_delete_depth):

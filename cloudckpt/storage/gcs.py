@@ -35,7 +35,7 @@ import io
 import os
 import random
 import threading
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import datetime
 from typing import BinaryIO, Callable, Iterable, Iterator
 
@@ -66,7 +66,7 @@ from ..errors import (
     Timeout,
     Transient,
 )
-from .base import ListEntry, ObjectInfo, ObjectStore, PendingUpload, Progress, redact_endpoint
+from .base import DeleteFailures, ListEntry, ObjectInfo, ObjectStore, PendingUpload, Progress, redact_endpoint
 from .url import parse_url
 
 # google-cloud-storage (checked: 3.17) draws each multipart upload's boundary from the
@@ -477,22 +477,34 @@ class GCSStore(ObjectStore):
     def delete_many(self, urls_: Iterable[str]) -> int:
         """Deletes concurrently (a small thread pool). The JSON batch endpoint is not
         used: fake-gcs-server does not implement it, and its sub-requests are not retried
-        by the library. The first failure cancels the deletes not yet started."""
+        by the library. Each name travels percent-encoded in its own request's URL, so a
+        name with control characters is deleted like any other. Returns how many are
+        gone; a failure that is not about one object (AccessDenied, a missing bucket,
+        Transient) cancels the deletes not yet started and is raised; the others are
+        collected into one DeleteFailed naming the objects."""
         todo = list(urls_)
+        failed = DeleteFailures()
         if len(todo) <= 1:
-            for u in todo:
-                self.delete(u)
-            return len(todo)
+            return super().delete_many(todo)
         with ThreadPoolExecutor(max_workers=min(16, self.options.max_pool_connections, len(todo)),
                                 thread_name_prefix="cloudckpt-gcs-delete") as ex:
-            futures = [ex.submit(self.delete, u) for u in todo]
-            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-            for f in pending:
-                f.cancel()
-            for f in futures:
-                if f.done() and not f.cancelled() and f.exception() is not None:
-                    raise f.exception()
-        return len(todo)
+            futures = {ex.submit(self.delete, u): u for u in todo}
+            n = 0
+            try:
+                for f in as_completed(futures):
+                    e = f.exception()
+                    if e is None:
+                        n += 1
+                    elif isinstance(e, StorageError):
+                        failed.add(futures[f], e)  # raises the errors that are not about one object
+                    else:
+                        raise e
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+        failed.raise_if_any(n)
+        return n
 
     def list_multipart_uploads(self, prefix: str) -> list[PendingUpload]:
         """Always ``[]``: GCS resumable sessions cannot be listed (they expire after a week)."""

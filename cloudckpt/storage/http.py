@@ -28,8 +28,22 @@ message); proxies and CA bundles follow the standard ``HTTPS_PROXY`` / ``NO_PROX
 Time bounds (as S3): every attempt has the connect/read timeouts of
 ``StorageOptions.attempt_timeouts``; 429/5xx answers and connection failures are
 retried with backoff while ``operation_timeout`` and ``max_attempts`` allow, then raise
-Timeout / Throttled / Transient naming the endpoint. A body that keeps arriving is not
-cut (the read timeout bounds each wait for the next bytes).
+Timeout / Throttled / Transient naming the endpoint. A body must keep coming: after
+its first ``operation_timeout`` seconds it must average at least :data:`MIN_RATE`
+bytes a second, else Timeout (a server that trickles a byte now and then never holds
+a read for longer than that).
+
+The server is untrusted like the bytes (a hostile mirror, a hijacked CDN):
+
+- Sizes: every body is held to the size the caller expects. A range read never goes
+  past its end; ``download_fileobj(size=)`` (``download_sized``: the manifest's size)
+  stops after ``size`` bytes and raises ObjectTooLarge when the answer holds or
+  announces more; a read whose length the caller does not state stops at
+  :data:`MAX_UNSIZED_BYTES`. A whole-object copy for a server that ignores ``Range``
+  needs the size announced and room for it in the cache folder (never fills a disk).
+- Redirects are followed only within the origin (scheme, host, port) of the URL
+  given, at most :data:`MAX_REDIRECTS` of them; one to another origin (another
+  host, another port of the same host, https to http) raises RedirectRefused.
 
 Raises: NotFound, AccessDenied, Throttled, Timeout, Transient, InvalidURL,
 ReadOnlyLocation, StorageError (an answer that breaks the protocol).
@@ -44,7 +58,7 @@ import threading
 import time
 from email.utils import parsedate_to_datetime
 from typing import BinaryIO, Iterable, Iterator
-from urllib.parse import urlsplit
+from urllib.parse import urljoin, urlsplit
 
 import cached_path  # noqa: F401 - the https extra: a missing one fails in open_store with the install hint
 import requests
@@ -56,7 +70,9 @@ from ..errors import (
     AccessDenied,
     InvalidURL,
     NotFound,
+    ObjectTooLarge,
     ReadOnlyLocation,
+    RedirectRefused,
     StorageError,
     Throttled,
     Timeout,
@@ -68,13 +84,19 @@ from .url import as_prefix, http_url_message
 log = logging.getLogger(__name__)
 
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+_REDIRECT_STATUS = frozenset({301, 302, 303, 307, 308})
 _CHUNK = 1 * MiB
+
+MAX_REDIRECTS = 5  # same-origin redirects followed for one request
+MAX_UNSIZED_BYTES = 1024 * MiB  # a read whose length the caller does not state (no end, no size) stops here
+MIN_RATE = 64 * 1024  # bytes/s a body must average once it is older than operation_timeout
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
 
 def _origin(url: str) -> str:
     p = urlsplit(url)
-    return f"{p.scheme}://{p.hostname}{':' + str(p.port) if p.port else ''}"
+    port = p.port or {"http": 80, "https": 443}.get(p.scheme)
+    return f"{p.scheme}://{p.hostname}:{port}"
 
 
 def _shown(url: str) -> str:
@@ -133,20 +155,27 @@ class HTTPStore(ObjectStore):
 
     def _request(self, method: str, url: str, op: str, headers: dict | None = None) -> requests.Response:
         """One request, retried on 429/5xx and connection failures while the deadline and
-        ``max_attempts`` allow. Returns a streamed response whose status is not retryable."""
+        ``max_attempts`` allow, following redirects within ``url``'s origin only.
+        Returns a streamed response whose status is neither retryable nor a redirect."""
         self._check_url(url)
         o = self.options
         started = time.monotonic()
-        attempt = 0
+        attempt = hops = 0
+        at = url  # where the request goes now (a same-origin redirect moves it)
         while True:
             attempt += 1
             throttled = False
             try:
-                r = self.session.request(method, url, headers=headers, stream=True, timeout=o.attempt_timeouts,
-                                         allow_redirects=True)
+                r = self.session.request(method, at, headers=headers, stream=True, timeout=o.attempt_timeouts,
+                                         allow_redirects=False)
             except requests.RequestException as e:
                 last, err = type(e).__name__, e
             else:
+                if r.status_code in _REDIRECT_STATUS and "Location" in r.headers:
+                    hops += 1
+                    at = self._redirect(url, at, r, op, hops)
+                    attempt = 0
+                    continue
                 if r.status_code not in _RETRY_STATUS:
                     return r
                 r.close()
@@ -157,6 +186,28 @@ class HTTPStore(ObjectStore):
                 raise self._gave_up(url, op, attempt, last, err, throttled, deadline=spent + delay >= o.operation_timeout)
             self._notify_retry("throttled" if throttled else "transient")
             time.sleep(delay)
+
+    @staticmethod
+    def _redirect(url: str, at: str, r: requests.Response, op: str, hops: int) -> str:
+        """Where the redirect answer ``r`` (to a request for ``at``) points, if it stays
+        in ``url``'s origin; closes ``r``. Raises RedirectRefused, StorageError."""
+        location = r.headers.get("Location", "")
+        r.close()
+        target = urljoin(at, location.strip())
+        shown = ascii(_shown(target)[:200])
+        try:
+            same = _origin(target) == _origin(url) and urlsplit(target).scheme in ("http", "https")
+        except ValueError:
+            same = False
+        if not same:
+            raise RedirectRefused(f"{op} {_shown(url)}: the server redirects (HTTP {r.status_code}) to {shown}, another "
+                                  f"origin than {_origin(url)}; cloudckpt follows redirects within the origin of the "
+                                  "URL it was given only: pass the URL the checkpoint is published at", url=_shown(url))
+        if hops > MAX_REDIRECTS:
+            raise StorageError(f"{op} {_shown(url)}: more than {MAX_REDIRECTS} redirects (the last to {shown}); "
+                               "pass the URL the checkpoint is published at", url=_shown(url))
+        log.info("%s %s: redirected (HTTP %d) to %s", op, _shown(url), r.status_code, shown)
+        return target
 
     def _gave_up(self, url: str, op: str, attempts: int, last: str, err: BaseException | None, throttled: bool,
                  *, deadline: bool) -> StorageError:
@@ -224,9 +275,10 @@ class HTTPStore(ObjectStore):
         self._check_status(r, url, op)
         if r.status_code == 206:
             length = self._checked_range(r, url, op, start, end)
-            return _Body(r, url, length, exact=True)
+            return _Body(r, url, length, exact=True, min_after=self.options.operation_timeout)
         if start == 0:  # the whole object from its start: read what was asked for of it
-            return _Body(r, url, end, exact=False)
+            return _Body(r, url, end, exact=False, min_after=self.options.operation_timeout,
+                         ceiling=MAX_UNSIZED_BYTES if end is None else None)
         r.close()  # drops the connection: the rest of the body is not read
         with self._lock:
             self._no_ranges.add(_origin(url))
@@ -303,24 +355,38 @@ class HTTPStore(ObjectStore):
         return ObjectInfo(url, size, mtime)
 
     def download_fileobj(self, url: str, fileobj: BinaryIO, *, progress: Progress = None, size: int | None = None) -> int:
-        """Write the object to ``fileobj``; ``size``: the length it must have (an answer
-        of another length raises Transient: the object changed while being read)."""
+        """Write the object to ``fileobj``; returns the bytes written. ``size``: the
+        length the caller expects (the manifest's): an answer that announces or holds
+        more raises ObjectTooLarge after at most ``size`` bytes were written (a shorter
+        one is returned short: the caller compares). Without ``size`` the object may
+        hold up to :data:`MAX_UNSIZED_BYTES`."""
+        limit = MAX_UNSIZED_BYTES if size is None else size
         n = 0
-        with self._open(url, 0, None, "download") as r:
+        with self._open(url, 0, limit + 1, "download") as r:
+            announced = r.announced if isinstance(r, _Body) else None
+            if announced is not None and announced > limit:
+                raise self._too_large(url, limit, f"the server announces {announced} bytes", size is None)
             while True:
                 chunk = r.read(_CHUNK)
                 if not chunk:
                     break
+                if n + len(chunk) > limit:
+                    raise self._too_large(url, limit, "the server sent more", size is None)
                 n += len(chunk)
-                if size is not None and n > size:
-                    break
                 fileobj.write(chunk)
                 if progress:
                     progress(len(chunk))
-        if size is not None and n != size:
-            raise Transient(f"download {_shown(url)}: got {'more than ' if n > size else ''}{n} bytes, the server "
-                            f"said {size} (the object changed while it was read?)", url=_shown(url))
         return n
+
+    def download_sized(self, url: str, fileobj: BinaryIO, *, size: int, progress: Progress = None) -> int:
+        return self.download_fileobj(url, fileobj, progress=progress, size=size)
+
+    @staticmethod
+    def _too_large(url: str, limit: int, what: str, unsized: bool) -> ObjectTooLarge:
+        expected = (f"the {limit}-byte ceiling for an object whose size the caller does not state" if unsized
+                    else f"the {limit} bytes expected (its size in the checkpoint's manifest)")
+        return ObjectTooLarge(f"download {_shown(url)}: {what} than {expected}; refusing to read further (the "
+                              "published object is not the one the checkpoint lists)", url=_shown(url))
 
     # ------------------------------------------------------------ what a read-only source cannot do
     @staticmethod
@@ -382,39 +448,73 @@ class _Bytes(RangeReader):
 
 class _Body(RangeReader):
     """The body of one GET, read as the caller goes and never past ``limit`` bytes
-    (None: to its end). ``exact``: the body must hold all ``limit`` bytes (a 206)."""
+    (None: to its end, at most ``ceiling``). ``exact``: the body must hold all ``limit``
+    bytes (a 206). Once older than ``min_after`` seconds it must have averaged
+    :data:`MIN_RATE` bytes a second (checked between socket reads), else Timeout."""
 
-    def __init__(self, r: requests.Response, url: str, limit: int | None, *, exact: bool):
+    def __init__(self, r: requests.Response, url: str, limit: int | None, *, exact: bool, min_after: float,
+                 ceiling: int | None = None):
         self._r, self._url, self._left, self._exact = r, url, limit, exact
+        self._ceiling, self._min_after = ceiling, min_after
         self._got = 0
+        self._started = time.monotonic()
+        try:
+            self.announced: int | None = int(r.headers["Content-Length"])
+        except (KeyError, ValueError):
+            self.announced = None  # chunked, or unreadable: only what arrives counts
+
+    def _check_pace(self) -> None:
+        spent = time.monotonic() - self._started
+        if spent > self._min_after and self._got < (spent - self._min_after) * MIN_RATE:
+            self.close()
+            raise Timeout(f"get {_shown(self._url)}: the answer arrives too slowly ({self._got} bytes in {spent:.0f} s; "
+                          f"after the first {self._min_after:g} s (operation_timeout) a body must average "
+                          f"{MIN_RATE // 1024} KiB/s); check the server and the network", url=_shown(self._url))
+
+    def _read_up_to(self, want: int) -> bytes:
+        """Up to ``want`` bytes, fewer only where the body ends; socket read by socket read."""
+        pieces, have = [], 0
+        while have < want:
+            self._check_pace()
+            piece = self._r.raw.read1(min(want - have, _CHUNK), decode_content=False)
+            if not piece:
+                break
+            pieces.append(piece)
+            have += len(piece)
+            self._got += len(piece)
+        return b"".join(pieces)
 
     def read(self, n: int) -> bytes:
         if self._r is None or self._left == 0:
             return b""
         want = self._left if n < 0 else (n if self._left is None else min(n, self._left))
         try:
-            if want is None:  # everything that is left
-                pieces = []
-                while piece := self._r.raw.read(_CHUNK, decode_content=False):
-                    pieces.append(piece)
-                data = b"".join(pieces)
-            else:  # up to ``want``, fewer only where the body ends
-                data = self._r.raw.read(want, decode_content=False)
-                while 0 < len(data) < want and (more := self._r.raw.read(want - len(data), decode_content=False)):
-                    data += more
+            if want is None:  # everything that is left, up to the ceiling
+                cap = (self._ceiling or MAX_UNSIZED_BYTES) + 1 - self._got
+                data = self._read_up_to(cap)
+                if self._got > (self._ceiling or MAX_UNSIZED_BYTES):
+                    self.close()
+                    raise ObjectTooLarge(f"get {_shown(self._url)}: the answer holds more than "
+                                         f"{self._ceiling or MAX_UNSIZED_BYTES} bytes, the ceiling for a read whose "
+                                         "size the caller does not state; refusing to read further", url=_shown(self._url))
+            else:
+                data = self._read_up_to(want)
         except (u3.HTTPError, requests.RequestException, OSError) as e:
             self.close()
             timeout = isinstance(e, (u3.ReadTimeoutError, requests.Timeout, TimeoutError))
             raise (Timeout if timeout else Transient)(
                 f"get {_shown(self._url)}: the answer broke off after {self._got} bytes ({type(e).__name__})",
                 url=_shown(self._url)) from None
-        self._got += len(data)
         if self._left is not None:
             self._left -= len(data)
             if self._exact and self._left > 0 and len(data) < want:
                 self.close()
                 raise Transient(f"get {_shown(self._url)}: the answer ended after {self._got} bytes, "
                                 f"{self._got + self._left} were announced", url=_shown(self._url))
+        elif self._ceiling is not None and self._got > self._ceiling:
+            self.close()
+            raise ObjectTooLarge(f"get {_shown(self._url)}: the answer holds more than {self._ceiling} bytes, the "
+                                 "ceiling for a read whose size the caller does not state", url=_shown(self._url))
         return data
 
     def close(self) -> None:

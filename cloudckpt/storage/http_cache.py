@@ -14,21 +14,31 @@ typed errors): a client for the private scheme ``cloudckpt+http(s)`` is register
 with ``cached_path.add_scheme_client`` (cached-path's plain ``http(s)`` handling, which
 other libraries in the process may use, is left alone), and the store is handed to it
 through a context variable for the duration of the call.
+
+The server is untrusted: a copy is made only of an object whose size the server
+announces (``Content-Length``), only when that size fits in the cache folder's free
+space with :data:`RESERVE` bytes to spare, and the body is held to that size
+(ObjectTooLarge past it, Transient when it ends short); a server that announces
+no size or 1 TiB gets a typed error, never a full disk.
 """
 
 from __future__ import annotations
 
 import contextvars
+import os
+import shutil
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import cached_path
+import cached_path.common
 from cached_path import SchemeClient
 
 if TYPE_CHECKING:
     from .http import HTTPStore
 
+RESERVE = 1024 * 1024 * 1024  # bytes of the cache folder's disk a copy always leaves free
 _PREFIX = "cloudckpt+"
 _STORE: contextvars.ContextVar["HTTPStore"] = contextvars.ContextVar("cloudckpt_http_store")
 _registered = False
@@ -68,7 +78,28 @@ class _StoreClient(SchemeClient):
             return None
 
     def get_resource(self, temp_file) -> None:
-        self.store.download_fileobj(self.url, temp_file, size=self.get_size())
+        from ..errors import ObjectTooLarge, Transient
+        from .http import _shown
+
+        size = self.get_size()
+        shown = _shown(self.url)
+        if size is None:
+            raise ObjectTooLarge(f"get {shown}: the server ignores Range requests and does not announce the object's "
+                                 "size (no Content-Length), so no bounded copy of it can be made; serve the "
+                                 "checkpoint from a server that answers Range requests", url=shown)
+        folder = os.path.abspath(cached_path.common.get_cache_dir())
+        while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+            folder = os.path.dirname(folder)
+        free = shutil.disk_usage(folder).free
+        if size > free - RESERVE:
+            raise ObjectTooLarge(f"get {shown}: the server ignores Range requests and announces {size} bytes; a copy "
+                                 f"would not fit in the cache folder {folder} ({free} bytes free, {RESERVE} kept "
+                                 "free); serve the checkpoint from a server that answers Range requests, or move "
+                                 "the cache (CACHED_PATH_CACHE_ROOT)", url=shown)
+        n = self.store.download_fileobj(self.url, temp_file, size=size)
+        if n != size:
+            raise Transient(f"get {shown}: got {n} bytes, the server said {size} (the object changed while it was "
+                            "read?)", url=shown)
 
     def get_bytes_range(self, index: int, length: int) -> bytes:
         raise NotImplementedError  # the store reads ranges itself; this is its whole-object path

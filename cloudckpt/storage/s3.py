@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import time
 from datetime import datetime
@@ -52,7 +53,17 @@ from ..errors import (
     Timeout,
     Transient,
 )
-from .base import MiB, ListEntry, ObjectInfo, ObjectStore, PendingUpload, Progress, RangeReader, redact_endpoint
+from .base import (
+    DeleteFailures,
+    ListEntry,
+    MiB,
+    ObjectInfo,
+    ObjectStore,
+    PendingUpload,
+    Progress,
+    RangeReader,
+    redact_endpoint,
+)
 from .url import parse_url
 
 _THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
@@ -60,6 +71,9 @@ _THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimi
 _DENIED_CODES = {"AccessDenied", "403", "SignatureDoesNotMatch", "InvalidAccessKeyId", "ExpiredToken",
                  "InvalidToken", "AllAccessDisabled", "AccountProblem", "TokenRefreshRequired", "Forbidden"}
 
+
+# characters a key cannot carry through DeleteObjects' XML body as they are (C0, DEL, C1, surrogates)
+_XML_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff\ufffe\uffff]")
 
 _RETRY_EVENTS = RetryEventAdapter()  # needs-retry kwargs -> botocore's RetryContext
 _STARTED = "cloudckpt_started"  # request-context keys: time.monotonic() when the API call began,
@@ -436,37 +450,51 @@ class S3Store(ObjectStore):
                 raise err from None
 
     def delete_many(self, urls_: Iterable[str]) -> int:
-        """DeleteObjects in batches of at most 1,000 keys (one batch per bucket)."""
+        """DeleteObjects in batches of at most 1,000 keys (one batch per bucket). A key
+        that the request's XML cannot carry as it is (a control character: XML 1.0 has
+        no C0 but tab/newline, and a carriage return would be read as a newline) is
+        deleted alone with DeleteObject, whose key travels in the URL. Every key is
+        tried; returns how many are gone; raises DeleteFailed naming the keys that are
+        not (AccessDenied, a missing bucket or Transient for the whole request at once)."""
+        failed = DeleteFailures()
         n = 0
         batch: list[str] = []
         for u in urls_:
+            if _XML_UNSAFE.search(u):
+                try:
+                    self.delete(u)
+                    n += 1
+                except StorageError as e:
+                    failed.add(u, e)
+                continue
             batch.append(u)
             if len(batch) == 1000:
-                n += self._delete_batch(batch)
+                n += self._delete_batch(batch, failed)
                 batch = []
         if batch:
-            n += self._delete_batch(batch)
+            n += self._delete_batch(batch, failed)
+        failed.raise_if_any(n)
         return n
 
-    def _delete_batch(self, batch: list[str]) -> int:
+    def _delete_batch(self, batch: list[str], failed: DeleteFailures) -> int:
+        """Delete ``batch``; returns how many are gone, adds the others to ``failed``."""
         by_bucket: dict[str, list[str]] = {}
         for u in batch:
             b, k = _split(u)
             by_bucket.setdefault(b, []).append(k)
+        gone = 0
         for bucket, keys in by_bucket.items():
             try:
                 r = self.client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
             except Exception as e:  # noqa: BLE001 - translated below
-                raise translate(e, f"s3://{bucket}/{keys[0]}", "delete") from None
+                raise translate(e, f"s3://{bucket}/{keys[0]}", f"delete ({len(keys)} keys in one request)") from None
             errors = [x for x in r.get("Errors", ()) if x.get("Code") != "NoSuchKey"]
-            if errors:
-                first = errors[0]
-                raise translate(
-                    bex.ClientError({"Error": {"Code": first.get("Code"), "Message": first.get("Message", "")}}, "DeleteObjects"),
-                    f"s3://{bucket}/{first.get('Key')}",
-                    f"delete ({len(errors)} of {len(keys)} keys failed)",
-                )
-        return len(batch)
+            for x in errors:
+                url = f"s3://{bucket}/{x.get('Key')}"
+                failed.add(url, translate(bex.ClientError({"Error": {"Code": x.get("Code"), "Message": x.get("Message", "")}},
+                                                          "DeleteObjects"), url, "delete"))
+            gone += len(keys) - len(errors)
+        return gone
 
     def list_multipart_uploads(self, prefix: str) -> list[PendingUpload]:
         bucket, key = _split(prefix)

@@ -117,17 +117,18 @@ class UploadTask(Task):
 
 
 class DownloadTask(Task):
-    __slots__ = ("local_path",)
+    __slots__ = ("local_path", "expected")
 
-    def __init__(self, url: str, local_path: str):
+    def __init__(self, url: str, local_path: str, expected: int | None = None):
         super().__init__(url)
         self.local_path = local_path
+        self.expected = expected  # the size the caller expects: no more is written (ObjectTooLarge)
 
     def describe(self) -> str:
         return f"download {self.url} -> {self.local_path}"
 
     def run(self, store, progress, number, *, checksum, clock):
-        size = store.download_file(self.url, self.local_path, progress=progress)
+        size = store.download_file(self.url, self.local_path, progress=progress, size=self.expected)
         crc = crc32c_file(self.local_path) if checksum else None
         return self._result(self.local_path, size, crc, number, clock)
 

@@ -125,13 +125,14 @@ class TransferEngine:
             size = 0  # the attempt will fail opening it, with the OS's message
         return self._submit(UploadTask(url, local_path, if_absent=if_absent, size=size, crc32c=crc32c), size)
 
-    def submit_download(self, url: str, local_path: str) -> "Future[TransferResult]":
+    def submit_download(self, url: str, local_path: str, *, size: int | None = None) -> "Future[TransferResult]":
         """Download ``url`` to ``local_path`` (a temporary file renamed into place,
         ``store.download_file``). The CRC32C is computed by re-reading the
         downloaded file once it is complete (S3 downloads write ranges out of
         order, so it cannot be taken on the way), unless ``TransferConfig.checksum``
-        is off."""
-        return self._submit(DownloadTask(url, os.fspath(local_path)), None)
+        is off. ``size``: the size the caller expects (a manifest's): an object that
+        holds more fails with ObjectTooLarge after at most ``size`` bytes."""
+        return self._submit(DownloadTask(url, os.fspath(local_path), size), None)
 
     def submit_read(self, url: str, start: int | None, end: int | None) -> "Future[bytes]":
         """Read the byte range ``[start, end)`` of ``url`` (None: from the start /
