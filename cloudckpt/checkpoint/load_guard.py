@@ -32,8 +32,14 @@ class KeyCheckingPlanner(DefaultLoadPlanner):
       rank asks for or under ``model``/``optim`` (unless ``allow_partial`` or the key
       was skipped on purpose: ``skipped`` top-level keys, or all but ``only``); other
       leftovers: one warning. Judged on the coordinator from every rank's request
-      (each local plan carries its keys in ``planner_data``; ranks of a sharded load
-      ask for different keys), and handed back to every rank: ``self.not_loaded``.
+      (ranks of a sharded or pipelined load ask for different keys), and handed back
+      to every rank: ``self.not_loaded``.
+
+    What travels to the coordinator for this stays small whatever the job's size: the
+    keys a rank asks for are the keys its read items name (DCP sends the local plans
+    to the coordinator anyway), so a local plan carries only its top-level keys and the
+    keys it asks for without reading anything (a shard with no elements on this rank:
+    usually none), not the rank's whole key list.
     """
 
     def __init__(self, *, strict: bool, optional_prefixes: tuple[str, ...] = (), url: str = "", step_url: str = "",
@@ -66,7 +72,10 @@ class KeyCheckingPlanner(DefaultLoadPlanner):
         import dataclasses
 
         plan = super().create_local_plan()
-        return dataclasses.replace(plan, planner_data={"asked": sorted(self.state_dict), "top": self._top})
+        have = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        reads = {ri.dest_index.fqn for ri in plan.items}
+        unread = sorted(k for k in self.state_dict if k in have and k not in reads)
+        return dataclasses.replace(plan, planner_data={"unread": unread, "top": self._top})
 
     def create_global_plan(self, global_plan):
         import dataclasses
@@ -75,7 +84,8 @@ class KeyCheckingPlanner(DefaultLoadPlanner):
         top: set[str] = set()
         for p in global_plan:
             data = p.planner_data or {}
-            asked.update(data.get("asked", ()))
+            asked.update(ri.dest_index.fqn for ri in p.items)
+            asked.update(data.get("unread", ()))
             top.update(data.get("top", ()))
         have = self.metadata.state_dict_metadata if self.metadata is not None else {}
         not_loaded = self._check_leftovers(have, asked, top)
