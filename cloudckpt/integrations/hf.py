@@ -49,9 +49,10 @@ except ImportError as e:  # pragma: no cover - the extra is missing
 
 from .. import AppState, CheckpointConfig, CheckpointManager
 from ..checkpoint import layout
-from ..errors import CheckpointError, IncompatibleCheckpoint
+from ..errors import CheckpointError, CorruptCheckpoint
 from ..export import export_weights
 from ._hf import FORMAT, HF_KEY, build_manager, config_json, hf_section, unwrap
+from .hf_export import MAX_CONFIG_BYTES, MAX_TRAINER_STATE_BYTES, saved_json
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +68,8 @@ def _rng_state(world_size: int) -> dict[str, Any]:
     return state
 
 
-def _write_json(path: str, text: str, what: str, url: str) -> None:
-    try:
-        value = json.loads(text)
-    except (TypeError, ValueError):
-        value = None
-    if not isinstance(value, dict):
-        raise IncompatibleCheckpoint(f"{url}: the saved {what} is not a JSON object")
+def _write_json(path: str, text: Any, what: str, url: str, *, limit: int, non_finite: bool = False) -> None:
+    value = saved_json(text, url=url, what=what, limit=limit, non_finite=non_finite)
     with open(path, "w") as f:
         json.dump(value, f, indent=2, sort_keys=True)
 
@@ -132,12 +128,17 @@ class CloudCheckpointCallback(TrainerCallback):
         base = self.local_dir or tempfile.mkdtemp(prefix="cloudckpt-hf-")
         folder = os.path.join(base, f"checkpoint-{step}")
         os.makedirs(folder, exist_ok=True)
-        _write_json(os.path.join(folder, "trainer_state.json"), hf.get("trainer_state"), "TrainerState", step_url)
+        _write_json(os.path.join(folder, "trainer_state.json"), hf.get("trainer_state"), "TrainerState", step_url,
+                    limit=MAX_TRAINER_STATE_BYTES, non_finite=True)  # the Trainer logs a NaN loss as NaN
         if hf.get("config") is not None:
-            _write_json(os.path.join(folder, "config.json"), hf["config"], "model config", step_url)
-        rng, rank = hf.get("rng"), hf.get("process_index", 0)
+            _write_json(os.path.join(folder, "config.json"), hf["config"], "model config", step_url,
+                        limit=MAX_CONFIG_BYTES)
+        rng, rank, world = hf.get("rng"), hf.get("process_index", 0), hf.get("world_size", 1)
+        if type(rank) is not int or type(world) is not int or not 0 <= rank < max(world, 1) <= 1 << 24:
+            # names a file below: only a number, never a path
+            raise CorruptCheckpoint(f"{step_url}: the saved process_index/world_size are not a rank below a world "
+                                    "size; the step was not written by this callback")
         if isinstance(rng, dict):  # plain data, read weights-only; the Trainer reads it back weights-only
-            world = hf.get("world_size", 1)
             torch.save(rng, os.path.join(folder, "rng_state.pth" if world <= 1 else f"rng_state_{rank}.pth"))
         export_weights(step_url, os.path.join(folder, "model.safetensors"), overwrite=True,
                        storage_options=mgr.checkpointer.storage_options, work_dir=mgr.checkpointer.work_dir)

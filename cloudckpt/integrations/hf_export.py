@@ -19,13 +19,48 @@ import os
 from typing import Any
 
 from .. import Checkpointer
-from ..errors import AlreadyExists, ConfigError, IncompatibleCheckpoint
+from ..errors import AlreadyExists, ConfigError, CorruptCheckpoint, IncompatibleCheckpoint
 from ..export import export_weights
 from ..storage import StorageOptions
 from ._hf import HF_KEY
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+MAX_CONFIG_BYTES = 16 << 20  # a model config with a 100k-entry label map is a few MiB
+MAX_TRAINER_STATE_BYTES = 256 << 20  # the Trainer's log history of a long run
+JSON_MAX_DEPTH = 32  # configs nest a few levels (text_config.rope_scaling)
+
+
+def saved_json(text: Any, *, url: str, what: str, limit: int, non_finite: bool = False) -> dict:
+    """A JSON object saved as text in a step's train state (the model config, the
+    Trainer's state), parsed under untrusted.loads_json's bounds: at most ``limit``
+    bytes, nesting at most JSON_MAX_DEPTH (measured before parsing), integers of at
+    most 20 digits and finite numbers. ``non_finite``: NaN and Infinity are admitted
+    (the Trainer logs a NaN loss as ``NaN``); the size and depth bounds still hold.
+    Raises CorruptCheckpoint (over a bound, not JSON), IncompatibleCheckpoint (not
+    text, or not a JSON object)."""
+    from ..untrusted import loads_json
+    from ..untrusted.jsondoc import nesting_depth
+
+    if not isinstance(text, str):
+        raise IncompatibleCheckpoint(f"{url}: the saved {what} is not JSON text")
+    if len(text) > limit:  # a character is at least one byte: refused before encoding
+        raise CorruptCheckpoint(f"{url}: the saved {what} is larger than {limit} bytes; refusing to parse it")
+    data = text.encode("utf-8", "surrogatepass")  # a lone surrogate then fails as bad UTF-8 below
+    if not non_finite:
+        value = loads_json(data, url=url, what=f"saved {what}", limit=limit, max_depth=JSON_MAX_DEPTH)
+    else:
+        depth = nesting_depth(data)
+        if len(data) > limit or depth > JSON_MAX_DEPTH:
+            raise CorruptCheckpoint(f"{url}: the saved {what} is larger than {limit} bytes or nested {depth} levels "
+                                    f"deep (at most {JSON_MAX_DEPTH}); refusing to parse it")
+        try:
+            value = json.loads(data)
+        except (ValueError, RecursionError) as e:  # not JSON, bad UTF-8, an integer of over 4300 digits
+            raise CorruptCheckpoint(f"{url}: the saved {what} is not valid JSON ({str(e)[:200]})") from None
+    if type(value) is not dict:
+        raise IncompatibleCheckpoint(f"{url}: the saved {what} is not a JSON object")
+    return value
 
 
 def _config_text(config: Any, step_url: str, storage_options: StorageOptions | None) -> str:
@@ -53,11 +88,12 @@ def _config_text(config: Any, step_url: str, storage_options: StorageOptions | N
             raise ConfigError(f"cannot read the model config {path}: {e}") from None
     else:
         raise ConfigError(f"config must be a PretrainedConfig, a dict or a path, got {type(config).__name__}")
+    where = step_url if config is None else "config="
     try:
-        value = json.loads(text)
-    except ValueError:
+        value = saved_json(text, url=where, what="model config", limit=MAX_CONFIG_BYTES)
+    except IncompatibleCheckpoint:
         value = None
-    if not isinstance(value, dict) or not isinstance(value.get("model_type"), str):
+    if value is None or not isinstance(value.get("model_type"), str):
         where = "the config saved with " + step_url if config is None else "config="
         raise IncompatibleCheckpoint(f"{where} is not a Hugging Face model config (a JSON object with 'model_type')")
     return json.dumps(value, indent=2, sort_keys=True) + "\n"
