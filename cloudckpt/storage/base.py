@@ -208,7 +208,7 @@ class DeleteFailures:
         if not self.urls:
             return
         names = ", ".join(ascii(u) for u in self.urls[:self.SHOWN]) + (", ..." if len(self.urls) > self.SHOWN else "")
-        first = " ".join(str(self.first).split())[:300]
+        first = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(self.first)[:300])
         raise DeleteFailed(f"delete: {len(self.urls)} object(s) were not deleted ({deleted} were): {names}; the "
                            f"first error: {first}. Delete them with the store's own tools (the names are shown "
                            "with Python escapes)", url=self.urls[0], failed=tuple(self.urls), deleted=deleted) \

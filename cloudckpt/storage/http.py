@@ -28,10 +28,11 @@ message); proxies and CA bundles follow the standard ``HTTPS_PROXY`` / ``NO_PROX
 Time bounds (as S3): every attempt has the connect/read timeouts of
 ``StorageOptions.attempt_timeouts``; 429/5xx answers and connection failures are
 retried with backoff while ``operation_timeout`` and ``max_attempts`` allow, then raise
-Timeout / Throttled / Transient naming the endpoint. A body must keep coming: after
-its first ``operation_timeout`` seconds it must average at least :data:`MIN_RATE`
-bytes a second, else Timeout (a server that trickles a byte now and then never holds
-a read for longer than that).
+Timeout / Throttled / Transient naming the endpoint. A body must keep coming: once a
+reader has waited on it for ``operation_timeout`` seconds it must have averaged at
+least :data:`MIN_RATE` bytes per second waited, else Timeout (a server that trickles
+a byte now and then holds a read for little longer than that; a reader that pauses
+between reads is not counted against the server).
 
 The server is untrusted like the bytes (a hostile mirror, a hijacked CDN):
 
@@ -449,26 +450,28 @@ class _Bytes(RangeReader):
 class _Body(RangeReader):
     """The body of one GET, read as the caller goes and never past ``limit`` bytes
     (None: to its end, at most ``ceiling``). ``exact``: the body must hold all ``limit``
-    bytes (a 206). Once older than ``min_after`` seconds it must have averaged
-    :data:`MIN_RATE` bytes a second (checked between socket reads), else Timeout."""
+    bytes (a 206). Once it has kept its reader waiting for ``min_after`` seconds it must
+    have averaged :data:`MIN_RATE` bytes a second of that waiting (checked between socket
+    reads; time the reader spends elsewhere, e.g. waiting for a memory budget, does not
+    count), else Timeout."""
 
     def __init__(self, r: requests.Response, url: str, limit: int | None, *, exact: bool, min_after: float,
                  ceiling: int | None = None):
         self._r, self._url, self._left, self._exact = r, url, limit, exact
         self._ceiling, self._min_after = ceiling, min_after
         self._got = 0
-        self._started = time.monotonic()
+        self._waited = 0.0  # seconds spent blocked in socket reads
         try:
             self.announced: int | None = int(r.headers["Content-Length"])
         except (KeyError, ValueError):
             self.announced = None  # chunked, or unreadable: only what arrives counts
 
     def _check_pace(self) -> None:
-        spent = time.monotonic() - self._started
+        spent = self._waited
         if spent > self._min_after and self._got < (spent - self._min_after) * MIN_RATE:
             self.close()
-            raise Timeout(f"get {_shown(self._url)}: the answer arrives too slowly ({self._got} bytes in {spent:.0f} s; "
-                          f"after the first {self._min_after:g} s (operation_timeout) a body must average "
+            raise Timeout(f"get {_shown(self._url)}: the answer arrives too slowly ({self._got} bytes in {spent:.0f} s of "
+                          f"waiting; after the first {self._min_after:g} s (operation_timeout) a body must average "
                           f"{MIN_RATE // 1024} KiB/s); check the server and the network", url=_shown(self._url))
 
     def _read_up_to(self, want: int) -> bytes:
@@ -476,7 +479,9 @@ class _Body(RangeReader):
         pieces, have = [], 0
         while have < want:
             self._check_pace()
+            t0 = time.monotonic()
             piece = self._r.raw.read1(min(want - have, _CHUNK), decode_content=False)
+            self._waited += time.monotonic() - t0
             if not piece:
                 break
             pieces.append(piece)
@@ -499,6 +504,8 @@ class _Body(RangeReader):
                                          "size the caller does not state; refusing to read further", url=_shown(self._url))
             else:
                 data = self._read_up_to(want)
+        except StorageError:
+            raise  # ours (Timeout is also an OSError)
         except (u3.HTTPError, requests.RequestException, OSError) as e:
             self.close()
             timeout = isinstance(e, (u3.ReadTimeoutError, requests.Timeout, TimeoutError))

@@ -142,7 +142,7 @@ class _Handler(BaseHTTPRequestHandler):
         s = self.server
         with s.lock:
             s.seen.append((self.command, self.path, self.headers.get("Range")))
-        rel = self.path.split("/", 3)[-1] if self.path.count("/") >= 3 else ""
+        rel = self.path[len(s.step_path):]
         mode = s.modes.get(rel) if self.path.startswith(s.step_path) else None
         if mode is None:
             return self._file(head)
@@ -187,13 +187,13 @@ class _Server(ThreadingHTTPServer):
 
 class Hostile:
     """Serves ``root`` on 127.0.0.1; ``modes`` maps an object of the step at
-    ``/run/step1/`` to a hostile answer."""
+    ``/{step}/`` to a hostile answer."""
 
-    def __init__(self, root: str, modes: dict[str, str], *, redirect_status: int = 302):
+    def __init__(self, root: str, modes: dict[str, str], *, redirect_status: int = 302, step: str = "run/step1"):
         self.httpd = _Server(("127.0.0.1", 0), _Handler)
         h = self.httpd
         h.root, h.modes, h.redirect_status = root, modes, redirect_status
-        h.step_path = "/run/step1/"
+        h.step_path = f"/{step}/"
         h.sent, h.seen, h.lock, h.stop = 0, [], threading.Lock(), threading.Event()
         h.cap = CAP
         h.port = h.server_address[1]

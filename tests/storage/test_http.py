@@ -365,3 +365,130 @@ def test_the_storage_page_https_sample_loads_a_published_step(saved):
         exec(compile(block.replace(published, f"{srv.url}/{STEP}"), "storage.md", "exec"), ns)
     _assert_restored(saved, ns["model"], ns["optimizer"], ns["train_state"])
 
+
+
+# ---------------------------------------------------------------- hostile servers (issue 31)
+# Bodies are held to the size the caller expects and to a pace; redirects stay in the
+# URL's origin. The servers are tests/security/hostile_https.py's (its tries run the
+# same servers through the CLI and loads in the sandbox).
+
+
+@pytest.fixture
+def hostile():
+    from tests.security.hostile_https import Hostile, Other
+
+    made = []
+
+    def make(root, modes, **kw):
+        made.append(Hostile(str(root), modes, step=STEP, **kw))
+        return made[-1]
+
+    def other(root):
+        made.append(Other(str(root)))
+        return made[-1]
+
+    make.other = other
+    yield make
+    for s in made:
+        s.stop()
+
+
+SHARD0 = f"{layout.MODEL_DIR}/__0_0.distcp"
+
+
+def test_a_redirect_within_the_origin_is_followed(saved, hostile):
+    srv = hostile(saved[0], {SHARD0: f"redirect:/mirror/step3/{SHARD0}"})
+    model, optim = _model_and_optim(1)
+    ts = Checkpointer().load(f"{srv.url}/{STEP}", AppState(model, optim))
+    _assert_restored(saved, model, optim, ts)
+    assert any(p.startswith("/mirror/") for _, p, _ in srv.httpd.seen)
+
+
+@pytest.mark.parametrize("location", [
+    "http://127.0.0.1:{other}{path}",  # another port of the same host
+    "//127.0.0.1:{other}{path}",  # protocol-relative
+    "http://127.0.0.1:{port}@127.0.0.1:{other}{path}",  # user-info that names this origin
+    "https://127.0.0.1:{port}{path}",  # another scheme
+    "file:///etc/passwd",
+])
+def test_a_redirect_to_another_origin_is_refused_before_any_request_reaches_it(saved, hostile, location):
+    from cloudckpt.errors import RedirectRefused
+
+    other = hostile.other(saved[0])
+    srv = hostile(saved[0], {SHARD0: "redirect:" + location})
+    srv.httpd.other_port = other.httpd.port
+    url = f"{srv.url}/{STEP}/{SHARD0}"
+    with pytest.raises(RedirectRefused, match="another origin") as ei:
+        open_store(url).get_bytes(url, start=0, end=10)
+    assert url in str(ei.value) and f"http://127.0.0.1:{srv.httpd.port}" in str(ei.value)
+    with pytest.raises(RedirectRefused):
+        Checkpointer().load(f"{srv.url}/{STEP}", AppState(*_model_and_optim(1)))
+    assert other.httpd.seen == []
+
+
+def test_a_redirect_loop_stops_after_five_hops(saved, hostile):
+    srv = hostile(saved[0], {SHARD0: "redirect:{path}"})
+    url = f"{srv.url}/{STEP}/{SHARD0}"
+    with pytest.raises(StorageError, match="more than 5 redirects"):
+        open_store(url).get_bytes(url, start=0, end=10)
+    assert len(srv.httpd.seen) == 6
+
+
+def test_a_download_stops_at_the_size_the_caller_expects(saved, hostile, monkeypatch):
+    import io
+
+    from cloudckpt.errors import ObjectTooLarge
+    from cloudckpt.storage import http
+
+    size = (saved[0] / STEP / SHARD0).stat().st_size
+    for mode, says in (("huge", "announces 1099511627776 bytes"), ("endless-chunked", "sent more")):
+        srv = hostile(saved[0], {SHARD0: mode})
+        url = f"{srv.url}/{STEP}/{SHARD0}"
+        sink = io.BytesIO()
+        with pytest.raises(ObjectTooLarge, match=says):
+            open_store(url).download_sized(url, sink, size=size)
+        assert len(sink.getvalue()) <= size
+        assert srv.httpd.sent < 16 << 20  # the client hung up: the server got no further than socket buffers
+    # a read whose size the caller does not state stops at the ceiling
+    monkeypatch.setattr(http, "MAX_UNSIZED_BYTES", 1 << 20)
+    srv = hostile(saved[0], {SHARD0: "endless-chunked"})
+    url = f"{srv.url}/{STEP}/{SHARD0}"
+    with pytest.raises(ObjectTooLarge, match="1048576"):
+        open_store(url).get_bytes(url)
+    with pytest.raises(ObjectTooLarge, match="1048576-byte ceiling"):
+        open_store(url).download_fileobj(url, io.BytesIO())
+    # an honest object of the expected size is downloaded whole
+    srv = hostile(saved[0], {})
+    url = f"{srv.url}/{STEP}/{SHARD0}"
+    sink = io.BytesIO()
+    assert open_store(url).download_sized(url, sink, size=size) == size
+    assert sink.getvalue() == (saved[0] / STEP / SHARD0).read_bytes()
+
+
+def test_a_range_ignoring_server_gets_a_whole_copy_only_of_an_announced_size_that_fits(saved, hostile, cache_dir):
+    from cloudckpt.errors import ObjectTooLarge
+
+    for mode, says in (("huge", "would not fit in the cache folder"), ("endless-chunked", "does not announce")):
+        srv = hostile(saved[0], {SHARD0: mode})
+        url = f"{srv.url}/{STEP}/{SHARD0}"
+        with pytest.raises(ObjectTooLarge, match=says):
+            open_store(url).get_bytes(url, start=10, end=20)  # a range further in: needs the whole copy
+        assert srv.httpd.sent < 16 << 20
+        assert not _cached_copies(cache_dir)
+
+
+def test_a_trickling_body_is_cut_once_it_falls_below_the_minimum_pace(saved, hostile):
+    srv = hostile(saved[0], {SHARD0: "trickle"})  # one byte every 0.5 s
+    url = f"{srv.url}/{STEP}/{SHARD0}"
+    store = open_store(url, StorageOptions(operation_timeout=1.0))
+    t0 = time.monotonic()
+    with pytest.raises(Timeout, match="arrives too slowly"):
+        store.get_bytes(url, start=0, end=1000)
+    assert time.monotonic() - t0 < 5
+    # a reader that pauses between reads (a memory budget, a slow consumer) is not the server's fault
+    srv = hostile(saved[0], {})
+    url = f"{srv.url}/{STEP}/{SHARD0}"
+    with store.open_range(url, 0, 1000) as r:
+        head = r.read(10)
+        time.sleep(1.5)
+        assert head + r.read(-1) == (saved[0] / STEP / SHARD0).read_bytes()[:1000]
