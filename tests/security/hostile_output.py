@@ -174,7 +174,15 @@ def _tries() -> list[Try]:
                            f"{MOD}:tensor_name", {"nasty": nasty, "json_out": json_out}, expect="ok"))
             out.append(Try(10, f"train-key-{nasty}{j}", f"train-state keys and values with {nasty}", "cli_inspect",
                            f"{MOD}:train_key", {"nasty": nasty, "json_out": json_out}, expect="ok"))
-    for field in ("library_version", "torch_version", "save_id", "created"):
+    for nasty in ("csi", "c1-csi", "nul"):  # the same names read from a bucket
+        out.append(Try(10, f"tensor-name-{nasty}-s3", f"a tensor name with {nasty}", "cli_inspect",
+                       f"{MOD}:tensor_name", {"nasty": nasty}, expect="ok", backend="s3"))
+        out.append(Try(10, f"train-key-{nasty}-s3", f"train-state keys and values with {nasty}", "cli_inspect",
+                       f"{MOD}:train_key", {"nasty": nasty}, expect="ok", backend="s3"))
+    out.append(Try(10, "marker-torch_version-csi-s3", "the marker's torch_version with csi", "cli_inspect",
+                   f"{MOD}:marker_string", {"nasty": "csi", "field": "torch_version"}, expect="ok", backend="s3"))
+    # (save_id is not among them: manifest parts name it, so another one is a refused step)
+    for field in ("library_version", "torch_version", "created"):
         for nasty in ("csi", "c1-csi", "cr"):
             out.append(Try(10, f"marker-{field}-{nasty}", f"the marker's {field} with {nasty}", "cli_inspect",
                            f"{MOD}:marker_string", {"nasty": nasty, "field": field}, expect="ok"))

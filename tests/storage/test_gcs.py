@@ -275,3 +275,15 @@ def test_uploads_leave_the_callers_python_rng_alone(gcs_bucket):
         store.put_bytes(f"{gcs_bucket}/rng/{i}", b"x" * 100)
         store.upload_file(__file__, f"{gcs_bucket}/rng/file{i}")
     assert [random.random() for _ in range(3)] == expected
+
+
+def test_names_with_control_characters_are_deleted_and_counted(gcs_bucket):
+    """Each delete is its own request with the name percent-encoded in its URL: names
+    that S3's XML batch cannot carry are no problem here (GCS names hold no CR/LF)."""
+    store = GCSStore()
+    names = ["ctl\x01x", "esc\x1b[31m", "c1\x85y", "tab\tz", "del\x7f", "bidi\u202ex", "plain"]
+    for n in names:
+        store.put_bytes(f"{gcs_bucket}/run/step1/{n}", b"x")
+    store.put_bytes(f"{gcs_bucket}/run/step10/keep", b"x")
+    assert store.delete_prefix(f"{gcs_bucket}/run/step1") == len(names)
+    assert [o.url for o in store.walk(f"{gcs_bucket}/run/")] == [f"{gcs_bucket}/run/step10/keep"]
