@@ -5,7 +5,12 @@ streamed download written to a local file as it arrives (``FileDownload``, the j
 is read back, through a read-only mapping of its bytes (``map_bytes``), as soon as
 its bytes have landed, pages are freed behind the reader
 (``FileDownload.discard_below``) and a local file is deleted once read: the disk
-holds at most three of them (``read_predownloaded``)."""
+holds at most three of them (``read_predownloaded``).
+
+The files are made in the load's own private folder under ``work_dir``
+(``storage.nofollow.private_dir``), opened without following a link: a link (or any
+entry) already in the place of one is never written through (UnsafeCheckpoint or
+StorageError)."""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 
 from ..errors import NotFound, StorageError
 from ..storage import url as urls
+from ..storage.nofollow import Folder, resolve
 from ..untrusted import local_name
 from .resumable import ResumableStream, coalesce, missing
 
@@ -125,11 +131,23 @@ class FileDownload(ResumableStream):
         self.future: Future | None = None
         self._discarded = 0  # the local file's bytes below this were freed (discard_below)
         self._io = threading.Lock()  # a write, or closing the file
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        self.fd = -1
+        folder, self._name = os.path.split(path)
+        try:  # the folder: the user's work_dir resolved once; nothing below it followed
+            self._dir: Folder | None = Folder.open(resolve(folder), create=True, what=f"the pre-download folder {folder}")
         except OSError as e:
             raise self._no_space(e) if e.errno in _FULL else e
+        try:
+            self.fd = self._dir.new_file(self._name, flags=os.O_RDWR)  # O_EXCL: nothing planted is opened
+        except FileExistsError:
+            self._dir.close()
+            raise StorageError(f"pre-download of {url}: {path} already exists; cloudckpt makes a new file there and "
+                               "never writes into one it did not make: remove it", url=url) from None
+        except BaseException as e:
+            self._dir.close()
+            if isinstance(e, OSError) and e.errno in _FULL:
+                raise self._no_space(e) from None
+            raise
 
     def resume_at(self) -> int | None:
         """What has landed (under ``shared``)."""
@@ -202,10 +220,12 @@ class FileDownload(ResumableStream):
             if self.fd >= 0:
                 os.close(self.fd)
                 self.fd = -1
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass  # removed before
+            folder, self._dir = self._dir, None
+        if folder is None:
+            return  # removed before
+        with folder:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._name, dir_fd=folder.fd)  # the entry itself: never a link's target
 
 
 def _libc_fallocate():

@@ -32,7 +32,9 @@ from typing import Any
 import torch
 
 from ... import dist
-from ...errors import CloudCkptError, ConfigError, LocalCapacityError
+from ...errors import CloudCkptError, ConfigError, CorruptCheckpoint, LocalCapacityError, SaveFailed
+from ...storage.nofollow import resolve
+from ...untrusted import loads_json
 from .. import layout
 from ..marker import Marker
 from . import exchange, parts
@@ -40,6 +42,7 @@ from .groups import Replication
 
 log = logging.getLogger(__name__)
 RUN_FILE = ".cloudckpt-run.json"  # the run (save_folder) whose local steps the folder holds
+_MAX_RUN_FILE = 64 * 1024  # ours holds one path
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,9 @@ class Found:
 
 def node_folder(local_dir: str, node: int) -> str:
     """``local_dir`` with ``{node}`` replaced by the node index (several simulated nodes
-    on one machine each get a folder of their own)."""
-    return os.path.abspath(os.path.expanduser(local_dir.replace("{node}", str(node))))
+    on one machine each get a folder of their own), with its links resolved: the
+    user's own (``~/x -> /nfs/x``) are followed here, once; nothing inside it ever is."""
+    return resolve(local_dir.replace("{node}", str(node)))
 
 
 class LocalTier:
@@ -68,6 +72,7 @@ class LocalTier:
         self.root = node_folder(local_dir, replication.node_of(self.rank))
         self._check_writable(local_dir)
         self._claim(local_dir, save_folder)
+        parts.remove_leftovers(self.root, f".tmp-view{self.rank}-")  # of a recovery killed on this rank
         self.coord = dist.Coordinator(timeout=collective_timeout)
         self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloudckpt-replicate")
         self._persist = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloudckpt-persist")
@@ -80,12 +85,11 @@ class LocalTier:
 
     # ------------------------------------------------------------ checks
     def _check_writable(self, local_dir: str) -> None:
-        probe = os.path.join(self.root, f".probe-{uuid.uuid4().hex[:8]}")
+        probe = f".probe-{uuid.uuid4().hex[:8]}"
         try:
-            os.makedirs(self.root, exist_ok=True)
-            with open(probe, "xb") as f:
-                f.write(b"x")
-            os.unlink(probe)
+            with parts.open_folder(self.root, create=True) as root:
+                os.close(root.new_file(probe))
+                os.unlink(probe, dir_fd=root.fd)
         except OSError as e:
             raise ConfigError(f"local_dir={local_dir!r} is not usable on rank {self.rank} ({self.root}: {e.strerror or e}): "
                               "use a writable node-local folder such as /dev/shm/ckpt or a local NVMe path") from None
@@ -94,21 +98,29 @@ class LocalTier:
         """Record the run (its ``save_folder``) the node's folder serves; refuse a folder
         holding local steps of another run, which resume would otherwise load."""
         path = os.path.join(self.root, RUN_FILE)
-        try:
-            with open(path, "rb") as f:
-                owner = json.loads(f.read(64 * 1024)).get("save_folder")
-        except (OSError, ValueError, AttributeError):
-            owner = None
-        if owner not in (None, save_folder) and parts.steps_on_disk(self.root):
-            raise ConfigError(
-                f"local_dir={local_dir!r} ({self.root}) holds local steps of another run (save_folder {owner}); resuming "
-                f"{save_folder} from them would load the wrong state: use another local_dir for this run, or remove "
-                "the folder if that run is over")
-        if owner != save_folder:
-            tmp = f"{path}.{uuid.uuid4().hex[:8]}"
-            with open(tmp, "w") as f:
-                json.dump({"save_folder": save_folder}, f)
-            os.replace(tmp, path)
+        with parts.open_folder(self.root) as root:
+            try:  # a link as the run file: UnsafeCheckpoint (never read through)
+                doc = loads_json(root.read(RUN_FILE, limit=_MAX_RUN_FILE), url=path, what="local tier's run file",
+                                 limit=_MAX_RUN_FILE)
+                owner = doc.get("save_folder") if isinstance(doc, dict) else None
+                if not isinstance(owner, str):
+                    raise CorruptCheckpoint(f"{path}: the local tier's run file names no save_folder")
+            except FileNotFoundError:
+                owner = None
+            except CorruptCheckpoint as e:
+                if parts.steps_on_disk(self.root):
+                    raise ConfigError(
+                        f"local_dir={local_dir!r} ({self.root}) holds local steps, and its run file, which says which run "
+                        f"they belong to, cannot be used ({e}): remove the folder (or use another local_dir) unless "
+                        "you know they are this run's steps; then remove only the run file") from None
+                owner = None
+            if owner not in (None, save_folder) and parts.steps_on_disk(self.root):
+                raise ConfigError(
+                    f"local_dir={local_dir!r} ({self.root}) holds local steps of another run (save_folder {ascii(owner)[1:-1][:500]}); "
+                    f"resuming {save_folder} from them would load the wrong state: use another local_dir for this run, "
+                    "or remove the folder if that run is over")
+            if owner != save_folder:
+                root.write(RUN_FILE, json.dumps({"save_folder": save_folder}).encode())
 
     def _check_room(self, state_dict: dict) -> None:
         need = _state_bytes(state_dict) * self.rep.factor
@@ -125,16 +137,24 @@ class LocalTier:
         """Write this rank's part of ``step`` locally (collective), then queue its copies
         to peers and, with ``persist_to`` (the bucket step folder), its upload."""
         self._check_room(state_dict)
-        save_id = self.ck.coord.on_coordinator("local save id", lambda: uuid.uuid4().hex)
-        tmp = parts.new_tmp(self.root, step, f"write{self.rank}")
+        tmp = None
+
+        def make_folder() -> str:
+            nonlocal tmp  # a link planted as the step's folder: UnsafeCheckpoint, and every rank stops here
+            tmp = parts.new_tmp(self.root, step, f"write{self.rank}")
+            return uuid.uuid4().hex
+
         try:
+            save_id = self.ck.coord.all_ranks(f"local step {step}: make its folder", make_folder,
+                                              error=SaveFailed.from_failures)[0]  # rank 0's id for all
             entries = self.ck.write_local(tmp, state_dict, train_state)
             marker = Marker(step=step, ephemeral=ephemeral, world_size=self.rep.world_size,
                             objects=tuple(sorted(entries, key=lambda o: o.path)), torch_version=torch.__version__,
                             save_id=save_id)
             parts.publish(tmp, marker, self.root, self.rank)
         except BaseException:
-            parts.remove(tmp)
+            if tmp is not None:
+                parts.remove(tmp)
             raise
         if persist_to is not None:
             with self._lock:
@@ -244,14 +264,15 @@ class LocalTier:
         combined = Marker(step=found.step, ephemeral=any_marker.ephemeral, world_size=self.rep.world_size,
                           objects=tuple(sorted((o for m in found.markers.values() for o in m.objects), key=lambda o: o.path)),
                           torch_version=any_marker.torch_version, save_id=any_marker.save_id)
-        view = parts.new_tmp(self.root, found.step, f"view{self.rank}")
+        # private, in the node folder (a link planted as the step's folder on this node changes nothing)
+        view = parts.new_view(self.root, f"view{self.rank}")
         stats = {"fetched_bytes": 0, "local_files": 0}
         try:
-            with open(os.path.join(view, layout.MARKER), "wb") as f:
-                f.write(combined.to_bytes())
+            with parts.open_folder(view) as v:
+                v.write(layout.MARKER, combined.to_bytes())
             for p in held.values():
                 for o in p.marker.objects:
-                    _link(p.file(o.path), os.path.join(view, *o.path.split("/")))
+                    parts.link_into(p, o.path, view)
                     stats["local_files"] += 1
 
             linked = {o.path for p in held.values() for o in p.marker.objects}
@@ -288,13 +309,10 @@ class LocalTier:
         for s in parts.steps_on_disk(self.root):
             if s in keep or s > newest:
                 continue
-            folder = parts.step_folder(self.root, s)
-            for name in os.listdir(folder):
-                rank = name[len("rank"):] if name.startswith("rank") else None
-                if rank is None or not rank.isdigit() or int(rank) in self.rep.group_of(self.rank):
-                    parts.remove(os.path.join(folder, name))
-            with contextlib.suppress(OSError):  # another rank of this node may remove it first
-                os.rmdir(folder)
+            try:  # a link in the node folder is removed itself, never followed
+                parts.remove_step(self.root, s, self.rep.group_of(self.rank))
+            except (OSError, CloudCkptError) as e:
+                log.warning("local retention could not remove step %d: %s", s, e)
 
     # ------------------------------------------------------------ lifecycle
     def drain(self) -> None:
@@ -326,14 +344,6 @@ class LocalTier:
             self._bg.shutdown(wait=True)
             self._persist.shutdown(wait=True)
             self.persister.close()
-
-
-def _link(src: str, dst: str) -> None:
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
 
 
 def _state_bytes(state_dict: Any) -> int:
