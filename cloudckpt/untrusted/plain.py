@@ -26,9 +26,11 @@ def load_plain(data, *, url: str, what: str = "train state") -> Any:
 
 def load_tensor(f, *, url: str, fqn: str, map_location: Any = "cpu") -> torch.Tensor:
     """The one tensor of a DCP tensor item (``f``: bytes, a memoryview or a binary
-    file). Raises UnsafeCheckpoint naming ``url`` and ``fqn``."""
+    file); ``map_location="meta"``: its dtype, shape, strides and storage size only,
+    nothing of its bytes read. Raises UnsafeCheckpoint naming ``url`` and ``fqn``."""
     what = f"tensor {fqn!r}"
-    t = trainstate.load(f, url=url, what=what)
+    meta = map_location == "meta"
+    t = trainstate.load(f, url=url, what=what, meta=meta)
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise UnsafeCheckpoint(f"{url}: refused to load the {what}: the item holds a {type(t).__name__}, not a tensor")
-    return t if map_location in (None, "cpu") else t.to(map_location)
+    return t if meta or map_location in (None, "cpu") else t.to(map_location)

@@ -685,12 +685,13 @@ class _Unpickler:
         self.view_bytes -= numel * itemsize
         if self.view_bytes < 0:
             raise _Refused("tensors that present far more bytes than the archive stores")
-        if dtype is torch.bool and not st.bool_checked:
+        meta = st.untyped.device.type == "meta"
+        if dtype is torch.bool and not st.bool_checked and not meta:
             u8 = torch.empty(0, dtype=torch.uint8).set_(st.untyped, 0, (st.nbytes,), (1,))
             if st.nbytes and int(u8.max()) > 1:
                 raise _Refused("a bool tensor holding values other than 0 and 1")
             st.bool_checked = True
-        t = torch.empty(0, dtype=dtype).set_(st.untyped, offset, size, stride)
+        t = torch.empty(0, dtype=dtype, device=st.untyped.device).set_(st.untyped, offset, size, stride)
         if metadata and metadata.get("conj"):
             t = t.conj()
         if requires_grad:
@@ -797,15 +798,16 @@ def _buffer(data: Any) -> memoryview:
     return memoryview(data.read())
 
 
-def load(data: Any, *, url: str, what: str) -> Any:
+def load(data: Any, *, url: str, what: str, meta: bool = False) -> Any:
     """The object of the ``torch.save`` archive ``data`` (bytes, a memoryview or a
-    binary file), built on the CPU from what it stores. Raises UnsafeCheckpoint naming
-    ``url`` and ``what`` (e.g. "train state", "value of 'extra.n'", "tensor 'w'")."""
+    binary file), built on the CPU from what it stores (``meta``: tensors on the meta
+    device, their storages' bytes not read). Raises UnsafeCheckpoint naming ``url`` and
+    ``what`` (e.g. "train state", "value of 'extra.n'", "tensor 'w'")."""
     from ..checkpoint.gcpause import gc_paused  # here: untrusted/ is imported by checkpoint/
 
     try:
         with gc_paused():  # millions of containers would make each collection walk them all
-            return _load(_buffer(data), url=url, what=what)
+            return _load(_buffer(data), meta)
     except _Refused as e:
         why = str(e)
     except UnsafeCheckpoint:
@@ -818,7 +820,7 @@ def load(data: Any, *, url: str, what: str) -> Any:
                            "rules of torch.load, tightened: see docs/security.md); nothing of it was run") from None
 
 
-def _load(mv: memoryview, *, url: str, what: str) -> Any:
+def _load(mv: memoryview, meta: bool) -> Any:
     try:
         recs = zipread.records(mv)
     except zipread.BadArchive as e:
@@ -853,11 +855,13 @@ def _load(mv: memoryview, *, url: str, what: str) -> Any:
         r_start, r_size = rec
         if numel < 0 or numel * dtype.itemsize != r_size:
             raise _Refused(f"a storage that declares another size than its record's {r_size} bytes")
-        if r_size:
+        if meta:
+            untyped = torch.UntypedStorage(r_size, device="meta")
+        elif r_size:
             untyped = torch.UntypedStorage.from_buffer(mv[r_start:r_start + r_size], dtype=torch.uint8)
         else:
             untyped = torch.UntypedStorage(0)
-        if swap and dtype.itemsize > 1:
+        if swap and dtype.itemsize > 1 and not meta:
             untyped.byteswap(dtype)  # as torch.load does: each element of the storage's dtype
         st = storages[key] = _Storage(untyped, dtype, typed, r_size)
         return st

@@ -150,6 +150,18 @@ def test_a_tensor_item_loads_and_anything_else_in_its_place_is_refused():
         load_tensor(h.saved({"a": 1}), url="u", fqn="w")
 
 
+def test_a_tensor_item_on_the_meta_device_reads_no_storage_bytes_and_refuses_the_same_archives():
+    t = torch.randn(5, 3)[1:, ::2]
+    meta = load_tensor(h.saved(t), url="u", fqn="w", map_location="meta")
+    assert meta.device.type == "meta" and meta.dtype == t.dtype and meta.shape == t.shape
+    assert meta.stride() == t.stride() and meta.storage_offset() == t.storage_offset()
+    assert meta.untyped_storage().nbytes() == t.untyped_storage().nbytes()
+    for data in (h.inflating_archive(1 << 20), h.tensor_past_its_storage(), h.storage_2e40_archive(),
+                 h.archive(h.bytearray_n(1 << 30, 6))):
+        with pytest.raises(UnsafeCheckpoint, match="u: refused to load the tensor 'w'"):
+            load_tensor(data, url="u", fqn="w", map_location="meta")
+
+
 def test_loading_twice_in_threads_gives_the_same_result():
     from concurrent.futures import ThreadPoolExecutor
 
