@@ -11,8 +11,10 @@ wrong weights:
 - ``unpickle``: DCP's ``.metadata`` is unpickled with an exact allowlist of
   ``(module, name)`` pairs and of what may be called or built, then checked
   against the manifest (sizes, counts, ranges) before anyone uses it.
-- ``plain``: train state and DCP byte items load with torch's weights-only
-  unpickler; extra plain types (numpy's RNG state) are admitted by exact name.
+- ``plain`` (``trainstate``, ``zipread``): train state and DCP items are
+  ``torch.save`` archives read by cloudckpt's own allowlist unpickler (never
+  ``pickle`` or ``torch.load``): plain data, tensors built only from their stored
+  zip records, numpy's RNG state by exact shape and dtype; bounded while parsing.
 - ``jsondoc``: small JSON documents (pointer, lock, run files, configs) with size,
   depth and number bounds checked before or while parsing.
 - ``reads``: objects are read with a ceiling on their size, checked against their
