@@ -1,0 +1,883 @@
+"""What one rank pays as the job grows: the library's own code for one ordinary rank
+and for the coordinator (rank 0) of an R-rank job whose R - 1 peers are simulated.
+
+    .venv/bin/python -m bench.scale                       # R = 64 ... 16,384, the 70B shape
+    .venv/bin/python -m bench.scale --quick               # a smoke run: tiny shape, R = 4, 16
+    .venv/bin/python -m bench.scale --confirm             # + real gloo ranks (R = 2, 4) on the T-tensor shape
+
+The shape: Llama-3-70B with AdamW, fp32 (80 layers, 723 parameters; weights,
+``exp_avg`` and ``exp_avg_sq`` sharded on dim 0 over every rank: 2,169 sharded tensors,
+and 723 replicated ``step`` scalars; about 847 GB). Everything a rank holds is built
+with torch's own DCP classes (``Metadata``, ``TensorStorageMetadata``, ``_StorageInfo``)
+and the library's own types; no byte of tensor data is written.
+
+Each phase runs in its own process (its CPU seconds and peak RSS are its own; RSS is
+reported above the process's baseline after imports) and calls the library's real
+functions with the simulated peers:
+
+- ``save``: rank 0 runs ``Checkpointer``'s save protocol (prepare, AGREE, COMMIT) with
+  a synthetic ``produce`` (its own manifest) on a local folder; the AGREE collective is
+  simulated by ``SimCoordinator``: every peer's value is this rank's with its rank
+  number substituted, pickled as ``all_gather_object`` would send it. Reported: bytes
+  each rank sends and receives in AGREE, CPU and peak RSS of the protocol on rank 0
+  (building the peers' values is not counted), the marker's size.
+- ``resume``: rank 0 of a new job: ``CheckpointManager.step_to_resume`` (discovery,
+  gc of leftovers) and its part of ``Checkpointer.load`` up to its first data byte
+  (``before_read``): the marker and what it broadcasts, recorded for the next phase.
+- ``load``: an ordinary rank's ``Checkpointer.load`` of its shard (DTensors on the
+  meta device, over a fake process group of R ranks), from what rank 0 broadcast to
+  its first data byte: the load prologue.
+- ``stock``: stock DCP's per-rank metadata cost: C ``pickle.loads`` of the same
+  ``.metadata`` (every rank of a stock DCP load does it).
+- ``maintain``: ``retention.Maintenance`` after a save with N kept steps (copies of
+  this step's marker), once on a fresh manager and once in steady state; store
+  calls counted.
+
+A phase whose input would not fit the ``--mem-gib`` budget on this machine is not run
+(the row says so, with the estimate). Results: ``bench/results/scale.{json,md}``
+(the latest run only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import pickle
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from bench.common import ROOT, git_state, loadavg, short_error
+
+GB = 1e9
+STEP = 100
+RANKS = [64, 256, 1024, 4096, 16384]
+
+
+# ---------------------------------------------------------------------- the shape
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Parameters ``(name, global shape)``; each has a weight and two AdamW moments,
+    sharded on dim 0 over every rank, and one replicated ``step`` scalar."""
+
+    name: str
+    params: tuple
+
+    @property
+    def sharded(self) -> int:
+        return 3 * len(self.params)
+
+    def tensors(self):
+        """``(fqn, global shape, elements)`` of every sharded tensor, in save order."""
+        for p, shape in self.params:
+            n = math.prod(shape)
+            yield f"model.{p}", shape, n
+            yield f"optim.state.{p}.exp_avg", shape, n
+            yield f"optim.state.{p}.exp_avg_sq", shape, n
+
+    def scalars(self):
+        for p, _ in self.params:
+            yield f"optim.state.{p}.step"
+
+    def total_bytes(self) -> int:
+        return sum(4 * n for _, _, n in self.tensors()) + 8 * len(self.params)
+
+
+def llama3_70b() -> Shape:
+    d, kv, ffn, vocab = 8192, 1024, 28672, 128256
+    params = [("tok_embeddings.weight", (vocab, d))]
+    for i in range(80):
+        a = f"layers.{i}."
+        params += [(a + "attention.wq.weight", (d, d)), (a + "attention.wk.weight", (kv, d)),
+                   (a + "attention.wv.weight", (kv, d)), (a + "attention.wo.weight", (d, d)),
+                   (a + "feed_forward.w1.weight", (ffn, d)), (a + "feed_forward.w2.weight", (d, ffn)),
+                   (a + "feed_forward.w3.weight", (ffn, d)), (a + "attention_norm.weight", (d,)),
+                   (a + "ffn_norm.weight", (d,))]
+    params += [("norm.weight", (d,)), ("output.weight", (vocab, d))]
+    return Shape("llama3-70b+adamw-fp32", tuple(params))
+
+
+def small(tensors: int, rows: int = 64, cols: int = 16) -> Shape:
+    """``tensors`` sharded tensors (a third of them parameters), each ``rows x cols``."""
+    return Shape(f"small-T{tensors}", tuple((f"p{i}.weight", (rows, cols)) for i in range(max(1, tensors // 3))))
+
+
+def shape_named(name: str) -> Shape:
+    if name in ("llama3-70b", "llama3-70b+adamw-fp32"):
+        return llama3_70b()
+    m = re.fullmatch(r"small-T(\d+)", name)
+    if m:
+        return small(int(m.group(1)))
+    raise SystemExit(f"unknown shape {name!r}")
+
+
+def rows_of(shape: tuple, R: int, r: int) -> tuple[int, int]:
+    """Rank r's rows of a Shard(0) tensor over R ranks (torch.chunk: ceil-sized pieces)."""
+    c = -(-shape[0] // R)
+    lo = min(shape[0], r * c)
+    return lo, min(shape[0], lo + c)
+
+
+def rank_items(shape: Shape, R: int, r: int) -> list[tuple[str, tuple, tuple, int]]:
+    """Rank r's items ``(fqn, offsets, sizes, bytes)``: its chunk of every sharded
+    tensor (none where its rows are empty) and the scalars it writes (DCP gives each
+    replicated item to one rank; here scalar i goes to rank i mod R)."""
+    out = []
+    for fqn, gshape, _ in shape.tensors():
+        lo, hi = rows_of(gshape, R, r)
+        if hi > lo:
+            sizes = (hi - lo, *gshape[1:])
+            out.append((fqn, (lo, *(0 for _ in gshape[1:])), sizes, 4 * math.prod(sizes)))
+    for i, fqn in enumerate(shape.scalars()):
+        if i % R == r:
+            out.append((fqn, (), (), 8))
+    return out
+
+
+def rank_files(items, *, target=256 << 20, max_files=64, threads=2) -> list[list[tuple[int, int, int]]]:
+    """The writer's split of a rank's items into files (dcp/writer.py: max(threads,
+    min(64, bytes / 256 MiB)) files, greedy by size): per file ``(item index, offset, length)``."""
+    total = sum(i[3] for i in items)
+    bins = max(1, min(max(threads, min(max_files, math.ceil(total / target))), len(items)))
+    sizes = [0] * bins
+    files: list[list] = [[] for _ in range(bins)]
+    for idx in sorted(range(len(items)), key=lambda k: -items[k][3]):
+        b = sizes.index(min(sizes))
+        files[b].append((idx, sizes[b], items[idx][3]))
+        sizes[b] += items[idx][3]
+    return [f for f in files if f]
+
+
+def estimate_items(shape: Shape, R: int) -> int:
+    return sum(sum(1 for r in range(min(R, g[0])) if rows_of(g, R, r)[1] > rows_of(g, R, r)[0])
+               for _, g, _ in shape.tensors()) + len(shape.params)
+
+
+# ---------------------------------------------------------------------- the simulated collectives
+class SimCoordinator:
+    """Stands in for ``dist.Coordinator`` (same calls, same pickled payloads) on rank
+    ``rank`` of ``world_size``: the peers' values are this rank's with its rank number
+    substituted (``peer_value``). ``on_coordinator`` on rank 0 runs the step and stores
+    what it would broadcast in ``payload_dir``; on another rank it receives that.
+    Counts bytes sent and received per step, and the CPU spent building peers' values
+    (``synth_cpu``: not the rank's own cost)."""
+
+    def __init__(self, rank: int, world_size: int, payload_dir: str):
+        self.rank, self.world_size = rank, world_size
+        self.group, self.local, self.timeout = None, True, 600.0
+        self.payload_dir = payload_dir
+        self.sent: dict[str, int] = {}
+        self.received: dict[str, int] = {}
+        self.synth_cpu = 0.0
+        # objects each peer makes itself (its uploaded manifest part): ``(type name, rank)``
+        # -> the peer's own value, made by ``before_gather`` with the library's classes
+        self.peer_objects: dict = {}
+        self.before_gather = None
+        self.kinds: dict[str, str] = {}  # step -> "all_gather" (every rank receives all) or "gather" (rank 0 only)
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def _path(self, step: str) -> str:
+        return os.path.join(self.payload_dir, re.sub(r"\W", "_", step) + ".pkl")
+
+    def on_coordinator(self, step: str, fn):
+        from cloudckpt import dist
+
+        if self.rank == 0:
+            out = dist._portable(dist._run(fn))
+            data = pickle.dumps(out)
+            with open(self._path(step), "wb") as f:
+                f.write(data)
+            self.sent[step] = self.sent.get(step, 0) + len(data) * (self.world_size - 1)
+        else:
+            with open(self._path(step), "rb") as f:
+                data = f.read()
+            self.received[step] = self.received.get(step, 0) + len(data)
+            out = pickle.loads(data)
+        del data
+        if not out.ok:
+            raise out.error or RuntimeError(out.error_text)
+        return out.value
+
+    def _gather(self, step: str, mine):
+        t = time.process_time()
+        if self.before_gather is not None:
+            self.before_gather(step)
+        blobs = []
+        for r in range(self.world_size):
+            if r != self.rank:
+                blobs.append(pickle.dumps(peer_value(mine, self.rank, r, self.peer_objects)))
+        own = pickle.dumps(mine)
+        self.synth_cpu += time.process_time() - t
+        self.sent[step] = self.sent.get(step, 0) + len(own)
+        self.received[step] = self.received.get(step, 0) + sum(len(b) for b in blobs)
+        values = [pickle.loads(b) for b in blobs]  # what every rank of all_gather_object does
+        values.insert(self.rank, mine)
+        del blobs
+        return values
+
+    def all_gather(self, value):
+        return self._gather("all_gather", value)
+
+    def all_ranks(self, step: str, fn, *, error=None):
+        from cloudckpt import dist
+
+        mine = dist._run(fn)
+        self.kinds[step] = "all_gather"
+        outs = self._gather(step, dist._Outcome(mine.ok, mine.value, None, mine.error_text))
+        bad = {r: o.error_text for r, o in enumerate(outs) if not o.ok}
+        if bad:
+            raise (error(step, bad) if error else RuntimeError(f"{step}: {bad}"))
+        return [o.value for o in outs]
+
+    def to_coordinator(self, step: str, fn, *, error=None):
+        """A gather to rank 0 (``dist.Coordinator.to_coordinator``): only the coordinator
+        receives the peers' values; every rank gets the (empty) failures broadcast."""
+        from cloudckpt import dist
+
+        mine = dist._run(fn)
+        self.kinds[step] = "gather"
+        o = dist._Outcome(mine.ok, mine.value, None, mine.error_text)
+        if self.rank != 0:
+            self.sent[step] = self.sent.get(step, 0) + len(pickle.dumps(o))
+            self.received[step] = self.received.get(step, 0) + len(pickle.dumps(None))
+            if not mine.ok:
+                raise (error(step, {self.rank: mine.error_text}) if error else RuntimeError(mine.error_text))
+            return None
+        outs = self._gather(step, o)
+        bad = {r: x.error_text for r, x in enumerate(outs) if not x.ok}
+        if bad:
+            raise (error(step, bad) if error else RuntimeError(f"{step}: {bad}"))
+        return [x.value for x in outs]
+
+
+_RANK_TOKENS = {}
+
+
+def peer_value(obj, a: int, b: int, own: dict | None = None):
+    """``obj`` as rank ``b`` would send it, from rank ``a``'s: every rank-numbered name
+    (``__{a}_``, ``rank{a}``) renamed, an int field ``rank`` equal to ``a`` set to ``b``;
+    entries with a ``path`` that names no rank (objects only the coordinator writes,
+    such as DCP's ``.metadata``) are left out; a dataclass of rank ``a`` whose type has
+    an entry in ``own`` (``(type name, b)``: what the peer made itself, such as the
+    reference of its uploaded manifest part) is replaced by it."""
+    own = own or {}
+    pat = _RANK_TOKENS.get(a)
+    if pat is None:
+        pat = _RANK_TOKENS[a] = re.compile(rf"(__){a}(_)|(rank){a}(?!\d)")
+
+    def sub(s: str) -> str:
+        return pat.sub(lambda m: f"__{b}_" if m.group(1) else f"rank{b}", s)
+
+    def walk(x):
+        if isinstance(x, str):
+            return sub(x) if ("__" in x or "rank" in x) else x
+        if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+            kept = [walk(v) for v in x if not _shared(v)]
+            return kept if type(x) is list else tuple(kept)
+        if isinstance(x, dict):
+            return {walk(k): walk(v) for k, v in x.items()}
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            if getattr(x, "rank", None) == a and (type(x).__name__, b) in own:
+                return own[(type(x).__name__, b)]
+            changes = {}
+            for f in dataclasses.fields(x):
+                if not f.init:
+                    continue
+                v = getattr(x, f.name)
+                nv = b if (f.name == "rank" and v == a and type(v) is int) else walk(v)
+                if nv is not v:
+                    changes[f.name] = nv
+            return dataclasses.replace(x, **changes) if changes else x
+        return x
+
+    return walk(obj)
+
+
+def _shared(v) -> bool:
+    path = getattr(v, "path", None)
+    return isinstance(path, str) and "__" not in path and "rank" not in path and dataclasses.is_dataclass(v)
+
+
+# ---------------------------------------------------------------------- inputs
+def entries_of(shape: Shape, R: int, r: int, extra=()):
+    """Rank r's manifest entries (the library's ObjectEntry): its shard files with every
+    item's range and CRC32C, its train state, and ``extra`` (rank 0: the metadata)."""
+    from cloudckpt.checkpoint.marker import ObjectEntry
+
+    items = rank_items(shape, R, r)
+    out = []
+    for k, f in enumerate(rank_files(items)):
+        size = sum(n for _, _, n in f)
+        chunks = tuple(sorted((off, n, f"{(r * 7919 + k * 104729 + off) & 0xffffffff:08x}") for _, off, n in f))
+        out.append(ObjectEntry(f"model_and_optim/__{r}_{k}.distcp", size, f"{(r * 31 + k) & 0xffffffff:08x}", chunks))
+    out.append(ObjectEntry(f"train/rank{r}.pt", 1234, f"{r & 0xffffffff:08x}"))
+    return out + list(extra)
+
+
+def dcp_metadata(shape: Shape, R: int):
+    """DCP's ``Metadata`` of the whole job, built with torch's classes."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    from cloudckpt._torch_compat import StorageInfo
+
+    props = TensorProperties(dtype=torch.float32)
+    sdm, sd = {}, {}
+    chunks_of: dict[str, list] = {}
+    for r in range(R):
+        items = rank_items(shape, R, r)
+        for k, f in enumerate(rank_files(items)):
+            for idx, off, n in f:
+                fqn, offsets, sizes, _ = items[idx]
+                c = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                chunks_of.setdefault(fqn, []).append(c)
+                sd[MetadataIndex(fqn, torch.Size(offsets), len(chunks_of[fqn]) - 1)] = StorageInfo(
+                    f"__{r}_{k}.distcp", off, n)
+    for fqn, gshape, _ in shape.tensors():
+        sdm[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(gshape),
+                                         chunks=sorted(chunks_of.get(fqn, []), key=lambda c: tuple(c.offsets)))
+    for fqn in shape.scalars():
+        sdm[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=torch.int64), size=torch.Size([]),
+                                         chunks=chunks_of.get(fqn, []))
+    mappings = {fqn: tuple(fqn.split(".", 1)) for fqn in sdm}
+    return Metadata(state_dict_metadata=sdm, storage_data=sd, planner_data=mappings)
+
+
+def make_inputs(args) -> dict:
+    """The step folder of the job: DCP's ``.metadata`` (stock pickle) for the save to list."""
+    from cloudckpt.transfer import crc32c_file
+
+    shape = shape_named(args.shape)
+    step = Path(args.work) / "run" / f"step{STEP}"
+    (step / "model_and_optim").mkdir(parents=True, exist_ok=True)
+    md = dcp_metadata(shape, args.ranks)
+    path = step / "model_and_optim" / ".metadata"
+    with open(path, "wb") as f:
+        pickle.dump(md, f, protocol=pickle.HIGHEST_PROTOCOL)
+    items = len(md.storage_data)
+    return {"metadata_bytes": path.stat().st_size, "metadata_crc32c": crc32c_file(str(path)), "items": items}
+
+
+# ---------------------------------------------------------------------- phases (each in its own process)
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak() -> None:
+    """Start the peak RSS count from now (Linux: ``echo 5 > /proc/self/clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return _peak()
+
+
+class Meter:
+    def __enter__(self):
+        import gc
+
+        gc.collect()
+        self.base = _rss()
+        _reset_peak()
+        self.cpu = time.process_time()
+        self.wall = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.cpu = time.process_time() - self.cpu
+        self.wall = time.perf_counter() - self.wall
+        self.peak = _peak_hwm()
+
+    def report(self, minus_cpu: float = 0.0) -> dict:
+        return {"cpu_s": round(self.cpu - minus_cpu, 3), "peak_rss_above_base_mb": round((self.peak - self.base) / 1e6, 1),
+                "peak_rss_mb": round(self.peak / 1e6, 1)}
+
+
+def _checkpointer(work: str):
+    from cloudckpt import Checkpointer
+
+    return Checkpointer(work_dir=os.path.join(work, "w"), distributed=False)
+
+
+def phase_save(args) -> dict:
+    from cloudckpt.checkpoint import checkpointer as ckmod
+    from cloudckpt.checkpoint.marker import ObjectEntry
+
+    shape = shape_named(args.shape)
+    inputs = json.loads(Path(args.work, "inputs.json").read_text())
+    md = ObjectEntry("model_and_optim/.metadata", inputs["metadata_bytes"], inputs["metadata_crc32c"])
+    entries = entries_of(shape, args.ranks, 0, extra=[md])
+    ck = _checkpointer(args.work)
+    sim = ck.coord = SimCoordinator(0, args.ranks, _payloads(args))
+    step = str(Path(args.work) / "run" / f"step{STEP}")
+    save_id = uuid.UUID(int=0x5CA1E)  # known to the peers' parts before the coordinator broadcasts it
+    ckmod.uuid.uuid4 = lambda: save_id
+    sim.before_gather = lambda name: _publish_peer_parts(sim, shape, args.ranks, step, save_id.hex) \
+        if name == "agree" else None
+    produce = lambda dir, work: ckmod._Outcome(entries, time.monotonic(), None)  # noqa: E731
+    with Meter() as m:
+        ck._protocol(step, None, False, True, produce, needs_work=False)
+    marker = Path(step) / ".metadata.json"
+    kind = sim.kinds.get("agree")
+    received = sim.received.get("agree", 0)
+    out = {"agree_collective": kind, "agree_sent_bytes": sim.sent.get("agree", 0), "agree_received_bytes": received,
+           "agree_received_bytes_ordinary_rank": received if kind == "all_gather" else 0,
+           "marker_bytes": marker.stat().st_size, **m.report(minus_cpu=sim.synth_cpu)}
+    ck.close()
+    return out
+
+
+def _publish_peer_parts(sim: SimCoordinator, shape: Shape, R: int, step: str, save_id: str) -> None:
+    """What each peer uploads itself before AGREE in a protocol with per-rank manifest
+    parts (``marker.ManifestPart``): its part, written to the step folder with the
+    library's classes; its reference replaces the one substituted from rank 0's."""
+    try:
+        from cloudckpt.checkpoint.marker import ManifestPart, PartRef
+    except ImportError:
+        return  # one manifest in the marker: nothing per peer to upload
+    for r in range(1, R):
+        part = ManifestPart(step=STEP, rank=r, save_id=save_id, objects=tuple(entries_of(shape, R, r)))
+        data = part.to_bytes()
+        ref = PartRef.of(r, data, part)
+        path = Path(step) / ref.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        sim.peer_objects[(type(ref).__name__, r)] = ref
+
+
+def _payloads(args) -> str:
+    d = os.path.join(args.work, "payloads")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+class _FirstByte(Exception):
+    """Raised in ``before_read``: the load prologue is over."""
+
+
+def _stop(ranges):
+    raise _FirstByte(sum(len(v) for v in ranges.values()))
+
+
+def _sharded_target(shape: Shape, R: int, r: int) -> dict:
+    """Rank r's state dict: a DTensor (meta device, Shard(0)) per sharded tensor and a
+    replicated scalar per parameter, over a fake process group of R ranks."""
+    import torch
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not tdist.is_initialized():
+        tdist.init_process_group("fake", store=FakeStore(), rank=r, world_size=R)
+    mesh = init_device_mesh("cpu", (R,))
+    sd: dict = {}
+    for fqn, gshape, _ in shape.tensors():
+        lo, hi = rows_of(gshape, R, r)
+        local = torch.empty((hi - lo, *gshape[1:]), device="meta")
+        stride = tuple(math.prod(gshape[i + 1:]) for i in range(len(gshape)))
+        sd[fqn] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(gshape), stride=stride)
+    for fqn in shape.scalars():
+        sd[fqn] = torch.zeros((), dtype=torch.int64)
+    return sd
+
+
+def _load_prologue(args, rank: int) -> dict:
+    shape = shape_named(args.shape)
+    target = _sharded_target(shape, args.ranks, rank)
+    ck = _checkpointer(args.work)
+    sim = ck.coord = SimCoordinator(rank, args.ranks, _payloads(args))
+    step = str(Path(args.work) / "run" / f"step{STEP}")
+    reads = None
+    with Meter() as m:
+        if rank == 0:
+            from cloudckpt import CheckpointConfig
+
+            mgr_cfg = CheckpointConfig(save_folder=str(Path(args.work) / "run"), work_dir=os.path.join(args.work, "w"))
+            found = _discover(mgr_cfg, sim)
+            assert found is not None and found.endswith(f"step{STEP}"), found
+        try:
+            ck.load(step, target, load_trainer_state=False, before_read=_stop)
+        except _FirstByte as e:
+            reads = e.args[0]
+    ck.close()
+    if reads is None:
+        raise RuntimeError("the load read data without calling before_read first")
+    return {"received_bytes": sum(sim.received.values()), "broadcast_sent_bytes": sum(sim.sent.values()),
+            "items_to_read": reads, **m.report()}
+
+
+def _discover(cfg, sim):
+    """``CheckpointManager.step_to_resume`` on a manager whose coordinator is ``sim``."""
+    from cloudckpt.checkpoint.manager import CheckpointManager
+
+    mgr = CheckpointManager.__new__(CheckpointManager)  # its collective setup needs real ranks
+    mgr.config, mgr.coord = cfg, sim
+    from cloudckpt.storage import Location
+
+    mgr.save_location = Location.of(cfg.save_folder)
+    return mgr.step_to_resume()
+
+
+def phase_resume(args) -> dict:
+    return _load_prologue(args, 0)
+
+
+def phase_load(args) -> dict:
+    return _load_prologue(args, 1)
+
+
+def phase_stock(args) -> dict:
+    path = Path(args.work) / "run" / f"step{STEP}" / "model_and_optim" / ".metadata"
+    data = path.read_bytes()
+    with Meter() as m:
+        md = pickle.loads(data)
+    n = len(md.storage_data)
+    del md
+    return {"metadata_bytes": len(data), "items": n, **m.report()}
+
+
+class _Counting:
+    """Counts the store calls of one phase (the local backend has no requests to count)."""
+
+    CALLS = ("get_bytes", "list", "exists", "stat", "delete", "delete_many", "delete_prefix", "walk",
+             "list_multipart_uploads", "put_bytes")
+
+    def __init__(self):
+        from cloudckpt.storage import local as local_store
+
+        self.cls = next(c for c in vars(local_store).values() if isinstance(c, type) and hasattr(c, "list_multipart_uploads")
+                        and c.__module__ == local_store.__name__)
+        self.counts: dict[str, int] = {}
+        self.bytes = 0
+
+    def __enter__(self):
+        self.saved = {}
+        for name in self.CALLS:
+            orig = getattr(self.cls, name, None)
+            if orig is None:
+                continue
+            self.saved[name] = orig
+
+            def wrap(*a, _orig=orig, _name=name, **kw):
+                self.counts[_name] = self.counts.get(_name, 0) + 1
+                out = _orig(*a, **kw)
+                if _name == "get_bytes":
+                    self.bytes += len(out)
+                return out
+
+            setattr(self.cls, name, wrap)
+        return self
+
+    def __exit__(self, *exc):
+        for name, orig in self.saved.items():
+            setattr(self.cls, name, orig)
+
+
+def phase_maintain(args) -> dict:
+    """N committed steps (hard links to this step's marker and metadata), then
+    Maintenance after a save of one more: on a fresh manager, then in steady state."""
+    from cloudckpt.checkpoint import retention
+
+    src = Path(args.work) / "run" / f"step{STEP}"
+    folder = Path(args.work) / f"kept{args.kept}"
+    shutil.rmtree(folder, ignore_errors=True)
+    for s in range(1, args.kept + 2):
+        d = folder / f"step{s}"
+        (d / "model_and_optim").mkdir(parents=True)
+        os.link(src / "model_and_optim" / ".metadata", d / "model_and_optim" / ".metadata")
+        marker = json.loads((src / ".metadata.json").read_text()) if s == 1 else None
+        if marker is not None:
+            _marker_template = marker
+        m = dict(_marker_template, step=s)
+        (d / ".metadata.json").write_text(json.dumps(m, separators=(",", ":")))
+    policy = retention.Policy(max_checkpoints=args.kept)
+    out = {}
+    maint = retention.Maintenance(str(folder), policy)
+    for name in ("fresh", "steady"):
+        if name == "steady":
+            s = args.kept + 2 + 0
+            d = folder / f"step{s}"
+            shutil.copytree(folder / f"step{args.kept + 1}", d)
+            (d / ".metadata.json").write_text(json.dumps(dict(_marker_template, step=s), separators=(",", ":")))
+            maint.committed(s, ephemeral=False)
+        with _Counting() as c, Meter() as m:
+            pruned, _ = maint.run(keep_above=args.kept + 2)
+        out[name] = {"store_calls": sum(c.counts.values()), "calls": c.counts, "read_bytes": c.bytes,
+                     "pruned": len(pruned), **m.report()}
+    # the one-shot prune + gc (the CLI's; what every save ran before Maintenance): every marker read
+    with _Counting() as c, Meter() as m:
+        retention.prune(str(folder), policy)
+        retention.gc(str(folder), keep_above=args.kept + 2)
+    out["oneshot"] = {"store_calls": sum(c.counts.values()), "calls": c.counts, "read_bytes": c.bytes, **m.report()}
+    shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
+PHASES = {"save": phase_save, "resume": phase_resume, "load": phase_load, "stock": phase_stock,
+          "maintain": phase_maintain}
+
+
+def _child(args) -> None:
+    if args.phase == "inputs":
+        out = make_inputs(args)
+        Path(args.work, "inputs.json").write_text(json.dumps(out))
+    else:
+        import cloudckpt.checkpoint.checkpointer  # noqa: F401 - imports are the baseline, not the phase
+        out = PHASES[args.phase](args)
+    print("RESULT " + json.dumps(out))
+
+
+def run_phase(phase: str, shape: str, R: int, work: str, *, kept: int = 0, timeout: float = 3600) -> dict:
+    argv = [sys.executable, "-m", "bench.scale", "--child", phase, "--shape", shape, "--ranks", str(R), "--work", work,
+            "--kept", str(kept)]
+    t = time.perf_counter()
+    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if p.returncode != 0 or line is None:
+        return {"error": short_error(p.stderr or p.stdout), "wall_s": round(wall, 1)}
+    return json.loads(line[len("RESULT "):])
+
+
+# ---------------------------------------------------------------------- real ranks (confirmation)
+def gloo_worker(rank, world_size, folder, work, tensors):
+    """Save and load a T-tensor state on real gloo ranks; measure what the simulation
+    reports: bytes each rank receives in AGREE, the marker, the metadata parse."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from cloudckpt import Checkpointer, dist
+    from cloudckpt.dcp import reader as reader_mod
+
+    got = {"agree": 0}
+
+    def counted(name):
+        orig = getattr(dist.Coordinator, name)
+
+        def wrapper(self, step, fn, *, error=None):
+            out = orig(self, step, fn, error=error)
+            if step == "agree" and out is not None:  # what this rank received: the others' outcomes
+                got["agree"] += sum(len(pickle.dumps(dist._Outcome(True, v))) for r, v in enumerate(out)
+                                    if r != self.rank)
+            return out
+
+        setattr(dist.Coordinator, name, wrapper)
+
+    for name in ("all_ranks", "to_coordinator"):
+        if hasattr(dist.Coordinator, name):
+            counted(name)
+    shape = small(tensors)
+    mesh = init_device_mesh("cpu", (world_size,))
+    sd = {}
+    for fqn, gshape, _ in shape.tensors():
+        sd[fqn] = distribute_tensor(torch.ones(gshape), mesh, [Shard(0)])
+    for fqn in shape.scalars():
+        sd[fqn] = torch.tensor(3)
+    ck = Checkpointer(work_dir=work)
+    path = f"{folder}/step{STEP}"
+    ck.save(path, sd)
+    parse = {"s": 0.0}
+    orig_read = reader_mod.StreamingReader.read_metadata
+
+    def timed(self, *a, **kw):
+        t = time.process_time()
+        try:
+            return orig_read(self, *a, **kw)
+        finally:
+            parse["s"] += time.process_time() - t
+
+    reader_mod.StreamingReader.read_metadata = timed
+    target = {k: torch.zeros_like(v) for k, v in sd.items()}
+    ck.load(path, target)
+    ck.close()
+    marker = os.path.getsize(os.path.join(path, ".metadata.json"))
+    return {"agree_received_bytes": got["agree"], "marker_bytes": marker, "metadata_parse_cpu_s": round(parse["s"], 3)}
+
+
+def confirm(tensors: int, ranks: list[int], tmp: str) -> list[dict]:
+    from cloudckpt.testing.multiprocess import run_ranks
+
+    rows = []
+    for R in ranks:
+        shape = small(tensors).name
+        work = tempfile.mkdtemp(dir=tmp, prefix=f"real-R{R}-")
+        real = run_ranks(R, gloo_worker, os.path.join(work, "run"), os.path.join(work, "w"), tensors)
+        swork = tempfile.mkdtemp(dir=tmp, prefix=f"sim-R{R}-")
+        sim_inputs = run_phase("inputs", shape, R, swork)
+        sim = run_phase("save", shape, R, swork) if "error" not in sim_inputs else sim_inputs
+        sim_load = run_phase("load", shape, R, swork) if "error" not in sim else sim
+        rows.append({"ranks": R, "tensors": small(tensors).sharded + len(small(tensors).params),
+                     "real": real, "sim": {"agree_received_bytes": sim.get("agree_received_bytes"),
+                                           "marker_bytes": sim.get("marker_bytes"),
+                                           "load_cpu_s": sim_load.get("cpu_s"), "error": sim.get("error")}})
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(swork, ignore_errors=True)
+    return rows
+
+
+# ---------------------------------------------------------------------- driver
+def estimate_gb(shape: Shape, R: int) -> float:
+    """Memory today's code needs on one rank at R: the whole job's items parsed (~3.4 KB
+    each in the allowlist unpickler) and the whole marker (every item's CRC)."""
+    return estimate_items(shape, R) * 3.6e3 / GB
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--shape", default="llama3-70b")
+    ap.add_argument("--ranks", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    ap.add_argument("--kept", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--max-ranks", type=int, default=RANKS[-1])
+    ap.add_argument("--quick", action="store_true", help="smoke run: the small shape at R = 4, 16")
+    ap.add_argument("--mem-gib", type=float, default=10.0, help="skip a phase whose estimate is above this")
+    ap.add_argument("--confirm", action="store_true", help="also real gloo ranks (R = 2, 4) with --tensors")
+    ap.add_argument("--tensors", type=int, default=4000)
+    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--tmp", default=None)
+    args = ap.parse_args()
+    if args.child:
+        args.phase = args.child
+        _child(args)
+        return
+    shape = small(300) if args.quick else shape_named(args.shape)
+    ranks = [4] if args.quick else [r for r in RANKS if r <= args.max_ranks]
+    kept = [3] if args.quick else [10, 100]
+    tmp = args.tmp or tempfile.mkdtemp(prefix="cloudckpt-scale-")
+    rows = []
+    for R in ranks:
+        est = estimate_gb(shape, R)
+        row = {"ranks": R, "items": estimate_items(shape, R), "estimate_gb": round(est, 1)}
+        print(f"R={R}: {row['items']:,} DCP items", file=sys.stderr, flush=True)
+        work = tempfile.mkdtemp(dir=tmp, prefix=f"R{R}-")
+        if est > args.mem_gib:
+            row["skipped"] = (f"building and parsing the job's DCP .metadata needs ~{est:.0f} GB "
+                              f"(--mem-gib {args.mem_gib:g})")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            continue
+        row["inputs"] = run_phase("inputs", shape.name, R, work)
+        if "error" not in row["inputs"]:
+            for phase in ("save", "resume", "load", "stock"):
+                row[phase] = run_phase(phase, shape.name, R, work)
+            if "error" not in row["save"]:
+                for n in kept:
+                    row[f"maintain_N{n}"] = run_phase("maintain", shape.name, R, work, kept=n)
+        shutil.rmtree(work, ignore_errors=True)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    confirmed = confirm(args.tensors if not args.quick else 300, [2] if args.quick else [2, 4], tmp) \
+        if args.confirm else []
+    if not args.tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
+    command = ".venv/bin/python -m bench.scale " + " ".join(a for a in sys.argv[1:])
+    result = {"command": command.strip(), "shape": shape.name, "shape_bytes": shape.total_bytes(),
+              "sharded_tensors": shape.sharded, "scalars": len(shape.params), "rows": rows, "confirm": confirmed,
+              "machine": {"cpus": os.cpu_count(), "loadavg": loadavg()}, "git": git_state(),
+              "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "scale_quick" if args.quick else "scale"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{stem}.md").write_text(report(result))
+    print(report(result))
+
+
+def _mb(n) -> str:
+    return "-" if n is None else f"{n / 1e6:,.2f}"
+
+
+def report(res: dict) -> str:
+    lines = [f"# bench.scale: per-rank cost against the job's ranks R ({res['shape']}, "
+             f"{res['shape_bytes'] / GB:,.0f} GB, {res['sharded_tensors']:,} sharded tensors + {res['scalars']} scalars)",
+             "", f"Command: `{res['command']}`  ", f"Measured {res['when']} on {res['machine']['cpus']} CPUs.", "",
+             "| R | DCP items | AGREE in, rank 0 / other rank (MB) | rank 0 save CPU-s / peak MB | marker (MB) | "
+             "resume on rank 0 CPU-s / peak MB | load prologue CPU-s / peak MB / MB in | stock DCP .metadata "
+             "pickle.loads CPU-s / peak MB | maintenance N=10 / N=100: store calls, CPU-s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in res["rows"]:
+        if "skipped" in row:
+            lines.append(f"| {row['ranks']:,} | {row['items']:,} | not run: {row['skipped']} |||||||")
+            continue
+
+        def cell(p, *keys, fmt="{:,.2f}"):
+            d = row.get(p) or {}
+            if "error" in d:
+                return f"error: {d['error'][:80]}"
+            return " / ".join("-" if d.get(k) is None else fmt.format(d[k]) for k in keys)
+
+        def maint(n):
+            d = row.get(f"maintain_N{n}") or {}
+            if "error" in d:
+                return f"error: {d['error'][:60]}"
+            if not d:
+                return "-"
+            f, s, o = d["fresh"], d["steady"], d.get("oneshot") or {}
+            return (f"fresh {f['store_calls']}, {f['cpu_s']:.2f}; then {s['store_calls']}, {s['cpu_s']:.2f} "
+                    f"(one-shot prune+gc: {o.get('store_calls', '-')}, {o.get('cpu_s', 0):.2f})")
+
+        save, load = row.get("save") or {}, row.get("load") or {}
+        lines.append(
+            f"| {row['ranks']:,} | {row['items']:,} | {_mb(save.get('agree_received_bytes'))} / "
+            f"{_mb(save.get('agree_received_bytes_ordinary_rank'))} | "
+            f"{cell('save', 'cpu_s', 'peak_rss_above_base_mb')} | {_mb(save.get('marker_bytes'))} | "
+            f"{cell('resume', 'cpu_s', 'peak_rss_above_base_mb')} | "
+            f"{cell('load', 'cpu_s', 'peak_rss_above_base_mb')} / {_mb(load.get('received_bytes'))} | "
+            f"{cell('stock', 'cpu_s', 'peak_rss_above_base_mb')} | "
+            + "; ".join(f"N={n}: {maint(n)}" for n in _kept(row)) + " |")
+    if res["confirm"]:
+        lines += ["", "Real gloo ranks against the simulation, same shape and R:", "",
+                  "| R | tensors | AGREE in per rank, real / sim (bytes) | marker, real / sim (bytes) | "
+                  "metadata parse CPU-s per rank, real |", "|---|---|---|---|---|"]
+        for c in res["confirm"]:
+            real = c["real"]
+            ag = ", ".join(f"{r['agree_received_bytes']:,}" for r in real)
+            sim = c["sim"]
+            lines.append(f"| {c['ranks']} | {c['tensors']:,} | {ag} / {_n(sim['agree_received_bytes'])} | "
+                         f"{real[0]['marker_bytes']:,} / {_n(sim['marker_bytes'])} | "
+                         f"{', '.join(str(r['metadata_parse_cpu_s']) for r in real)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _n(v) -> str:
+    return "-" if v is None else f"{v:,}"
+
+
+def _kept(row) -> list[int]:
+    return sorted(int(k[len("maintain_N"):]) for k in row if k.startswith("maintain_N"))
+
+
+if __name__ == "__main__":
+    main()
