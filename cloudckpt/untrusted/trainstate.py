@@ -57,7 +57,8 @@ from . import zipread
 MAX_DEPTH = 100  # nesting of containers (honest train states: about 10)
 MAX_CELLS = 16_000_000  # ~16 bytes of memory each: 2 per opcode, 16 per container, 1 per list element, 3 per
 #                         dict or set entry, 1 per 4 bytes of text (see _Unpickler: the memory it holds is bounded)
-MAX_TUPLE_KEYS = 10_000  # tuples used as dict keys or set items (their hashes can be made to collide)
+MAX_TUPLE_KEYS = 1_000  # tuples used as dict keys or set items: flat, short, few (their hashes can be made
+MAX_TUPLE_KEY_LEN = 16  # to collide, and each collision compares them element by element)
 _SMALL_INT = 1 << 61  # ints used as keys stay below this (their hash is themselves: no collisions)
 MAX_PICKLE_BYTES = 256 << 20  # the archive's data.pkl record
 MAX_DIMS = 64
@@ -272,8 +273,11 @@ class _Unpickler:
             i = self._meta(k, seal=False)
             if not i[4]:
                 raise _Refused(f"a dict key or set item of type {type(k).__name__} (only strings, bytes, "
-                               "floats, ints below 2**61 and tuples of them)")
+                               "floats, ints below 2**61 and short flat tuples of them)")
             if i[0]:
+                if i[0] > 1 or i[1] > MAX_TUPLE_KEY_LEN + 1:
+                    raise _Refused(f"a dict key or set item that is a nested tuple or one of more than "
+                                   f"{MAX_TUPLE_KEY_LEN} items")
                 self.tuple_keys -= 1
                 if self.tuple_keys < 0:
                     raise _Refused(f"more than {MAX_TUPLE_KEYS} tuples used as dict keys or set items")

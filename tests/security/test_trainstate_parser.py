@@ -201,7 +201,7 @@ def test_the_depth_limit_holds_at_its_edge():
     assert _depth(_load(h.archive(h.nested_lists(trainstate.MAX_DEPTH)))) == trainstate.MAX_DEPTH
     assert _depth(_load(h.archive(h.nested_tuples(trainstate.MAX_DEPTH - 1)))) == trainstate.MAX_DEPTH
     for pkl in (h.nested_lists(trainstate.MAX_DEPTH + 1), h.nested_tuples(trainstate.MAX_DEPTH),
-                h.nested_dicts(trainstate.MAX_DEPTH + 1), h.deep_tuple_key(trainstate.MAX_DEPTH)):
+                h.nested_dicts(trainstate.MAX_DEPTH + 1), h.deep_tuple_key(trainstate.MAX_DEPTH + 1)):
         with pytest.raises(UnsafeCheckpoint, match="nested more than 100 deep"):
             _load(h.archive(pkl))
 
@@ -230,6 +230,11 @@ def test_dict_keys_are_atoms_small_ints_and_few_tuples():
         _load(h.archive(many))
     ok = p + b"}(" + b"".join(h.i(k) + b"\x85N" for k in range(100)) + b"u."
     assert len(_load(h.archive(ok))) == 100
+    for key in (b"K\x01\x85\x85", b"(" + b"K\x01" * (trainstate.MAX_TUPLE_KEY_LEN + 1) + b"t"):  # nested, long
+        with pytest.raises(UnsafeCheckpoint, match="nested tuple or one of more than"):
+            _load(h.archive(p + b"}" + key + b"Ns."))
+    flat = p + b"}" + b"(" + b"K\x01" * trainstate.MAX_TUPLE_KEY_LEN + b"tNs."
+    assert list(_load(h.archive(flat))) == [(1,) * trainstate.MAX_TUPLE_KEY_LEN]
 
 
 def test_the_value_budget_stops_many_small_objects():
