@@ -26,7 +26,7 @@ LATEST_POINTER = "latest"
 # are never counted, kept or deleted by retention (``list --all`` shows them as junk).
 _STEP_RE = re.compile(r"step(0|[1-9][0-9]{0,18})")
 # names that look like a step folder and are not one (shown as junk, never counted)
-_STEPLIKE_RE = re.compile(r"step\d", re.IGNORECASE)
+_STEPLIKE_RE = re.compile(r"step\D{0,3}\d", re.IGNORECASE)
 
 
 _RANK_RE = re.compile(rf"{TRAIN_DIR}/rank(0|[1-9][0-9]{{0,8}})\.pt")
@@ -55,7 +55,8 @@ def step_of_name(name: str) -> int | None:
 
 def is_step_junk(name: str) -> bool:
     """True for a folder name that looks like a step and is not one (``step04``,
-    ``STEP4``, ``step4.old``): listed as junk by ``cloudckpt list --all``, never a step."""
+    ``STEP4``, ``step4.old``, ``step-4``, ``step 4``: "step", up to three other
+    characters, a digit): listed as junk by ``cloudckpt list --all``, never a step."""
     name = name[:-1] if name.endswith("/") else name
     return step_of_name(name) is None and _STEPLIKE_RE.match(name) is not None
 
