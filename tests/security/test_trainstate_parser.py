@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cloudckpt.errors import CloudCkptError, UnsafeCheckpoint
-from cloudckpt.untrusted import load_plain, trainstate, zipread
+from cloudckpt.untrusted import load_plain, plainpickle, trainstate, zipread
 from cloudckpt.untrusted.plain import load_tensor
 
 from . import hostile_trainstate as h
@@ -225,21 +225,28 @@ def test_dict_keys_are_atoms_small_ints_and_few_tuples():
         _load(h.archive(p + b"}]Ns."))
     with pytest.raises(UnsafeCheckpoint, match="dict key or set item of type int"):
         _load(h.archive(h.colliding_int_keys(3)))
-    many = p + b"}(" + b"".join(h.i(k) + b"\x85N" for k in range(trainstate.MAX_TUPLE_KEYS + 1)) + b"u."
+    many = p + b"}(" + b"".join(h.i(k) + b"\x85N" for k in range(plainpickle.MAX_TUPLE_KEYS + 1)) + b"u."
     with pytest.raises(UnsafeCheckpoint, match="tuples used as dict keys"):
         _load(h.archive(many))
     ok = p + b"}(" + b"".join(h.i(k) + b"\x85N" for k in range(100)) + b"u."
     assert len(_load(h.archive(ok))) == 100
-    for key in (b"K\x01\x85\x85", b"(" + b"K\x01" * (trainstate.MAX_TUPLE_KEY_LEN + 1) + b"t"):  # nested, long
+    for key in (b"K\x01\x85\x85", b"(" + b"K\x01" * (plainpickle.MAX_TUPLE_KEY_LEN + 1) + b"t"):  # nested, long
         with pytest.raises(UnsafeCheckpoint, match="nested tuple or one of more than"):
             _load(h.archive(p + b"}" + key + b"Ns."))
-    flat = p + b"}" + b"(" + b"K\x01" * trainstate.MAX_TUPLE_KEY_LEN + b"tNs."
-    assert list(_load(h.archive(flat))) == [(1,) * trainstate.MAX_TUPLE_KEY_LEN]
+    flat = p + b"}" + b"(" + b"K\x01" * plainpickle.MAX_TUPLE_KEY_LEN + b"tNs."
+    assert list(_load(h.archive(flat))) == [(1,) * plainpickle.MAX_TUPLE_KEY_LEN]
+
+
+def test_large_honest_plain_data_fits_the_budget():
+    """A sampler's million indices and a 200,000-entry dict: within the bounds."""
+    big = {"indices": list(range(1_000_000)), "seen": {f"s{i}": i for i in range(200_000)}}
+    got = _load(h.saved(big))
+    assert got["indices"] == big["indices"] and got["seen"] == big["seen"]
 
 
 def test_the_value_budget_stops_many_small_objects():
-    with pytest.raises(UnsafeCheckpoint, match=f"more than {trainstate.MAX_CELLS} values"):
-        _load(h.archive(h.many_marks(trainstate.MAX_CELLS // 6 + 10)))
+    with pytest.raises(UnsafeCheckpoint, match=f"more than {plainpickle.MAX_CELLS} units of plain data"):
+        _load(h.archive(h.many_marks(plainpickle.MAX_CELLS // 6 + 10)))
 
 
 def test_only_stored_zip_records_are_read():
