@@ -205,6 +205,27 @@ class Coordinator:
             raise exc from mine.error
         return [o.value for o in outs]
 
+    def to_coordinator(self, step: str, fn: Callable[[], T], *,
+                       error: Callable[[str, dict], BaseException] | None = None) -> list[T] | None:
+        """Every rank runs ``fn``; the coordinator receives every rank's value (a gather,
+        not an all-gather: no other rank receives the others' values) and returns them
+        in rank order; other ranks return None. If any rank failed, every rank raises
+        one error naming each failing rank (the failures are broadcast, values are not),
+        as :meth:`all_ranks` does."""
+        mine = _run(fn)
+        o = _Outcome(mine.ok, mine.value, None, mine.error_text)
+        if self.group is None:
+            outs: list | None = [o]
+        else:
+            outs = [None] * self.world_size if self.is_coordinator else None
+            dist.gather_object(o, outs, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        failures = {r: x.error_text for r, x in enumerate(outs) if not x.ok} if outs is not None else None
+        failures = self._broadcast(failures)
+        if failures:
+            exc = (error or CollectiveError)(step, failures)
+            raise exc from mine.error
+        return [x.value for x in outs] if outs is not None else None
+
 
 def init_process_group(rank: int, world_size: int, *, init_method: str, timeout: float = 120.0) -> None:
     """Initialise a gloo world (used by the test/bench launcher and the examples)."""

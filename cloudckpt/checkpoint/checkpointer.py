@@ -9,15 +9,21 @@ Save, on every rank (collective steps in CAPITALS):
    plan the save and write ``.metadata`` on the coordinator); each file is handed
    to the transfer engine the moment it is closed, so writing and uploading
    overlap. The rank's train state is written and uploaded too.
-3. UPLOAD — the rank waits for its uploads (CRC32C computed on the way).
-4. AGREE — all ranks exchange their outcome: files and checksums, or the error.
-   If any rank failed, every rank raises one SaveFailed naming each rank's error,
-   no marker is written, and rank 0 removes what the attempt uploaded.
-5. COMMIT — only now rank 0 writes ``.metadata.json`` with a conditional create.
+3. UPLOAD — the rank waits for its uploads (CRC32C computed on the way), then
+   uploads its manifest part (``manifest/rank{R}.json``: its files, sizes, CRC32Cs).
+4. AGREE — every rank's outcome (its part's path, size and CRC32C, or its error)
+   goes to rank 0 (a gather: no rank receives another's manifest). If any rank
+   failed, every rank raises one SaveFailed naming each rank's error, no marker is
+   written, and rank 0 removes what the attempt uploaded.
+5. COMMIT — only now rank 0 writes ``.metadata.json`` (the step header and the
+   parts with their sizes and CRC32Cs) with a conditional create.
    It runs last because a reader treats "marker exists" as "every object of the
    step is uploaded"; writing it any earlier would let a reader (a resuming job)
    load a step whose shards are still in flight.
 6. The work dir is removed on every path (try/finally).
+
+The storage requests of steps 1, 3 (the part), 5 and of a failed attempt's cleanup are
+``commit.StepCommit``'s; this module writes the files and runs the collectives.
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ import contextlib
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -57,17 +62,40 @@ from ..errors import (
 )
 from ..storage import Location, StorageOptions, Where, resolve_step_dir
 from ..storage import url as urls
+from ..storage.nofollow import private_dir
 from ..transfer import TransferConfig, TransferEngine, crc32c_bytes
-from ..untrusted import load_plain
+from ..untrusted import MAX_TRAIN_STATE_BYTES, load_plain, read_checked
 from .._torch_compat import caching_save_planner
 from . import discovery, layout, step_files
 from .async_save import AsyncSaver
 from .gcpause import gc_paused
 from .load_guard import KeyCheckingPlanner as _KeyCheckingPlanner
 from .commit import StepCommit
-from .marker import Marker, ObjectEntry
+from .marker import Marker, ObjectEntry, PartRef, split_by_rank
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Report:
+    """What a rank tells the coordinator at AGREE: its part's reference (None when it
+    wrote nothing) and the step's own files it wrote (rank 0: DCP's ``.metadata``)."""
+
+    part: PartRef | None
+    shared: tuple
+
+
+def _shard_manifest(manifest: "discovery.StepManifest", rels) -> tuple[dict, dict]:
+    """``(checksums, sizes)`` of the files ``rels`` under ``model_and_optim/`` a rank's
+    load plan reads, from the parts that list them (read and checked on first use)."""
+    prefix = layout.MODEL_DIR + "/"
+    entries = manifest.entries(prefix + r for r in rels)
+    sums = {}
+    for path, o in entries.items():
+        d = sums[path[len(prefix):]] = {(c[0], c[1]): c[2] for c in o.chunks}
+        if o.crc32c:
+            d[(0, o.size)] = o.crc32c
+    return sums, {path[len(prefix):]: o.size for path, o in entries.items()}
 
 
 @dataclass
@@ -151,7 +179,10 @@ class Checkpointer:
     def _save_now(self, dir: str, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False,
                   step: int | None = None, commit: bool = True) -> "Marker | PendingCommit":
         """Save ``state_dict`` (DCP) and this rank's ``train_state`` to the step folder
-        ``dir`` and commit it. Collective: call on every rank.
+        ``dir`` and commit it. Collective: call on every rank. Returns the marker as
+        written (every rank gets rank 0's): the step header, the step's own files and
+        the ranks' manifest parts by reference (``object_count``, ``total_bytes`` count
+        everything; ``discovery.read_marker`` gives every object).
 
         ``commit=False`` stops after AGREE and returns a PendingCommit instead of the
         Marker: everything is uploaded, nothing is visible to readers, and the step's
@@ -185,8 +216,8 @@ class Checkpointer:
         every rank if any rank failed (the caller removes the folders)."""
         os.makedirs(folder, exist_ok=True)
         outcome = self._write_and_upload(None, folder, state_dict, train_state)
-        results = self.coord.all_ranks("agree", lambda: outcome.result(), error=SaveFailed.from_failures)
-        return list(results[self.coord.rank].objects)
+        self.coord.to_coordinator("agree", lambda: outcome.result() and None, error=SaveFailed.from_failures)
+        return list(outcome.result().objects)
 
     def _protocol(self, dir: str, step: int | None, ephemeral: bool, commit: bool, produce, *,
                   needs_work: bool = True) -> "Marker | PendingCommit":
@@ -207,29 +238,43 @@ class Checkpointer:
 
             def make_work_dir():
                 nonlocal work
-                os.makedirs(self.work_dir, exist_ok=True)
-                work = tempfile.mkdtemp(dir=self.work_dir, prefix=f"step{step}-rank{self.coord.rank}-")  # mode 0700
+                work = private_dir(self.work_dir, f"step{step}-rank{self.coord.rank}-")  # 0700, never through a link
 
             self._connect_in_background(dir)
             attempt.save_id = self.coord.on_coordinator("prepare", prepare)
             if needs_work:
                 self.coord.all_ranks("work dir", make_work_dir, error=SaveFailed.from_failures)
             outcome = produce(dir, work)
-            results = self.coord.all_ranks("agree", lambda: outcome.result(), error=SaveFailed.from_failures)
-            marker = attempt.marker([o for r in results for o in r.objects], ephemeral=ephemeral,
-                                    torch_version=torch.__version__)
+            rank = self.coord.rank
+
+            def report() -> _Report:
+                res = outcome.result()  # this rank's error, if any
+                try:
+                    own, shared = split_by_rank(res.objects, rank)
+                except ValueError as e:
+                    raise SaveFailed(f"{dir}: {e}") from None
+                if shared and not self.coord.is_coordinator:
+                    raise SaveFailed(f"{dir}: rank {rank} wrote {shared[0].path!r}; only rank 0 writes the step's own files")
+                return _Report(attempt.publish_part(rank, own) if own else None, tuple(shared))
+
+            reports = self.coord.to_coordinator("agree", report, error=SaveFailed.from_failures)
+            marker = None  # the coordinator's, until COMMIT hands it to every rank
+            if reports is not None:
+                marker = attempt.marker([r.part for r in reports if r.part is not None],
+                                        [o for r in reports for o in r.shared], ephemeral=ephemeral,
+                                        torch_version=torch.__version__)
             if not commit:
                 pending = PendingCommit(self, attempt, marker)
                 attempt = None  # the PendingCommit owns the lock (and the cleanup) from here
                 return pending
-            self.coord.on_coordinator("commit", lambda: attempt.commit(marker))
+            marker = self.coord.on_coordinator("commit", lambda: attempt.commit(marker))
             stats = self.engine.stats()
             self.last_save_stats = {
                 "step": step, "seconds": time.monotonic() - t0, "bytes": marker.total_bytes,
-                "objects": len(marker.objects), "retries": stats.retries, "sdk_retries": stats.sdk_retries,
+                "objects": marker.object_count, "retries": stats.retries, "sdk_retries": stats.sdk_retries,
                 "throttled": stats.throttled, "stalls": stats.stalls,
             }
-            log.info("committed %s (%d objects, %.1f MB) in %.2fs", dir, len(marker.objects), marker.total_bytes / 1e6,
+            log.info("committed %s (%d objects, %.1f MB) in %.2fs", dir, marker.object_count, marker.total_bytes / 1e6,
                      self.last_save_stats["seconds"])
             return marker
         except BaseException:
@@ -271,11 +316,9 @@ class Checkpointer:
         entries = []
         try:
             results = TransferEngine.wait_all([f for *_, f in uploads])
+            items = writer.manifest() if error is None else {}  # {shard file: ((offset, length, crc32c), ...)}
             for (rel, path, sums, _), res in zip(uploads, results):
-                name = rel.split("/", 1)[-1]
-                chunks = ()
-                if rel.startswith(layout.MODEL_DIR + "/") and name in writer.ranges:
-                    chunks = tuple((o, n, _item_crc(sums, path, o, n)) for o, n in sorted(writer.ranges[name]))
+                chunks = items.get(rel[len(layout.MODEL_DIR) + 1:], ()) if rel.startswith(layout.MODEL_DIR + "/") else ()
                 entries.append(ObjectEntry(rel, res.size, res.crc32c, chunks))
         except BaseException as e:  # noqa: BLE001 - carried to every rank by AGREE
             for *_, f in uploads:
@@ -373,7 +416,7 @@ class Checkpointer:
         dir = resolve_step_dir(dir)
         self._connect_in_background(dir)
         marker, data = self.coord.on_coordinator("read marker", lambda: self._read_marker_and_metadata(dir))
-        state_dict = build(step_files.parse_metadata(self._at(dir), marker, data))
+        state_dict = build(step_files.parse_metadata(self._at(dir), marker, data))  # parts' sizes: checked per rank
         opts = dict(load_optim_state=None, load_trainer_state=None, strict=True, pre_download=None,
                     exclude_from_loading=(), allow_partial=False)
         opts.update(load_kwargs)
@@ -396,13 +439,13 @@ class Checkpointer:
             sd.pop("optim", None)
             skipped.add("optim")
         optional = ("optim.",) if load_optim_state is None else ()
-        checksums = step_files.item_checksums(marker)
+        manifest = discovery.StepManifest(self._at(dir), marker)
+        checksums = step_files.item_checksums(marker)  # format 2: the parts the plan needs add theirs
         pre = self.pre_download if pre_download is None else pre_download
         local = None
         try:
             if pre:
-                os.makedirs(self.work_dir, exist_ok=True)
-                local = tempfile.mkdtemp(dir=self.work_dir, prefix=f"load-rank{self.coord.rank}-")
+                local = private_dir(self.work_dir, f"load-rank{self.coord.rank}-")  # 0700, never through a link
             model_url = urls.join(dir, layout.MODEL_DIR)
             store = self._at(model_url).store
             reader = StreamingReader(
@@ -415,6 +458,7 @@ class Checkpointer:
                 metadata_bytes=metadata,
                 streamed=store.streams_ranges,
                 files=marker.sizes_under(layout.MODEL_DIR),  # every item of .metadata must lie in one
+                manifest=(lambda rels: _shard_manifest(manifest, rels)) if marker.parts else None,
                 before_read=before_read,
             )
             planner = _KeyCheckingPlanner(strict=strict, optional_prefixes=optional, url=model_url, step_url=dir,
@@ -431,17 +475,18 @@ class Checkpointer:
                 shutil.rmtree(local, ignore_errors=True)
         self.last_load_info = {"dir": dir, "step": marker.step, "saved_world_size": marker.world_size,
                                "bytes_read": reader.bytes_read, "direct_items": reader.direct_items,
-                               "not_loaded": planner.not_loaded, "writer": marker.writer, "verified": marker.verified}
+                               "not_loaded": planner.not_loaded, "writer": marker.writer, "verified": marker.verified,
+                               "parts_read": manifest.parts_read}
         if load_trainer_state is False:
             return None
-        return self._load_train_state(dir, marker, required=bool(load_trainer_state))
+        return self._load_train_state(dir, manifest, required=bool(load_trainer_state))
 
     def read_train_state(self, dir: str) -> Any:
         """This rank's train state of the committed step ``dir`` (what ``load`` returns),
         without loading the model or optimizer; None if the step has none. Not collective."""
         dir = resolve_step_dir(dir)
-        marker = discovery.read_marker(self._at(dir))
-        return self._load_train_state(dir, marker, required=False)
+        marker = discovery.read_header(self._at(dir))
+        return self._load_train_state(dir, discovery.StepManifest(self._at(dir), marker), required=False)
 
     def _connect_in_background(self, dir: str) -> None:
         """On ranks other than rank 0, build the store's client while rank 0 reads the
@@ -464,24 +509,31 @@ class Checkpointer:
         None if ``.metadata`` is not in the manifest or missing: each rank's reader then
         reports it. The bytes are checked against the manifest before they travel."""
         step = self._at(dir)
-        marker = discovery.read_marker(step)
+        marker = discovery.read_header(step)  # format 2: the ranks' parts are read by the ranks that need them
         if not marker.verified:
             # a foreign step: sizes from one listing bound every read; no CRC32C to check
             log.warning("loading %s, written by %s without a manifest: sizes are checked, checksums cannot be "
                         "(run `cloudckpt adopt %s --yes` to record them)", dir, marker.writer, dir)
         return marker, step_files.metadata_bytes(step, marker, verify=self.verify_checksums)
 
-    def _load_train_state(self, dir: str, marker: Marker, *, required: bool) -> Any:
+    def _load_train_state(self, dir: str, manifest: "discovery.StepManifest", *, required: bool) -> Any:
+        marker = manifest.marker
         rank, ws = self.coord.rank, self.coord.world_size
         rel = layout.train_state_name(rank)
         if ws != marker.world_size:
             rel = layout.train_state_name(0)
             log.warning("world size changed (%d saved, %d now): rank %d loads the train state of rank 0 (%s)",
                         marker.world_size, ws, rank, urls.join(dir, rel))
-        if required and marker.object(rel) is None:
-            raise CorruptCheckpoint(f"{urls.join(dir, rel)}: the train state file is not in this checkpoint; save a train "
-                                    "state or pass load_trainer_state=None")
-        return step_files.train_state(self._at(dir), marker, rel, verify=self.verify_checksums)
+        entry = manifest.entry(rel)
+        if entry is None:
+            if required:
+                raise CorruptCheckpoint(f"{urls.join(dir, rel)}: the train state file is not in this checkpoint; save a "
+                                        "train state or pass load_trainer_state=None")
+            return None
+        url = urls.join(dir, rel)
+        data = read_checked(self._at(dir).store, url, entry, limit=MAX_TRAIN_STATE_BYTES, what="train state",
+                            verify=self.verify_checksums)
+        return load_plain(data, url=url, what="train state")
 
     # ================================================================ discovery
     # Public entry points: a URL or path with optional StorageOptions (or a Location).
@@ -521,6 +573,8 @@ class Checkpointer:
 
 class PendingCommit:
     """A save that is uploaded and agreed on but not committed: ``save(..., commit=False)``.
+    ``marker`` is the marker to be written on rank 0 (None on other ranks until
+    ``commit()`` returns it).
 
     Until ``commit()`` or ``abort()`` runs, the step is invisible to readers (no
     marker) and its lock is held (another save of the step raises SaveInProgress
@@ -541,14 +595,15 @@ class PendingCommit:
         save committed the step meanwhile, storage errors."""
         import dataclasses
 
-        marker = dataclasses.replace(self.marker, created_unix=time.time())
+        def commit() -> Marker:
+            return self._attempt.commit(dataclasses.replace(self.marker, created_unix=time.time()))
+
         try:
-            self._ckpt.coord.on_coordinator("commit", lambda: self._attempt.commit(marker))
+            self.marker = self._ckpt.coord.on_coordinator("commit", commit)
         except BaseException:
             self.abort()
             raise
-        self.marker = marker
-        return marker
+        return self.marker
 
     def abort(self) -> None:
         """Best effort: remove what the save uploaded, unless it got committed."""
@@ -586,19 +641,6 @@ def _kept(path: str, crc: str | None) -> Future:
     fut: Future = Future()
     fut.set_result(TransferResult(url=path, local_path=path, size=os.path.getsize(path), crc32c=crc, attempts=0, seconds=0.0))
     return fut
-
-
-def _item_crc(sums, path: str, offset: int, length: int) -> str:
-    """An item's CRC32C: from the writer's segments (computed while writing), else
-    by reading the range back (a writer that did not report that exact span)."""
-    crc = sums.range_crc(offset, length) if sums is not None else None
-    return crc if crc is not None else _reread_crc(path, offset, length)
-
-
-def _reread_crc(path: str, offset: int, length: int) -> str:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return crc32c_bytes(f.read(length))
 
 
 def _unwrap_dcp(e: BaseException) -> BaseException:

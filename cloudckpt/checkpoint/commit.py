@@ -60,7 +60,7 @@ from ..storage import Location
 from ..storage import url as urls
 from ..untrusted import loads_json, read_capped
 from . import layout, pointer
-from .marker import Marker, ObjectEntry
+from .marker import ManifestPart, Marker, ObjectEntry, PartRef
 
 log = logging.getLogger(__name__)
 
@@ -234,11 +234,32 @@ class StepCommit:
         raise CheckpointExists(f"{self.dir} was committed by another save while this one was starting; "
                                "pass save_overwrite=True to replace it")
 
+    # ------------------------------------------------------------ every rank: parts
+    def publish_part(self, rank: int, entries: Sequence[ObjectEntry]) -> PartRef:
+        """Upload rank ``rank``'s manifest part (its objects: sizes, CRC32Cs, item CRCs)
+        and return its reference for the marker. A part this library's reader would
+        refuse (a name outside the rank's files, a bad entry) raises SaveFailed before
+        anything is uploaded: a save never commits what a load cannot read."""
+        _check_readable(entries, self.dir)
+        part = ManifestPart(step=self.step, rank=rank, save_id=self.save_id, objects=tuple(entries))
+        data = part.to_bytes()
+        ref = PartRef.of(rank, data, part)
+        url = self.loc.join(ref.path).url
+        try:
+            ManifestPart.from_bytes(data, url=url, ref=ref, step=self.step, save_id=self.save_id)
+        except CorruptCheckpoint as e:
+            raise SaveFailed(f"rank {rank}'s manifest part of {self.dir} would not be readable: {e}") from None
+        self.store.put_bytes(url, data)
+        return ref
+
     # ------------------------------------------------------------ coordinator: commit
-    def marker(self, objects: Sequence[ObjectEntry], *, ephemeral: bool, torch_version: str = "") -> Marker:
-        """The marker of this save: the step header and ``objects``."""
+    def marker(self, parts: Sequence[PartRef], objects: Sequence[ObjectEntry], *, ephemeral: bool,
+               torch_version: str = "") -> Marker:
+        """The marker of this save: the step header, the step's own ``objects`` (DCP's
+        ``.metadata``) and the ranks' ``parts``."""
         return Marker(step=self.step, ephemeral=ephemeral, world_size=self.world_size,
-                      objects=tuple(sorted(objects, key=lambda o: o.path)), torch_version=torch_version,
+                      objects=tuple(sorted(objects, key=lambda o: o.path)),
+                      parts=tuple(sorted(parts, key=lambda p: p.rank)), torch_version=torch_version,
                       save_id=self.save_id)
 
     def commit(self, marker: Marker) -> Marker:
@@ -247,6 +268,7 @@ class StepCommit:
         this library could not read back), CheckpointExists (another save committed
         the step meanwhile), storage errors."""
         store, url = self.store, self.marker_url
+        _check_readable(marker.objects, self.dir)
         data = marker.to_bytes()
         try:
             Marker.from_bytes(data, url=url)  # what readers will parse: checked before it is written
@@ -303,6 +325,20 @@ class StepCommit:
         except CloudCkptError as e:
             log.warning("could not clean up the failed save at %s (%s); `cloudckpt gc` will remove it", self.dir, e)
         self.locked = False
+
+
+def _check_readable(entries: Sequence[ObjectEntry], dir: str) -> None:
+    """Refuse (SaveFailed), before the marker, an object a reader would refuse for its
+    size: DCP's ``.metadata`` over MAX_METADATA_BYTES, a train state over
+    MAX_TRAIN_STATE_BYTES (a save never commits what a load cannot read)."""
+    from ..untrusted import MAX_METADATA_BYTES, MAX_TRAIN_STATE_BYTES
+
+    for e in entries:
+        limit = (MAX_METADATA_BYTES if e.path == layout.DCP_METADATA else
+                 MAX_TRAIN_STATE_BYTES if layout.rank_of_train_state(e.path) is not None else None)
+        if limit is not None and e.size > limit:
+            raise SaveFailed(f"{dir}: {e.path} is {e.size} bytes, over the {limit}-byte ceiling a load reads; nothing "
+                             "was committed (save less per rank, or split the train state)")
 
 
 __all__ = ["LockBody", "MAX_LOCK_BYTES", "StepCommit"]

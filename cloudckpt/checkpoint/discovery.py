@@ -12,7 +12,13 @@ ASCII digits, no leading zero; ``step04`` is not step 4) and its marker parses:
   step folder (sizes, no checksums: ``Marker.verified`` is False), or from the
   manifest ``cloudckpt adopt`` wrote beside that marker (``.cloudckpt.json``);
 - anything else (corrupt, a newer format, foreign without DCP metadata) is skipped
-  with one warning per folder.
+  with one warning per folder by ``find_checkpoints``; ``latest_checkpoint`` raises
+  instead when such a marker is cloudckpt's and its step is the newest: a committed
+  step a reader refuses is a loud error naming it, never a silent resume of an older
+  step.
+- format 2 markers list the ranks' manifest parts; discovery reads none of them
+  (``read_header``); ``StepManifest`` reads the parts a caller needs, ``read_marker``
+  all of them.
 
 These functions are not collective: in a multi-rank job let one rank discover and
 broadcast (the manager does).
@@ -21,30 +27,51 @@ broadcast (the manager does).
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from ..errors import BucketNotFound, CheckpointError, NotACheckpoint, NotFound
 from ..storage import Location, Where
 from ..storage import url as urls
 from . import layout
 from ..untrusted import MAX_MARKER_BYTES, read_capped
-from .marker import ADOPTED_MANIFEST, ForeignMarker, Marker, foreign_step, parse_marker
+from .marker import (ADOPTED_MANIFEST, MAX_PART_BYTES, ForeignMarker, ManifestPart, Marker, ObjectEntry, PartRef,
+                     foreign_step, parse_marker)
 
 log = logging.getLogger(__name__)
 
 
 def read_marker(dir: Where) -> Marker:
-    """The parsed marker of a step folder: ours, or for a foreign step (another
-    tool's marker) a ``Marker`` with ``foreign`` set, from its adopted manifest or
-    from a listing of the folder (``verified=False``). Raises NotACheckpoint (no
-    marker), CorruptCheckpoint / IncompatibleCheckpoint / UnsafeCheckpoint
-    (unreadable or refused marker, a foreign step without DCP metadata), storage errors."""
+    """The parsed marker of a step folder with every object of the step inline: ours
+    (its manifest parts read, each checked against the marker), or for a foreign step
+    (another tool's marker) a ``Marker`` with ``foreign`` set, from its adopted manifest
+    or from a listing of the folder (``verified=False``). What the CLI's verify,
+    download and inspect read; a load reads only the parts it needs (``StepManifest``).
+    Raises NotACheckpoint (no marker), CorruptCheckpoint / IncompatibleCheckpoint /
+    UnsafeCheckpoint (unreadable or refused marker or part, a foreign step without DCP
+    metadata), storage errors."""
     return read_marker_bytes(dir)[0]
 
 
 def read_marker_bytes(dir: Where) -> tuple[Marker, bytes]:
-    """``read_marker`` and the marker's bytes as read (at most MAX_MARKER_BYTES)."""
+    """``read_marker`` and the marker's bytes as read."""
+    loc = Location.of(dir).resolved_step()
+    marker, data = read_header_bytes(loc)
+    if marker.parts:
+        marker = StepManifest(loc, marker).full()
+    return marker, data
+
+
+def read_header(dir: Where) -> Marker:
+    """The marker as written: the step header, and for format 2 the references to the
+    ranks' manifest parts, unread. Enough to find, list and order steps. Raises as
+    ``read_marker``."""
+    return read_header_bytes(dir)[0]
+
+
+def read_header_bytes(dir: Where) -> tuple[Marker, bytes]:
+    """``read_header`` and the marker's bytes as read (at most MAX_MARKER_BYTES)."""
     loc = Location.of(dir).resolved_step()
     dir = loc.url
     url = layout.marker_url(dir)
@@ -86,6 +113,66 @@ def _foreign(dir: str, step: int, fm: ForeignMarker, data: bytes, store) -> Mark
     return foreign_step(fm, step=step, listing=listing, url=urls.as_prefix(dir))
 
 
+class StepManifest:
+    """The objects of one committed step, read as they are needed: the marker's own,
+    and a rank's part only when one of its files is asked for. Each part is read once,
+    with no more bytes than the marker declares, and trusted only once it matches the
+    marker (size, CRC32C, step, save id, rank, only its rank's files)."""
+
+    def __init__(self, step: Location, marker: Marker):
+        self.step = step
+        self.marker = marker
+        self._parts: dict[int, ManifestPart] = {}
+        self._lock = threading.Lock()
+        self.parts_read = 0  # requests for parts (tests and benchmarks count them)
+
+    def entry(self, rel: str) -> ObjectEntry | None:
+        """The manifest entry of ``rel`` (relative to the step), or None if the step has none."""
+        return self.entries([rel]).get(rel)
+
+    def entries(self, rels: Iterable[str]) -> dict[str, ObjectEntry]:
+        """``{rel: entry}`` of those of ``rels`` the step lists, reading the parts that
+        cover them (concurrently)."""
+        rels = list(rels)
+        m = self.marker
+        ranks = {p.rank for p in (m.part_of(r) for r in rels) if p is not None}
+        parts = self.parts(ranks)
+        out = {}
+        for rel in rels:
+            ref = m.part_of(rel)
+            e = m.object(rel) if ref is None else parts[ref.rank].entry(rel)
+            if e is not None:
+                out[rel] = e
+        return out
+
+    def parts(self, ranks: Iterable[int]) -> dict[int, ManifestPart]:
+        """The checked parts of ``ranks`` (each read once per StepManifest)."""
+        refs = {r: self.marker._parts_by_rank[r] for r in ranks}
+        with self._lock:
+            todo = [ref for r, ref in refs.items() if r not in self._parts]
+        if todo:
+            with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
+                got = list(pool.map(self._read_part, todo))
+            with self._lock:
+                for ref, part in zip(todo, got):
+                    self._parts[ref.rank] = part
+        with self._lock:
+            return {r: self._parts[r] for r in refs}
+
+    def _read_part(self, ref: PartRef) -> ManifestPart:
+        from ..untrusted import read_checked
+
+        url = self.step.join(ref.path).url
+        with self._lock:
+            self.parts_read += 1
+        data = read_checked(self.step.store, url, ref, limit=MAX_PART_BYTES, what="manifest part")
+        return ManifestPart.from_bytes(data, url=url, ref=ref, step=self.marker.step, save_id=self.marker.save_id)
+
+    def full(self) -> Marker:
+        """The marker with every object of the step inline (every part read)."""
+        return self.marker.with_parts(self.parts(p.rank for p in self.marker.parts).values())
+
+
 def list_step_dirs(folder: Where) -> list[tuple[int, str]]:
     """Every ``step{N}`` folder under ``folder`` (committed or not), ascending, from one LIST pass."""
     return scan_step_dirs(folder)[0]
@@ -116,7 +203,7 @@ def scan_step_dirs(folder: Where) -> tuple[list[tuple[int, str]], list[str]]:
 
 def _try_marker(dir: Location) -> Marker | None:
     try:
-        return read_marker(dir)
+        return read_header(dir)
     except NotACheckpoint:
         return None
     except CheckpointError as e:
@@ -142,7 +229,9 @@ def find_checkpoints(
 
 def latest_checkpoint(folder: Where, *, use_pointer: bool = True) -> str:
     """The newest committed step folder, ours or foreign. Raises NotACheckpoint (a
-    FileNotFoundError) if none.
+    FileNotFoundError) if none; CorruptCheckpoint / UnsafeCheckpoint /
+    IncompatibleCheckpoint naming the step when a step above every readable one has a
+    marker of ours this reader refuses (it is never passed over for an older step).
 
     One LIST of the folder's step prefixes (a page per 1000), then markers from the
     highest step down: 2 requests when the newest step folder is committed by
@@ -155,7 +244,7 @@ def latest_checkpoint(folder: Where, *, use_pointer: bool = True) -> str:
     loc = Location.of(folder).resolved()
     folder = loc.url
     for step, dir in reversed(list_step_dirs(loc)):
-        m = _try_marker(loc.at(dir))
+        m = _newest_candidate(loc.at(dir), folder)
         if m is None:
             continue
         if use_pointer and m.foreign:
@@ -167,6 +256,38 @@ def latest_checkpoint(folder: Where, *, use_pointer: bool = True) -> str:
                             step, p[0], m.writer, "" if m.verified else " (no manifest: unverified)")
         return dir
     raise NotACheckpoint(f"no committed checkpoint in {folder}")
+
+
+def _newest_candidate(dir: Location, folder: str) -> Marker | None:
+    """The marker of ``dir`` for ``latest_checkpoint``: None when the step is not
+    committed (no marker) or its marker is not cloudckpt's (another tool's without DCP
+    metadata, junk: skipped with a warning). A marker of ours that cannot be read (over
+    the size cap, damaged, a newer format) is a committed step this reader refuses:
+    raised, never passed over for an older step."""
+    try:
+        return read_header(dir)
+    except NotACheckpoint:
+        return None
+    except CheckpointError as e:
+        if not _claims_ours(dir):
+            log.warning("skipping %s: %s", dir, e)
+            return None
+        raise type(e)(f"{dir.url} is the newest step and its commit marker is cloudckpt's, but it cannot be read: {e}. "
+                      "Not falling back to an older step silently: restore or remove the step, upgrade cloudckpt if it "
+                      f"was written by a newer one, or resume an older step explicitly with load_step=N (`cloudckpt "
+                      f"list {folder}` shows them)") from None
+
+
+def _claims_ours(dir: Location) -> bool:
+    """Whether the marker of ``dir`` starts the way cloudckpt writes one (``{"format":
+    "cloudckpt"``), read with one small ranged request."""
+    try:
+        head = dir.store.get_bytes(layout.marker_url(dir.url), start=0, end=64)
+    except CheckpointError:
+        return False
+    except Exception:  # noqa: BLE001 - a storage error here: judge by the error already raised
+        return True
+    return head.replace(b" ", b"").startswith(b'{"format":"cloudckpt"')
 
 
 def dir_is_checkpoint(dir: Where) -> bool:

@@ -4,16 +4,35 @@ A step counts as a checkpoint if and only if its marker exists and parses. The
 marker is written last, by one rank, with a conditional create, after every rank
 reported its files uploaded; so whoever sees a marker sees a complete step.
 
-Schema (format_version 1)::
+Schema (format_version 2, two levels)::
 
-    {"format": "cloudckpt", "format_version": 1, "step": 1000, "ephemeral": false,
+    {"format": "cloudckpt", "format_version": 2, "step": 1000, "ephemeral": false,
      "world_size": 8, "created": "2026-11-21T23:00:00+00:00", "created_unix": 1.79e9,
-     "library_version": "0.1.0", "torch_version": "2.13.0", "total_bytes": 123,
-     "objects": [{"path": "model_and_optim/__0_0.distcp", "size": 100, "crc32c": "1a2b3c4d",
-                  "chunks": [[offset, length, "crc32c"], ...]}, ...]}
+     "library_version": "0.1.0", "torch_version": "2.13.0", "save_id": "...",
+     "total_bytes": 123, "object_count": 42,
+     "objects": [{"path": "model_and_optim/.metadata", "size": 100, "crc32c": "1a2b3c4d"}],
+     "parts": [{"rank": 0, "path": "manifest/rank0.json", "size": 900, "crc32c": "...",
+                "objects": 5, "bytes": 1000}, ...]}
 
-``chunks`` (DCP shard files only) hold the CRC32C of every item's byte range, so a
-loader that reads ranges (resharding, streaming) can check exactly what it read.
+``objects`` lists the step's own files (DCP's ``.metadata``); each rank's files are in
+its *part*, ``manifest/rank{R}.json`` (``ManifestPart``), uploaded by that rank before
+the commit and listed here with its size and CRC32C and what it declares (object count
+and bytes)::
+
+    {"format": "cloudckpt-part", "format_version": 2, "step": 1000, "rank": 3,
+     "save_id": "...", "objects": [{"path": "model_and_optim/__3_0.distcp", "size": 100,
+     "crc32c": "1a2b3c4d", "chunks": [[offset, length, "crc32c"], ...]}, ...]}
+
+A part lists only its rank's files (``owner_of``: ``model_and_optim/__{R}_{K}.distcp``,
+``train/rank{R}.pt``), so a reader knows which part describes a file from its name and
+reads only the parts of the files it needs; a part is trusted only after its bytes
+match the marker's size and CRC32C and it names the marker's step, save id and its rank.
+``chunks`` hold the CRC32C of every item's byte range, so a loader that reads ranges
+(resharding, streaming) can check exactly what it read.
+
+Format version 1 (every object inline in ``objects``, no ``parts``) is still read: a
+step written before parts existed loads and lists as it did. Adopted manifests and the
+local tier's per-rank manifests are markers with every object inline and no parts.
 
 Steps other tools wrote (``parse_marker``): a ``.metadata.json`` that is a JSON
 object without our ``"format"`` field is another tool's marker (OLMo-core writes
@@ -41,7 +60,10 @@ from ..untrusted.names import check_name
 from .layout import DCP_METADATA, rank_of_train_state
 
 FORMAT = "cloudckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+PART_FORMAT = "cloudckpt-part"
+PARTS_DIR = "manifest"  # step{N}/manifest/rank{R}.json
+MAX_PART_BYTES = 1 << 30  # no honest part comes near (~30 bytes per DCP item of one rank)
 MARKER_NAME = ".metadata.json"  # layout.MARKER (layout imports storage; this module stays import-light)
 ADOPTED_MANIFEST = ".cloudckpt.json"  # our manifest beside another tool's marker (``cloudckpt adopt``)
 FOREIGN_WRITER = "olmo-core"  # the tool whose layout (step{N}/model_and_optim, .metadata.json) we share
@@ -50,6 +72,37 @@ MARKER_MAX_DEPTH = 8  # a marker nests 5 deep (marker, objects, entry, chunks, c
 MAX_WORLD_SIZE = 1 << 24  # ranks a marker may name (jobs run on thousands)
 MAX_UNIX_TIME = 253402300799.0  # 9999-12-31T23:59:59Z: the latest time a date can show
 _WRITER = re.compile(r"[a-z0-9][a-z0-9._-]{0,39}")
+
+
+_SHARD_FILE = re.compile(r"model_and_optim/__(0|[1-9][0-9]{0,8})_(?:0|[1-9][0-9]{0,8})\.distcp")
+
+
+def part_name(rank: int) -> str:
+    """The manifest part of rank ``rank``, relative to the step folder."""
+    return f"{PARTS_DIR}/rank{int(rank)}.json"
+
+
+def owner_of(path: str) -> int | None:
+    """The rank whose part lists ``path`` (its shard files ``model_and_optim/__{R}_{K}.distcp``
+    and its train state ``train/rank{R}.pt``), or None for the step's own files (DCP's
+    ``.metadata``), listed in the marker itself."""
+    m = _SHARD_FILE.fullmatch(path)
+    return int(m.group(1)) if m is not None else rank_of_train_state(path)
+
+
+def split_by_rank(entries: Iterable["ObjectEntry"], rank: int) -> tuple[list["ObjectEntry"], list["ObjectEntry"]]:
+    """``(this rank's entries, the step's own)``. Raises ValueError for a file that
+    belongs to another rank (a part may list only its rank's files)."""
+    own, shared = [], []
+    for e in entries:
+        r = owner_of(e.path)
+        if r is None:
+            shared.append(e)
+        elif r == rank:
+            own.append(e)
+        else:
+            raise ValueError(f"rank {rank} wrote {e.path!r}, a file of rank {r}")
+    return own, shared
 
 
 @dataclass(frozen=True)
@@ -67,6 +120,93 @@ class ObjectEntry:
 
 
 @dataclass(frozen=True)
+class PartRef:
+    """What the marker says of one rank's manifest part: where it is, its size and
+    CRC32C, and how many objects and bytes it lists."""
+
+    rank: int
+    path: str
+    size: int
+    crc32c: str
+    objects: int
+    bytes: int
+
+    @classmethod
+    def of(cls, rank: int, data: bytes, part: "ManifestPart") -> "PartRef":
+        from ..transfer.checksum import crc32c_bytes
+
+        return cls(rank, part_name(rank), len(data), crc32c_bytes(data), len(part.objects),
+                   sum(o.size for o in part.objects))
+
+    def entry(self) -> "ObjectEntry":
+        """The part file itself as an object of the step."""
+        return ObjectEntry(self.path, self.size, self.crc32c)
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "path": self.path, "size": self.size, "crc32c": self.crc32c,
+                "objects": self.objects, "bytes": self.bytes}
+
+
+@dataclass(frozen=True)
+class ManifestPart:
+    """One rank's manifest: its objects, with sizes, CRC32Cs and item CRC32Cs."""
+
+    step: int
+    rank: int
+    save_id: str
+    objects: tuple[ObjectEntry, ...]
+
+    def entry(self, path: str) -> ObjectEntry | None:
+        cache = self.__dict__.get("_by_path_cache")
+        if cache is None:
+            cache = {o.path: o for o in self.objects}
+            object.__setattr__(self, "_by_path_cache", cache)
+        return cache.get(path)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"format": PART_FORMAT, "format_version": FORMAT_VERSION, "step": self.step,
+                           "rank": self.rank, "save_id": self.save_id,
+                           "objects": [o.to_json() for o in self.objects]}, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, url: str, ref: PartRef, step: int, save_id: str) -> "ManifestPart":
+        """Parse the part ``ref`` of the marker of ``step`` (written by the save ``save_id``)
+        and check it against the marker: its bytes (size, CRC32C), its step, save id and
+        rank, and that it lists only its rank's files, as many and as large as declared.
+        Raises CorruptCheckpoint, UnsafeCheckpoint."""
+        from ..transfer.checksum import crc32c_bytes
+        from ..untrusted import loads_json
+
+        if len(data) != ref.size or crc32c_bytes(data) != ref.crc32c:
+            raise CorruptCheckpoint(f"manifest part {url} does not match its size and CRC32C in the marker; the step "
+                                    "is damaged: restore it or load an older step")
+        d = loads_json(data, url=url, what="manifest part", limit=ref.size)
+        if type(d) is not dict or d.get("format") != PART_FORMAT or d.get("format_version") != FORMAT_VERSION:
+            raise CorruptCheckpoint(f"manifest part {url} is not a cloudckpt manifest part of format {FORMAT_VERSION}")
+        if d.get("step") != step or d.get("rank") != ref.rank or d.get("save_id") != save_id:
+            raise UnsafeCheckpoint(f"manifest part {url} belongs to another step, rank or save than the marker "
+                                   f"names (step {step}, rank {ref.rank}); refusing the checkpoint")
+        try:
+            raw = d["objects"]
+            if type(raw) is not list:
+                raise TypeError("objects is not a list")
+            objects = tuple(_object_entry(o, url) for o in raw)
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise CorruptCheckpoint(f"manifest part {url} is missing or has a bad field ({type(e).__name__}: "
+                                    f"{str(e)[:200]})") from None
+        for o in objects:
+            if owner_of(o.path) != ref.rank:
+                raise UnsafeCheckpoint(f"manifest part {url} of rank {ref.rank} lists {o.path!r}, which is not a file of "
+                                       "that rank; refusing the checkpoint")
+        if len({o.path for o in objects}) != len(objects):
+            raise UnsafeCheckpoint(f"manifest part {url} lists an object path twice; refusing the checkpoint")
+        if len(objects) != ref.objects or sum(o.size for o in objects) != ref.bytes:
+            raise UnsafeCheckpoint(f"manifest part {url} lists {len(objects)} objects of {sum(o.size for o in objects)} "
+                                   f"bytes; the marker declares {ref.objects} of {ref.bytes}: refusing the checkpoint")
+        return cls(step, ref.rank, save_id, objects)
+
+
+@dataclass(frozen=True)
 class Marker:
     step: int
     ephemeral: bool
@@ -80,6 +220,7 @@ class Marker:
     writer: str = FORMAT  # the tool that wrote the step's objects ("olmo-core" for a foreign step)
     verified: bool = True  # a manifest with CRC32Cs (ours or adopted); False: sizes from a listing only
     adopted_crc32c: str = ""  # adopted: the CRC32C of the other tool's marker this manifest vouches for
+    parts: tuple[PartRef, ...] = ()  # the ranks' manifest parts (format 2); ``objects`` then holds the step's own files
 
     @property
     def foreign(self) -> bool:
@@ -96,7 +237,37 @@ class Marker:
 
     @property
     def total_bytes(self) -> int:
-        return sum(o.size for o in self.objects)
+        """Bytes of every object of the step (the parts and what they list included)."""
+        return sum(o.size for o in self.objects) + sum(p.size + p.bytes for p in self.parts)
+
+    @property
+    def object_count(self) -> int:
+        """Objects of the step (the parts and what they list included)."""
+        return len(self.objects) + sum(1 + p.objects for p in self.parts)
+
+    def part_of(self, path: str) -> PartRef | None:
+        """The part that lists ``path`` (None: the marker lists it, or no part does)."""
+        r = owner_of(path)
+        return None if r is None else self._parts_by_rank.get(r)
+
+    @property
+    def _parts_by_rank(self) -> dict[int, PartRef]:
+        cache = self.__dict__.get("_parts_cache")
+        if cache is None:
+            cache = {p.rank: p for p in self.parts}
+            object.__setattr__(self, "_parts_cache", cache)
+        return cache
+
+    def with_parts(self, parts: Iterable[ManifestPart]) -> "Marker":
+        """This marker with every object inline: its own, the part files and what the
+        ``parts`` (one per PartRef, already checked) list. What ``cloudckpt verify``,
+        ``download`` and ``inspect`` read."""
+        import dataclasses
+
+        objects = list(self.objects) + [p.entry() for p in self.parts]
+        for part in parts:
+            objects.extend(part.objects)
+        return dataclasses.replace(self, objects=tuple(sorted(objects, key=lambda o: o.path)), parts=())
 
     @property
     def created(self) -> str:
@@ -111,9 +282,12 @@ class Marker:
         prefix = folder.rstrip("/") + "/"
         return {o.path[len(prefix):]: o for o in self.objects if o.path.startswith(prefix)}
 
-    def sizes_under(self, folder: str) -> dict[str, int]:
+    def sizes_under(self, folder: str) -> dict[str, int] | None:
         """``{path relative to folder: size}``: what DCP's ``.metadata`` items must lie in
-        (``untrusted.loads_metadata(files=...)``)."""
+        (``untrusted.loads_metadata(files=...)``); None when the sizes are in the parts,
+        not read here (a loading rank checks each item it reads against its part)."""
+        if self.parts:
+            return None
         return {rel: o.size for rel, o in self.files_under(folder).items()}
 
     @property
@@ -137,9 +311,11 @@ class Marker:
             "torch_version": self.torch_version,
             "save_id": self.save_id,
             "total_bytes": self.total_bytes,
-            "object_count": len(self.objects),
+            "object_count": self.object_count,
             "objects": [o.to_json() for o in self.objects],
         }
+        if self.format_version >= 2:
+            d["parts"] = [p.to_json() for p in self.parts]
         if self.foreign:
             d["adopted"] = {"writer": self.writer, "marker_crc32c": self.adopted_crc32c}
         return json.dumps(d, separators=(",", ":")).encode()
@@ -147,7 +323,8 @@ class Marker:
     def summary(self) -> dict:
         d = asdict(self)
         d.pop("objects")
-        d.update(created=self.created, total_bytes=self.total_bytes, object_count=len(self.objects))
+        d.pop("parts")
+        d.update(created=self.created, total_bytes=self.total_bytes, object_count=self.object_count)
         return d
 
     @classmethod
@@ -164,7 +341,7 @@ class Marker:
         if not isinstance(v, int) or v > FORMAT_VERSION or v < 1:
             raise IncompatibleCheckpoint(
                 f"commit marker {url} has format_version {v!r}; this cloudckpt {__version__} reads version "
-                f"{FORMAT_VERSION}: upgrade cloudckpt to read this checkpoint"
+                f"1 to {FORMAT_VERSION}: upgrade cloudckpt to read this checkpoint"
             )
         try:
             raw_objects = d["objects"]
@@ -172,6 +349,7 @@ class Marker:
                 raise TypeError("objects is not a list")
             objects = tuple(_object_entry(o, url) for o in raw_objects)
             step, world_size = _int(d["step"], "step"), _int(d["world_size"], "world_size")
+            parts = _parts(d.get("parts", []) if v >= 2 else [], world_size, url)
             if type(d["ephemeral"]) is not bool:
                 raise TypeError("ephemeral is not true or false")
             writer, adopted_crc = FORMAT, ""
@@ -192,6 +370,7 @@ class Marker:
                 format_version=v,
                 writer=writer,
                 adopted_crc32c=adopted_crc,
+                parts=parts,
             )
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise CorruptCheckpoint(f"commit marker {url} is missing or has a bad field ({type(e).__name__}: {e})") from None
@@ -200,6 +379,9 @@ class Marker:
                                     f"{MAX_WORLD_SIZE}")
         if len(marker._by_path) != len(objects):
             raise UnsafeCheckpoint(f"commit marker {url} lists an object path twice; refusing the checkpoint")
+        if parts and any(owner_of(o.path) is not None or o.path.startswith(PARTS_DIR + "/") for o in objects):
+            raise UnsafeCheckpoint(f"commit marker {url} lists a rank's file beside the ranks' parts; refusing the "
+                                   "checkpoint")
         return marker
 
 
@@ -289,6 +471,30 @@ def _crc(v: Any, what: str) -> str | None:
     if type(v) is not str or not _CRC.fullmatch(v):
         raise ValueError(f"the CRC32C of {what} is {v!r}, not 8 hex digits")
     return v
+
+
+def _parts(raw: Any, world_size: int, url: str) -> tuple[PartRef, ...]:
+    """The marker's part references, checked: one per rank at most, each at its own
+    name, with a size, a CRC32C and the counts it declares."""
+    if type(raw) is not list:
+        raise TypeError("parts is not a list")
+    out, seen = [], set()
+    for p in raw:
+        if type(p) is not dict:
+            raise TypeError("a part is not a JSON object")
+        rank = _int(p["rank"], "a part's rank")
+        if rank >= world_size or rank in seen:
+            raise ValueError(f"a part of rank {rank} is listed twice or past the world size {world_size}")
+        seen.add(rank)
+        if p["path"] != part_name(rank):
+            raise ValueError(f"the part of rank {rank} is not at {part_name(rank)!r}")
+        size = _int(p["size"], "a part's size")
+        crc = _crc(p["crc32c"], f"the part of rank {rank}")
+        if crc is None or size > MAX_PART_BYTES:
+            raise ValueError(f"the part of rank {rank} has no CRC32C or declares {size} bytes (at most {MAX_PART_BYTES})")
+        out.append(PartRef(rank, part_name(rank), size, crc, _int(p["objects"], "a part's object count"),
+                           _int(p["bytes"], "a part's bytes")))
+    return tuple(out)
 
 
 def _object_entry(o: Any, url: str) -> ObjectEntry:

@@ -34,7 +34,7 @@ def probe(dir: Location) -> tuple[Marker | None, str | None]:
     """``(marker, None)`` when committed, ``(None, None)`` when there is no marker,
     ``(None, reason)`` when the marker cannot be read or is refused. Storage errors propagate."""
     try:
-        return discovery.read_marker(dir), None
+        return discovery.read_header(dir), None
     except NotACheckpoint:
         return None, None
     except CheckpointError as e:

@@ -72,6 +72,7 @@ class StreamingReader(StorageReader):
         download_ahead: int = 2,
         metadata_bytes: bytes | None = None,
         files: dict[str, int] | None = None,
+        manifest: Callable[[list[str]], tuple[Checksums, dict[str, int]]] | None = None,
         before_read: Callable[[dict[str, list[tuple[int, int]]]], None] | None = None,
     ):
         """``stream(url, start, end, job)`` runs ``job(open_from, progress)`` on a
@@ -83,7 +84,11 @@ class StreamingReader(StorageReader):
         file, written to disk). ``metadata_bytes``: DCP's ``.metadata`` already read (by rank 0,
         for every rank); it is checked like a fetched object. ``files``: the manifest's
         ``{relative path: size}`` of this DCP folder; every item of ``.metadata`` must
-        lie inside one of them (None: a checkpoint without a manifest). ``before_read``:
+        lie inside one of them (None: a checkpoint without a manifest, or one whose
+        manifest is in parts). ``manifest(files)``: for a manifest in parts, the
+        ``(checksums, sizes)`` of the files this rank's plan reads, asked for once the
+        plan is known; every item the plan reads must then lie inside one of them.
+        ``before_read``:
         called with ``{relative path: [(offset, length), ...]}``, the items this rank's
         plan reads, once planned and before any is read (on every rank: it may be
         collective)."""
@@ -101,6 +106,7 @@ class StreamingReader(StorageReader):
         self.download_ahead = max(1, download_ahead)
         self._metadata_bytes = metadata_bytes
         self.files = files
+        self.manifest = manifest
         self.before_read = before_read
         self.storage_data: dict = {}
         self.bytes_read = 0
@@ -135,13 +141,30 @@ class StreamingReader(StorageReader):
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for r in plan.items:
+            s = self.storage_data[r.storage_index]
+            ranges.setdefault(s.relative_path, []).append((s.offset, s.length))
+        if self.manifest is not None:
+            self._check_planned(ranges)
         if self.before_read is not None:
-            ranges: dict[str, list[tuple[int, int]]] = {}
-            for r in plan.items:
-                s = self.storage_data[r.storage_index]
-                ranges.setdefault(s.relative_path, []).append((s.offset, s.length))
             self.before_read(ranges)
         return plan
+
+    def _check_planned(self, ranges: dict[str, list[tuple[int, int]]]) -> None:
+        """Read the manifest of the files this rank reads (and only those), and refuse
+        an item that lies outside its file before any byte is read."""
+        sums, sizes = self.manifest(sorted(ranges))
+        self.checksums.update(sums)
+        for rel, spans in ranges.items():
+            url = urls.join(self.remote_dir, rel)
+            if rel not in sizes:
+                raise CorruptCheckpoint(f"{url}: DCP's metadata places items in this file, but the checkpoint's manifest "
+                                        "does not list it; the step is damaged: load an older step")
+            end = max(off + n for off, n in spans)
+            if end > sizes[rel]:
+                raise CorruptCheckpoint(f"{url}: DCP's metadata places an item at byte {end}, past the file's "
+                                        f"{sizes[rel]} bytes in the manifest; the step is damaged: load an older step")
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import queue
 import threading
 from contextlib import contextmanager
@@ -138,8 +139,10 @@ class _NotifyingFileSystem(FileSystem):
 class UploadingWriter(FileSystemWriter):
     """Writes into ``local_dir`` and calls ``on_file(local_path, checksums)`` when
     each file is complete (``checksums``: a FileChecksums computed while writing, or
-    None when the file was written some other way). ``ranges`` holds, after ``write_data``, the item byte ranges of
-    every shard file: ``{file_name: [(offset, length), ...]}``."""
+    None when the file was written some other way). After the save, :meth:`manifest`
+    gives the CRC32C of every item of every shard file it wrote (what the step's
+    manifest records); ``ranges`` holds the item byte ranges of every shard file:
+    ``{file_name: [(offset, length), ...]}``."""
 
     def __init__(
         self,
@@ -151,7 +154,9 @@ class UploadingWriter(FileSystemWriter):
         max_files_per_rank: int = 64,
     ):
         super().__init__(local_dir, single_file_per_rank=True, sync_files=False, thread_count=thread_count, overwrite=True)
-        self.fs = _NotifyingFileSystem(on_file)
+        self._on_file = on_file
+        self._sums: dict[str, FileChecksums | None] = {}  # file name -> checksums taken while writing
+        self.fs = _NotifyingFileSystem(self._closed)
         self.target_file_size = target_file_size
         self.max_files_per_rank = max_files_per_rank
         self.ranges: dict[str, list[tuple[int, int]]] = {}
@@ -176,7 +181,34 @@ class UploadingWriter(FileSystemWriter):
                 self.ranges.setdefault(sd.relative_path, []).append((sd.offset, sd.length))
         return fut
 
+    def _closed(self, path: str, sums: FileChecksums | None) -> None:
+        with self._lock:
+            self._sums[os.path.basename(path)] = sums
+        self._on_file(path, sums)
+
+    def manifest(self) -> dict[str, tuple[tuple[int, int, str], ...]]:
+        """After the save: ``{shard file name: ((offset, length, crc32c), ...)}``, every
+        item of every shard file this writer wrote, by offset. Each CRC32C comes from
+        the segments computed while writing, or from reading the range back where
+        DCP did not ask for that exact span."""
+        out = {}
+        with self._lock:
+            ranges, sums = {k: sorted(v) for k, v in self.ranges.items()}, dict(self._sums)
+        for name, spans in ranges.items():
+            path = os.path.join(str(self.path), name)
+            out[name] = tuple((o, n, _item_crc(sums.get(name), path, o, n)) for o, n in spans)
+        return out
+
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return True
+
+
+def _item_crc(sums: FileChecksums | None, path: str, offset: int, length: int) -> str:
+    crc = sums.range_crc(offset, length) if sums is not None else None
+    if crc is not None:
+        return crc
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f"{google_crc32c.value(f.read(length)):08x}"
 

@@ -38,7 +38,7 @@ class RunRow:
         return {"type": "run", "url": self.url, "step_dirs": self.step_dirs,
                 "newest_step": m.step if m else None, "newest_url": self.newest_url,
                 "ephemeral": m.ephemeral if m else None, "format": m.kind if m else None,
-                "size_bytes": m.total_bytes if m else None, "object_count": len(m.objects) if m else None,
+                "size_bytes": m.total_bytes if m else None, "object_count": m.object_count if m else None,
                 "created": m.created if m else None, "created_unix": m.created_unix if m else None,
                 "age_seconds": round(now - m.created_unix, 1) if m else None}
 

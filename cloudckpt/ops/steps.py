@@ -54,7 +54,7 @@ class StepRow:
                     "created": None, "created_unix": created, "age_seconds": age,
                     **({"error": self.error} if self.error else {})}
         return {"step": self.step, "url": self.url, "status": "committed", "ephemeral": m.ephemeral,
-                "size_bytes": m.total_bytes, "object_count": len(m.objects), "world_size": m.world_size,
+                "size_bytes": m.total_bytes, "object_count": m.object_count, "world_size": m.world_size,
                 "created": m.created, "created_unix": m.created_unix, "age_seconds": age,
                 "format": m.kind, "writer": m.writer, "verified": m.verified}
 
@@ -76,7 +76,7 @@ def probe_marker(dir: Location) -> tuple[Marker | None, str | None]:
     """``(marker, None)`` when committed, ``(None, None)`` when there is no marker,
     ``(None, reason)`` when the marker cannot be read. Storage errors propagate."""
     try:
-        return discovery.read_marker(dir), None
+        return discovery.read_header(dir), None
     except NotACheckpoint:
         return None, None
     except (CorruptCheckpoint, IncompatibleCheckpoint) as e:

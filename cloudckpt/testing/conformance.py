@@ -601,18 +601,26 @@ class ObjectStoreConformance:
 
     def test_commit_protocol_prepare_commit_writes_the_marker_last_and_releases_the_lock(self, backend):
         from ..checkpoint import discovery
+        from ..checkpoint.marker import part_name
         from ..errors import CheckpointExists
+        from ..storage import Location
 
         a = self._attempt(backend)
         a.prepare()
         assert a.locked and backend.store.exists(a.lock_url) and not backend.store.exists(a.marker_url)
-        entries = [self._entry(backend, a, "model_and_optim/.metadata", b"meta"),
-                   self._entry(backend, a, "train/rank0.pt", b"train state")]
+        meta = self._entry(backend, a, "model_and_optim/.metadata", b"meta")
+        parts = [a.publish_part(r, [self._entry(backend, a, f"train/rank{r}.pt", b"train state %d" % r),
+                                    self._entry(backend, a, f"model_and_optim/__{r}_0.distcp", b"shard" * (r + 1))])
+                 for r in (0, 1)]  # every rank: its part, before the agree step
         assert not discovery.dir_is_checkpoint(a.dir), "no marker yet: not a checkpoint"
-        marker = a.commit(a.marker(entries, ephemeral=False))
+        marker = a.commit(a.marker(parts, [meta], ephemeral=False))
         assert not backend.store.exists(a.lock_url), "the lock is released after the commit"
-        got = discovery.read_marker(a.dir)
+        got = discovery.read_marker(a.dir)  # every part read and checked against the marker
         assert got.save_id == a.save_id and got.step == 1 and got.total_bytes == marker.total_bytes
+        assert got.object(part_name(1)).size == parts[1].size and got.object("train/rank1.pt").size == 13
+        assert got.object_count == marker.object_count == 7
+        only = discovery.StepManifest(Location.of(a.dir), discovery.read_header(a.dir))
+        assert only.entry("model_and_optim/__1_0.distcp").size == 10 and only.parts_read == 1, "one part read"
         assert discovery.latest_checkpoint(backend.url("run")) == a.dir
         with pytest.raises(CheckpointExists, match="step1"):
             self._attempt(backend).prepare()
@@ -664,12 +672,36 @@ class ObjectStoreConformance:
         assert list(backend.store.walk(urls.as_prefix(a.dir))) == [] and not a.locked
         b = self._attempt(backend)
         b.prepare()
-        marker = b.marker([self._entry(backend, b, "train/rank0.pt", b"y")], ephemeral=True)
+        marker = b.marker([b.publish_part(0, [self._entry(backend, b, "train/rank0.pt", b"y")])], [], ephemeral=True)
         backend.store.put_bytes(b.marker_url, marker.to_bytes())  # our create landed, its answer was lost
         assert b.commit(marker).save_id == b.save_id
         c = self._attempt(backend, save_overwrite=True)
         c.prepare()  # replaces the committed step (marker first)
         other = self._attempt(backend)
-        backend.store.put_bytes(c.marker_url, other.marker([], ephemeral=False).to_bytes())  # another job committed
+        backend.store.put_bytes(c.marker_url, other.marker([], [], ephemeral=False).to_bytes())  # another job committed
         with pytest.raises(CheckpointExists, match="another save"):
-            c.commit(c.marker([], ephemeral=False))
+            c.commit(c.marker([], [], ephemeral=False))
+
+    def test_commit_protocol_a_part_is_trusted_only_as_the_marker_describes_it(self, backend):
+        from ..checkpoint import discovery
+        from ..checkpoint.marker import ManifestPart, part_name
+        from ..errors import CorruptCheckpoint, SaveFailed, UnsafeCheckpoint
+
+        a = self._attempt(backend)
+        a.prepare()
+        with pytest.raises(SaveFailed, match="rank 0"):  # refused at save time: our reader would refuse it
+            a.publish_part(0, [self._entry(backend, a, "train/rank1.pt", b"not rank 0's")])
+        ref = a.publish_part(1, [self._entry(backend, a, "train/rank1.pt", b"rank 1")])
+        a.commit(a.marker([ref], [], ephemeral=False))
+        url = urls.join(a.dir, part_name(1))
+        honest = backend.store.get_bytes(url)
+        backend.store.put_bytes(url, honest + b" ")  # one byte more than the marker says
+        with pytest.raises(CorruptCheckpoint, match="manifest part"):
+            discovery.read_marker(a.dir)
+        # a part of another save, its bytes what the marker says: refused by what it names
+        other = ManifestPart(step=1, rank=1, save_id="0" * 32, objects=()).to_bytes()
+        backend.store.put_bytes(url, other)
+        m = discovery.read_header(a.dir)
+        with pytest.raises(UnsafeCheckpoint, match="another step, rank or save"):
+            ManifestPart.from_bytes(other, url=url, ref=type(ref).of(1, other, ManifestPart(1, 1, "0" * 32, ())),
+                                    step=m.step, save_id=m.save_id)

@@ -245,23 +245,31 @@ def test_missing_train_state_file_is_a_typed_error(gcs_bucket, tmp_path):
     assert "train/rank0.pt" in str(ei.value)
 
 
-def test_corrupt_and_future_version_markers_are_skipped_by_discovery_and_refused_by_load(any_root, tmp_path, caplog):
+def test_corrupt_and_future_version_markers_are_skipped_by_listing_loud_at_latest_and_refused_by_load(
+        any_root, tmp_path, caplog):
     ck = Checkpointer(work_dir=str(tmp_path / "w"))
     for s in (1, 2, 3):
         ck.save(urls.join(any_root, f"step{s}"), _plain_state(), {"s": s})
     store = open_store(any_root)
-    store.put_bytes(layout.marker_url(urls.join(any_root, "step3")), b"{not json")
+    store.put_bytes(layout.marker_url(urls.join(any_root, "step3")), b"{not json")  # not cloudckpt's: junk
     m2 = json.loads(store.get_bytes(layout.marker_url(urls.join(any_root, "step2"))))
     m2["format_version"] = 99
-    store.put_bytes(layout.marker_url(urls.join(any_root, "step2")), json.dumps(m2).encode())
+    store.put_bytes(layout.marker_url(urls.join(any_root, "step2")), json.dumps(m2, separators=(",", ":")).encode())
     with caplog.at_level(logging.WARNING):
-        assert discovery.latest_checkpoint(any_root) == urls.join(any_root, "step1")
+        assert [s for s, _ in discovery.find_checkpoints(any_root)] == [1]
     assert "not valid JSON" in caplog.text and "format_version 99" in caplog.text
+    # a committed step of ours the reader refuses is never passed over silently for an older one
+    with pytest.raises(IncompatibleCheckpoint, match="load_step") as ei:
+        discovery.latest_checkpoint(any_root)
+    assert urls.join(any_root, "step2") in str(ei.value) and "upgrade cloudckpt" in str(ei.value)
     with pytest.raises(CorruptCheckpoint):
         ck.load(urls.join(any_root, "step3"), _plain_state(0))
     with pytest.raises(IncompatibleCheckpoint) as ei:
         ck.load(urls.join(any_root, "step2"), _plain_state(0))
     assert "upgrade cloudckpt" in str(ei.value)
+    store.delete(layout.marker_url(urls.join(any_root, "step2")))  # removed: the older step is the newest again
+    with caplog.at_level(logging.WARNING):
+        assert discovery.latest_checkpoint(any_root) == urls.join(any_root, "step1")
 
 
 def test_not_a_step_folder_and_missing_bucket_are_typed_errors(s3_bucket, tmp_path):
@@ -312,11 +320,20 @@ def _manifest_matches_files(step) -> None:
 
     from cloudckpt.transfer import crc32c_bytes
 
+    def rewrite(objects: list) -> None:
+        for o in objects:
+            data = (step / o["path"]).read_bytes()
+            o.update(size=len(data), crc32c=crc32c_bytes(data), chunks=[])
+
     marker = step / ".metadata.json"
     d = json.loads(marker.read_bytes())
-    for o in d["objects"]:
-        data = (step / o["path"]).read_bytes()
-        o.update(size=len(data), crc32c=crc32c_bytes(data), chunks=[])
+    rewrite(d["objects"])
+    for ref in d.get("parts", []):  # format 2: the ranks' files are listed in their parts
+        part = json.loads((step / ref["path"]).read_bytes())
+        rewrite(part["objects"])
+        body = json.dumps(part).encode()
+        (step / ref["path"]).write_bytes(body)
+        ref.update(size=len(body), crc32c=crc32c_bytes(body), bytes=sum(o["size"] for o in part["objects"]))
     marker.write_text(json.dumps(d))
 
 

@@ -7,6 +7,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from cloudckpt import Checkpointer
+from cloudckpt.checkpoint import discovery
 from cloudckpt.errors import CloudCkptError
 
 
@@ -50,7 +51,9 @@ def save_sharded(rank, world_size, dir, work_dir, seed=0, ephemeral=False):
     ck = Checkpointer(work_dir=work_dir)
     marker = ck.save(dir, sharded_state(world_size, seed), {"rank": rank, "step": 7, "lr": 0.1}, ephemeral=ephemeral)
     ck.close()
-    return {"objects": [o.path for o in marker.objects], "world_size": marker.world_size}
+    full = discovery.read_marker(dir)  # save returns the header: the ranks' files are in their parts
+    assert (full.object_count, full.total_bytes) == (marker.object_count, marker.total_bytes)
+    return {"objects": [o.path for o in full.objects], "world_size": marker.world_size}
 
 
 def load_sharded(rank, world_size, dir, work_dir, pre_download=False):
@@ -123,7 +126,7 @@ def async_roundtrip(rank, world_size, dir, work_dir):
     out = sharded_state(world_size, zero=True)
     ts = ck.load(dir, out)
     ck.close()
-    return {"tensors": gathered(out), "train_state": ts, "objects": len(marker.objects)}
+    return {"tensors": gathered(out), "train_state": ts, "objects": marker.object_count}
 
 
 def async_failure(rank, world_size, dir, work_dir):

@@ -117,14 +117,40 @@ def committed_steps(folder: str) -> list[int]:
     return sorted(s for s in steps if marker(f"{folder.rstrip('/')}/step{s}") is not None)
 
 
+def _parts(step_url: str, m: dict, problems: list) -> list[dict]:
+    """Format 2: every part the marker lists must exist with its size and CRC32C and
+    name the marker's step, save and its rank; returns the objects the parts list."""
+    out = []
+    for p in m.get("parts", []):
+        url = f"{step_url.rstrip('/')}/{p['path']}"
+        data = get(url)
+        if data is None or len(data) != p["size"] or crc32c(data) != p["crc32c"]:
+            problems.append(f"{url}: manifest part missing or not as the marker says")
+            continue
+        part = json.loads(data)
+        if (part["step"], part["rank"], part["save_id"]) != (m["step"], p["rank"], m["save_id"]):
+            problems.append(f"{url}: a part of another step, rank or save")
+        out.extend(part["objects"])
+    return out
+
+
+def manifest_paths(step_url: str) -> set[str]:
+    """Every object a committed step's manifest lists: the marker's, its parts (format 2)
+    and what the parts list."""
+    m = marker(step_url)
+    paths = {o["path"] for o in m["objects"]} | {p["path"] for p in m.get("parts", [])}
+    return paths | {o["path"] for o in _parts(step_url, m, [])}
+
+
 def verify_step(step_url: str) -> list[str]:
-    """Problems of a committed step: every manifest object must exist with its size and
-    CRC32C. ``[]`` means complete; a missing marker is a problem too."""
+    """Problems of a committed step: every manifest object (format 2: the parts, and
+    every object they list) must exist with its size and CRC32C. ``[]`` means complete;
+    a missing marker is a problem too."""
     m = marker(step_url)
     if m is None:
         return [f"{step_url}: no marker"]
-    problems = []
-    for o in m["objects"]:
+    problems: list = []
+    for o in list(m["objects"]) + _parts(step_url, m, problems):
         url = f"{step_url.rstrip('/')}/{o['path']}"
         data = get(url)
         if data is None:
@@ -139,11 +165,25 @@ def verify_step(step_url: str) -> list[str]:
 def relist(step_url: str, rel: str, data: bytes) -> None:
     """Put ``data`` at ``rel`` of the step and rewrite the marker's manifest entry to
     match it (size, CRC32C, no item chunks): a consistent, crafted step."""
-    put(f"{step_url.rstrip('/')}/{rel}", data)
+    base = step_url.rstrip('/')
+    put(f"{base}/{rel}", data)
     m = marker(step_url)
-    for o in m["objects"]:
-        if o["path"] == rel:
-            o.update(size=len(data), crc32c=crc32c(data))
-            o.pop("chunks", None)
-    m["total_bytes"] = sum(o["size"] for o in m["objects"])
-    put(f"{step_url.rstrip('/')}/{MARKER}", json.dumps(m).encode())
+
+    def update(objects: list) -> bool:
+        for o in objects:
+            if o["path"] == rel:
+                o.update(size=len(data), crc32c=crc32c(data))
+                o.pop("chunks", None)
+                return True
+        return False
+
+    if not update(m["objects"]):
+        for p in m.get("parts", []):  # format 2: the entry is in its rank's part
+            part = json.loads(get(f"{base}/{p['path']}"))
+            if update(part["objects"]):
+                body = json.dumps(part).encode()
+                put(f"{base}/{p['path']}", body)
+                p.update(size=len(body), crc32c=crc32c(body), bytes=sum(o["size"] for o in part["objects"]))
+                break
+    m["total_bytes"] = sum(o["size"] for o in m["objects"]) + sum(p["size"] + p["bytes"] for p in m.get("parts", []))
+    put(f"{base}/{MARKER}", json.dumps(m).encode())

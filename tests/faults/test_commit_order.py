@@ -1,4 +1,5 @@
-"""The commit marker is the last write of a save, judged by the server-side order of
+"""The commit marker is the last write of a save (after every rank's objects and its
+manifest part ``manifest/rank{R}.json``), judged by the server-side order of
 requests (the fault proxy's log of answered requests), and faults aimed at the marker
 and at the ``latest`` pointer write leave either a committed step or none, never a
 half-committed one. 2 ranks, S3 (SeaweedFS) and GCS (fake-gcs-server)."""
@@ -43,7 +44,9 @@ def test_the_marker_put_starts_after_every_other_write_of_the_step_was_answered(
     assert len(markers) == 1, f"exactly one marker write: {[t for _, t in writes]}"
     marker = markers[0]
     data = [(c, t) for c, t in writes if c is not marker and c.method != "DELETE" and ".lock" not in t]
-    assert len(data) >= 4, f"the shards, .metadata and both train states were written: {[t for _, t in data]}"
+    assert len(data) >= 6, f"the shards, .metadata, both train states and parts were written: {[t for _, t in data]}"
+    parts = {r for r in (0, 1) for _, t in data if f"manifest/rank{r}.json" in t}
+    assert parts == {0, 1}, f"each rank's manifest part is an object of the step, written before the marker: {writes}"
     last_data_end = max(c.end for c, _ in data)
     assert marker.start >= last_data_end, "the marker write started before every other object of the step was stored"
     lock_deletes = [c for c, t in writes if c.method == "DELETE" and ".lock" in t]

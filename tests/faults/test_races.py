@@ -17,7 +17,7 @@ from cloudckpt.storage import open_store
 from cloudckpt.storage import url as urls
 from cloudckpt.testing.faultproxy import Rule
 
-from . import checks
+from . import checks, oracle
 
 
 def _state(who: int) -> dict:
@@ -63,9 +63,8 @@ def _join_all(threads, timeout: float) -> None:
 def _assert_only_the_manifest_and_marker(step: str) -> None:
     """What is stored under the step is exactly the marker's manifest plus the marker (read
     as plain JSON): no object of a losing job, no lock left behind."""
-    marker = json.loads(open_store(step).get_bytes(layout.marker_url(step)))
     listed = set(checks.objects_under(step))  # every file, hidden ones included (the oracle lists them all)
-    assert listed == {o["path"] for o in marker["objects"]} | {layout.MARKER}, \
+    assert listed == oracle.manifest_paths(step) | {layout.MARKER}, \
         f"the step holds objects its manifest does not list, or a lock: {sorted(listed)}"
 
 

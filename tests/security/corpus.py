@@ -64,26 +64,50 @@ class Step:
         self.relist(listed_as or rel, len(data), crc(data))
 
     def relist(self, rel: str, size: int, crc32c: str | None) -> None:
+        def edit(objects: list) -> bool:
+            for o in objects:
+                if o["path"] == rel:
+                    o.update(size=size, crc32c=crc32c)
+                    o.pop("chunks", None)
+                    return True
+            return False
+
+        self._edit_entry(rel, edit, add={"path": rel, "size": size, "crc32c": crc32c})
+
+    def _edit_entry(self, rel: str, edit, add: dict | None = None) -> None:
+        """Apply ``edit(objects)`` to the list that holds ``rel``: the marker's, or (format
+        2) its rank's manifest part, whose reference in the marker is made to match."""
+        from cloudckpt.checkpoint.marker import owner_of
+
         d = self.marker()
-        for o in d["objects"]:
-            if o["path"] == rel:
-                o.update(size=size, crc32c=crc32c)
-                o.pop("chunks", None)
-                break
-        else:
-            d["objects"].append({"path": rel, "size": size, "crc32c": crc32c})
-        d["total_bytes"] = sum(o["size"] for o in d["objects"])
-        d["object_count"] = len(d["objects"])
+        parts = {p["rank"]: p for p in d.get("parts", [])}
+        owner = owner_of(rel)
+        if owner in parts:
+            ref = parts[owner]
+            part = json.loads(self.get(ref["path"]))
+            if not edit(part["objects"]) and add is not None:
+                part["objects"].append(add)
+            body = json.dumps(part).encode()
+            self.store.put_bytes(self.join(self.url, ref["path"]), body)
+            ref.update(size=len(body), crc32c=crc(body), objects=len(part["objects"]),
+                       bytes=sum(o["size"] for o in part["objects"]))
+        elif not edit(d["objects"]) and add is not None:
+            d["objects"].append(add)
+        d["total_bytes"] = sum(o["size"] for o in d["objects"]) + sum(p["size"] + p["bytes"] for p in parts.values())
+        d["object_count"] = len(d["objects"]) + sum(1 + p["objects"] for p in parts.values())
         self.put_marker(d)
 
     def rename(self, old: str, new: str) -> None:
         """Move an object to a new name (the crafted name) and list it under that name."""
         data = self.get(old)
-        d = self.marker()
-        for o in d["objects"]:
-            if o["path"] == old:
-                o["path"] = new
-        self.put_marker(d)
+
+        def edit(objects: list) -> bool:
+            for o in objects:
+                if o["path"] == old:
+                    o["path"] = new
+            return True
+
+        self._edit_entry(old, edit)
         if "\x00" not in new and not new.startswith("/") and ".." not in new.split("/"):
             try:
                 self.store.put_bytes(self.join(self.url, new), data)
@@ -341,21 +365,21 @@ CASES: list[Case] = [
     Case("meta-nested-pickle", "nested", "a pickle gadget as bytes inside the metadata (never unpickled)",
          lambda s, c: edited_metadata(s, nested_pickle_factory(c.sentinel))),
     # --- the marker
-    Case("marker-path-dotdot", "marker", "an object path climbing out with ../",
+    Case("marker-path-dotdot", "part", "an object path climbing out with ../",
          lambda s, c: s.rename(TRAIN, "../../victim")),
-    Case("marker-path-absolute", "marker", "an absolute object path",
+    Case("marker-path-absolute", "part", "an absolute object path",
          lambda s, c: s.rename(TRAIN, os.path.join(c.outside, "victim"))),
-    Case("marker-path-backslash", "marker", "an object path with backslashes",
+    Case("marker-path-backslash", "part", "an object path with backslashes",
          lambda s, c: s.rename(TRAIN, "train\\..\\..\\victim")),
-    Case("marker-path-control", "marker", "an object path with a NUL and an escape character",
+    Case("marker-path-control", "part", "an object path with a NUL and an escape character",
          lambda s, c: s.rename(TRAIN, "train/rank0\x00\x1b.pt")),
-    Case("marker-path-long", "marker", "an object path of 5000 characters",
+    Case("marker-path-long", "part", "an object path of 5000 characters",
          lambda s, c: s.rename(TRAIN, "t/" + "a" * 5000)),
     Case("marker-duplicate", "marker", "the same object path listed twice",
          lambda s, c: _duplicate(s)),
     Case("marker-size-lie", "marker", "the train state declared at 2^40 bytes (allocation bomb)",
          lambda s, c: s.relist(TRAIN, 1 << 40, None)),
-    Case("marker-chunks-overlap", "marker", "item ranges in the manifest overlapping",
+    Case("marker-chunks-overlap", "part", "item ranges in the manifest overlapping",
          lambda s, c: _chunks_overlap(s)),
     Case("marker-json-deep", "marker", "a marker nested 100000 deep (JSON bomb)",
          lambda s, c: s.put_marker(b"[" * 100_000 + b"]" * 100_000)),
@@ -389,14 +413,14 @@ def _duplicate(s: Step) -> None:
 
 
 def _chunks_overlap(s: Step) -> None:
-    d = s.marker()
-    for o in d["objects"]:
-        if o.get("chunks") and len(o["chunks"]) >= 2:
-            o["chunks"][1][0] = o["chunks"][0][0]
-            break
-    else:
+    def edit(objects: list) -> bool:
+        for o in objects:
+            if o.get("chunks") and len(o["chunks"]) >= 2:
+                o["chunks"][1][0] = o["chunks"][0][0]
+                return True
         raise AssertionError("no object with two item chunks")
-    s.put_marker(d)
+
+    s._edit_entry(f"{MODEL}/__0_0.distcp", edit)  # in rank 0's manifest part (format 2)
 
 
 def _byte_item_gadget(s: Step, c: Ctx) -> None:

@@ -29,6 +29,8 @@ ENTRY_POINTS = ["load", "load_pre_download", "resume", "lightning", "cli_inspect
 _PARSES = {
     "metadata": {"load", "load_pre_download", "resume", "lightning", "cli_inspect", "cli_verify", "cli_export"},
     "marker": set(ENTRY_POINTS) - {"cli_gc", "cli_prune"},  # gc and prune leave a step they cannot read alone
+    # an entry of a rank's manifest part (format 2): what reads the parts; list reads markers only
+    "part": set(ENTRY_POINTS) - {"cli_gc", "cli_prune", "cli_list"},
     "train_state": {"load", "load_pre_download", "resume", "lightning", "cli_inspect", "cli_verify"},
     "byte_item": {"load", "load_pre_download", "resume"},  # the Lightning plugin keeps non-tensors in its train state
     "nested": set(),

@@ -1,0 +1,281 @@
+"""The two-level manifest (format 2): each rank's manifest is its own object,
+``manifest/rank{R}.json``, uploaded before the commit; the marker lists the parts with
+their size and CRC32C. A loading rank reads only the parts of the files its plan reads,
+and trusts a part only once it matches the marker. Steps written in format 1 (every
+object in the marker) keep loading and listing unchanged (a step saved by the code
+before parts existed is kept in tests/checkpoint/data/format1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from cloudckpt import Checkpointer
+from cloudckpt.checkpoint import discovery, layout
+from cloudckpt.checkpoint.marker import FORMAT_VERSION, Marker, part_name
+from cloudckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
+from cloudckpt.storage import open_store
+from cloudckpt.storage import url as urls
+from cloudckpt.testing.multiprocess import run_ranks
+from cloudckpt.transfer import crc32c_bytes
+
+from faults import checks
+
+FORMAT1 = os.path.join(os.path.dirname(__file__), "data", "format1")
+
+
+def save_two(rank, world_size, dir, work_dir):
+    """Rank ``rank`` saves its own tensors (``w{rank}``, ``m{rank}``) and a replicated one."""
+    with Checkpointer(work_dir=work_dir) as ck:
+        ck.save(dir, checks.step_state(1, rank, numel=1024), {"step": 1, "rank": rank})
+
+
+@pytest.fixture(scope="module")
+def two_rank_step(tmp_path_factory):
+    """A step saved by 2 ranks into a local folder, copied fresh for each test."""
+    base = tmp_path_factory.mktemp("parts")
+    dir = str(base / "run" / "step1")
+    assert run_ranks(2, save_two, dir, str(base / "w")) == [None, None]
+    return dir
+
+
+@pytest.fixture
+def step(two_rank_step, tmp_path):
+    dir = str(tmp_path / "run" / "step1")
+    shutil.copytree(two_rank_step, dir)
+    return dir
+
+
+def _marker(dir: str) -> dict:
+    with open(os.path.join(dir, layout.MARKER), "rb") as f:
+        return json.loads(f.read())
+
+
+def _write_marker(dir: str, d: dict) -> None:
+    with open(os.path.join(dir, layout.MARKER), "w") as f:
+        json.dump(d, f)
+
+
+def _part(dir: str, rank: int) -> dict:
+    with open(os.path.join(dir, part_name(rank)), "rb") as f:
+        return json.loads(f.read())
+
+
+def _write_part(dir: str, rank: int, d: dict, *, relist: bool = True) -> None:
+    """Write rank ``rank``'s part; ``relist``: make the marker's reference match it."""
+    data = json.dumps(d).encode()
+    with open(os.path.join(dir, part_name(rank)), "wb") as f:
+        f.write(data)
+    if relist:
+        m = _marker(dir)
+        for p in m["parts"]:
+            if p["rank"] == rank:
+                p.update(size=len(data), crc32c=crc32c_bytes(data))
+        _write_marker(dir, m)
+
+
+def _zeros(ranks=(0, 1)) -> dict:
+    return checks.zero_state(2, numel=1024, ranks=ranks)
+
+
+def test_each_rank_has_a_part_and_the_marker_lists_them_with_size_and_crc(step):
+    m = _marker(step)
+    assert m["format_version"] == FORMAT_VERSION == 2
+    assert [p["rank"] for p in m["parts"]] == [0, 1]
+    assert [o["path"] for o in m["objects"]] == [layout.DCP_METADATA], "only the step's own file is in the marker"
+    for p in m["parts"]:
+        with open(os.path.join(step, p["path"]), "rb") as f:
+            data = f.read()
+        assert (p["size"], p["crc32c"]) == (len(data), crc32c_bytes(data))
+        part = json.loads(data)
+        paths = {o["path"] for o in part["objects"]}
+        assert f"train/rank{p['rank']}.pt" in paths
+        assert all(x == f"train/rank{p['rank']}.pt" or x.startswith(f"model_and_optim/__{p['rank']}_") for x in paths)
+        assert p["objects"] == len(part["objects"]) and p["bytes"] == sum(o["size"] for o in part["objects"])
+    full = discovery.read_marker(step)
+    header = discovery.read_header(step)
+    on_disk = {os.path.relpath(os.path.join(d, n), step) for d, _, ns in os.walk(step) for n in ns} - {layout.MARKER}
+    assert {o.path for o in full.objects} == on_disk, "the full manifest lists every object, the parts included"
+    assert header.total_bytes == full.total_bytes and header.object_count == full.object_count == len(on_disk)
+    assert checks.verify_step(step) == [] and checks.library_verify(step)[0] == 0
+
+
+def test_a_rank_reads_only_the_parts_of_the_files_its_plan_reads(step, tmp_path):
+    with Checkpointer(work_dir=str(tmp_path / "w")) as ck:
+        only_w1 = {"model": {"w1": torch.zeros(1024)}}
+        ck.load(step, only_w1, load_trainer_state=False, allow_partial=True)
+        assert ck.last_load_info["parts_read"] == 1, "w1 lies in rank 1's file: one part"
+        assert torch.equal(only_w1["model"]["w1"], checks.step_state(1, 1, numel=1024)["model"]["w1"])
+        sd = _zeros()
+        ts = ck.load(step, sd)
+        assert ck.last_load_info["parts_read"] == 2
+        assert checks.bitexact(sd, 1, 2, numel=1024)
+        assert ts == {"step": 1, "rank": 0}, "the world size changed: rank 0's train state (from part 0)"
+
+
+def test_discovery_and_listing_read_no_part(step, monkeypatch):
+    seen = []
+    real = discovery.StepManifest._read_part
+    monkeypatch.setattr(discovery.StepManifest, "_read_part", lambda self, ref: seen.append(ref) or real(self, ref))
+    folder = os.path.dirname(step)
+    assert Checkpointer.latest_checkpoint(folder) == step
+    assert [s for s, _ in Checkpointer.find_checkpoints(folder)] == [1]
+    assert seen == []
+
+
+def _refused(step: str, tmp_path, match: str, kind=CorruptCheckpoint) -> None:
+    with Checkpointer(work_dir=str(tmp_path / "w")) as ck:
+        with pytest.raises(kind, match=match):
+            ck.load(step, _zeros())
+    with pytest.raises(kind, match=match):
+        discovery.read_marker(step)
+
+
+def test_a_part_that_does_not_match_the_marker_is_refused(step, tmp_path):
+    with open(os.path.join(step, part_name(1)), "ab") as f:
+        f.write(b" ")
+    _refused(step, tmp_path, "manifest part")
+
+
+def test_a_part_listing_another_ranks_file_is_refused(step, tmp_path):
+    p = _part(step, 1)
+    p["objects"].append(dict(_part(step, 0)["objects"][0]))
+    _write_part(step, 1, p)
+    _refused(step, tmp_path, "not a file of that rank|declares", UnsafeCheckpoint)
+
+
+def test_a_part_of_another_step_is_refused(step, tmp_path):
+    p = _part(step, 1)
+    p["step"] = 7
+    _write_part(step, 1, p)
+    _refused(step, tmp_path, "another step", UnsafeCheckpoint)
+
+
+def test_a_part_naming_a_file_outside_the_step_is_refused(step, tmp_path):
+    p = _part(step, 1)
+    p["objects"][0]["path"] = "../step2/train/rank1.pt"
+    _write_part(step, 1, p)
+    _refused(step, tmp_path, r"\.\.", UnsafeCheckpoint)
+
+
+def test_a_part_whose_sizes_disagree_with_the_marker_is_refused(step, tmp_path):
+    p = _part(step, 1)
+    p["objects"][0]["size"] += 1
+    _write_part(step, 1, p)
+    _refused(step, tmp_path, "declares", UnsafeCheckpoint)
+
+
+def test_a_shard_item_past_its_files_size_in_the_part_is_refused_before_reading(step, tmp_path):
+    p = _part(step, 1)
+    shard = next(o for o in p["objects"] if o["path"].endswith(".distcp"))
+    shard["size"] = 1
+    shard.pop("chunks")
+    m = _marker(step)
+    _write_part(step, 1, p)
+    m = _marker(step)
+    m["parts"][1]["bytes"] = sum(o["size"] for o in p["objects"])
+    _write_marker(step, m)
+    with Checkpointer(work_dir=str(tmp_path / "w")) as ck:
+        with pytest.raises(CorruptCheckpoint, match="past the file"):
+            ck.load(step, _zeros())
+
+
+def test_the_marker_refuses_a_part_at_another_name_or_a_ranks_file_beside_the_parts(step):
+    m = _marker(step)
+    m["parts"][1]["path"] = "manifest/rank0.json"
+    with pytest.raises(CorruptCheckpoint, match="rank 1"):
+        Marker.from_bytes(json.dumps(m).encode(), url="x")
+    m = _marker(step)
+    m["objects"].append({"path": "train/rank1.pt", "size": 1, "crc32c": "00000000"})
+    with pytest.raises(UnsafeCheckpoint, match="beside"):
+        Marker.from_bytes(json.dumps(m).encode(), url="x")
+
+
+# ------------------------------------------------------------------ format 1
+def _format1(tmp_path) -> str:
+    folder = str(tmp_path / "old")
+    shutil.copytree(FORMAT1, folder)
+    return os.path.join(folder, "step3")
+
+
+def _format1_state() -> dict:
+    """What the format-1 fixture holds (the generator it was made with)."""
+    g = torch.Generator().manual_seed(3)
+    return {"model": {"w": torch.randn(4, 8, generator=g), "b": torch.arange(8, dtype=torch.float32)},
+            "optim": {"step": torch.tensor(3.0), "m": torch.rand(32, generator=g)}}
+
+
+def test_a_step_written_in_format_1_lists_verifies_and_loads_unchanged(tmp_path):
+    step = _format1(tmp_path)
+    folder = os.path.dirname(step)
+    assert json.loads(open(os.path.join(step, layout.MARKER)).read())["format_version"] == 1
+    assert list(Checkpointer.find_checkpoints(folder)) == [(3, step)]
+    assert Checkpointer.latest_checkpoint(folder) == step
+    m = discovery.read_marker(step)
+    assert m.format_version == 1 and m.parts == () and m.object_count == 4 and m.total_bytes == 9184
+    assert checks.library_verify(step)[0] == 0
+    want = _format1_state()
+    sd = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()},
+          "optim": {k: torch.zeros_like(v) for k, v in want["optim"].items()}}
+    with Checkpointer(work_dir=str(tmp_path / "w")) as ck:
+        ts = ck.load(step, sd)
+        assert ck.last_load_info["parts_read"] == 0
+    assert ts == {"step": 3, "note": "format 1"}
+    for k in ("model", "optim"):
+        for name, t in want[k].items():
+            assert torch.equal(sd[k][name], t), name
+
+
+def test_a_format_1_marker_is_still_refused_when_damaged(tmp_path):
+    step = _format1(tmp_path)
+    path = os.path.join(step, "model_and_optim", "__0_0.distcp")
+    with open(path, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0x5A]))
+    with Checkpointer(work_dir=str(tmp_path / "w")) as ck:
+        with pytest.raises(CorruptCheckpoint, match="CRC32C"):
+            ck.load(step, {"model": {"w": torch.zeros(4, 8), "b": torch.zeros(8)},
+                           "optim": {"step": torch.tensor(0.0), "m": torch.zeros(32)}})
+
+
+def test_s3_a_step_in_parts_round_trips_and_its_parts_are_objects_of_the_step(s3_bucket, tmp_path):
+    dir = urls.join(s3_bucket, "run", "step2")
+    with Checkpointer(work_dir=str(tmp_path / "w")) as ck:
+        marker = ck.save(dir, checks.step_state(2, 0, numel=1024), {"step": 2})
+        assert [p.rank for p in marker.parts] == [0]
+        sd = checks.zero_state(1, numel=1024)
+        assert ck.load(dir, sd) == {"step": 2}
+        assert ck.last_load_info["parts_read"] == 1 and checks.bitexact(sd, 2, 1, numel=1024)
+    store = open_store(dir)
+    assert store.exists(urls.join(dir, part_name(0)))
+    assert checks.verify_step(dir) == []
+
+
+# ------------------------------------------------------------------ no silent skip
+def test_a_newest_marker_over_the_readers_cap_is_a_loud_error_never_an_older_step(tmp_path, monkeypatch):
+    from cloudckpt import CheckpointConfig
+    from cloudckpt.errors import CheckpointError
+
+    folder = str(tmp_path / "run")
+    with Checkpointer(work_dir=str(tmp_path / "w")) as ck:
+        ck.save(layout.step_dir(folder, 1), checks.step_state(1, 0, numel=64), {"step": 1})
+        ck.save(layout.step_dir(folder, 10), checks.step_state(2, 0, numel=64), {"step": 10})
+    size2 = os.path.getsize(os.path.join(layout.step_dir(folder, 10), layout.MARKER))
+    monkeypatch.setattr(discovery, "MAX_MARKER_BYTES", size2 - 1)  # step 10's marker (one digit longer) is over the cap
+    assert os.path.getsize(os.path.join(layout.step_dir(folder, 1), layout.MARKER)) < size2, "step 1's fits"
+    with pytest.raises(UnsafeCheckpoint, match="load_step") as ei:
+        Checkpointer.latest_checkpoint(folder)
+    assert layout.step_dir(folder, 10) in str(ei.value)
+    mgr = CheckpointConfig(save_folder=folder, work_dir=str(tmp_path / "w2"), save_interval=1).build()
+    try:
+        with pytest.raises(CheckpointError, match="step10"):
+            mgr.resume(checks.zero_state(1, numel=64))
+    finally:
+        mgr.close()
+    assert [s for s, _ in Checkpointer.find_checkpoints(folder)] == [1], "listing shows what it can read"
