@@ -160,3 +160,28 @@ def test_smoke_local_tier_bench_recovers_bit_exactly_from_peers(tmp_path):
     row = json.loads((tmp_path / "local_tier_smoke.json").read_text())["row"]
     assert row["recovered_from"] == ["local", 1] and row["bit_exact"] and row["fetched_bytes_node1"] > 0
     assert all(row[k] > 0 for k in ("copy_s", "local_blocked_s", "bucket_s", "replicated_s", "recover_local_s"))
+
+
+@pytest.mark.slow  # six phases in their own processes and two real gloo ranks: about two minutes
+def test_smoke_scale_runs_every_phase_and_agrees_with_real_ranks(tmp_path):
+    """``bench/scale.py --quick --confirm``: the small shape at R = 4, every phase run by
+    the library's code (save protocol, resume, load prologue, stock pickle, maintenance)
+    without an error, and the simulation's AGREE bytes and marker size matching a real
+    2-rank gloo save of the same shape (within a few bytes of timestamps and ids)."""
+    p = subprocess.run([sys.executable, "-m", "bench.scale", "--quick", "--confirm", "--out-dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((tmp_path / "scale_quick.json").read_text())
+    (row,) = res["rows"]
+    for phase in ("inputs", "save", "resume", "load", "stock", "maintain_N3"):
+        assert "error" not in row[phase], (phase, row[phase])
+    assert row["save"]["marker_bytes"] > 0 and row["load"]["items_to_read"] > 0
+    assert row["stock"]["items"] == row["inputs"]["items"] == row["items"]
+    m = row["maintain_N3"]
+    assert m["fresh"]["pruned"] == m["steady"]["pruned"] == 1 and m["steady"]["store_calls"] <= 10, m
+    (c,) = res["confirm"]
+    real = [r["agree_received_bytes"] for r in c["real"]]
+    sim = c["sim"]["agree_received_bytes"]
+    assert abs(real[0] - sim) <= 0.05 * max(real[0], 1) + 16, (real, sim)
+    assert abs(c["real"][0]["marker_bytes"] - c["sim"]["marker_bytes"]) <= 0.05 * c["sim"]["marker_bytes"], c
+    assert "| 4 |" in (tmp_path / "scale_quick.md").read_text()
