@@ -164,25 +164,26 @@ class CheckpointManager:
                     got["ts"] = self.checkpointer.load(dir, state_dict, **load_kwargs)
                     return None
                 except CorruptCheckpoint as e:
-                    return " ".join(str(e).split())[:500]
+                    return type(e).__name__, " ".join(str(e).split())[:500]
 
-            failed = {r: t for r, t in enumerate(self.coord.all_ranks(f"load {dir}", attempt)) if t}
+            failed = {r: o for r, o in enumerate(self.coord.all_ranks(f"load {dir}", attempt)) if o}
             if not failed:
                 self._decide_steps_above(dir, explicit=explicit)
                 return dir, got["ts"]
             step = layout.parse_step_dir(dir)
-            reason = "; ".join(f"rank {r}: {t}" for r, t in sorted(failed.items())[:3]) + \
+            reason = "; ".join(f"rank {r}: {t}" for r, (_, t) in sorted(failed.items())[:3]) + \
                 (f" (and {len(failed) - 3} more ranks)" if len(failed) > 3 else "")
+            kind = _corrupt_class(failed[min(failed)][0])  # the first failing rank's class, on every rank
             if explicit or self.config.strict_resume:
                 why = f"load_step={step} was asked for" if explicit else "strict_resume=True"
-                raise CorruptCheckpoint(f"{dir} fails its checks ({reason}); not falling back to an older step "
-                                        f"because {why}: restore the step, or resume from an older one with "
-                                        "load_step=N (cloudckpt list shows them)")
+                raise kind(f"{dir} fails its checks ({reason}); not falling back to an older step "
+                           f"because {why}: restore the step, or resume from an older one with "
+                           "load_step=N (cloudckpt list shows them)")
             older = self.coord.on_coordinator("find older step", lambda: _newest_committed_below(self.save_location, step))
             self.skipped_steps += (SkippedStep(step, dir, reason),)
             if older is None:
-                raise CorruptCheckpoint(f"{dir} fails its checks ({reason}) and no older committed step exists to "
-                                        "fall back to: restore the step, or start the run afresh in a new save_folder")
+                raise kind(f"{dir} fails its checks ({reason}) and no older committed step exists to "
+                           "fall back to: restore the step, or start the run afresh in a new save_folder")
             if self.coord.is_coordinator:
                 log.error("resume: %s fails its checks (%s); falling back to the previous committed step %s. "
                           "Set strict_resume=True to stop instead; `cloudckpt verify %s` shows what is wrong",
@@ -438,3 +439,11 @@ def _newest_committed_below(folder: Location, step: int) -> str | None:
         if s < step and discovery.dir_is_checkpoint(folder.at(d)):
             return d
     return None
+
+
+def _corrupt_class(name: str) -> type[CorruptCheckpoint]:
+    """The CorruptCheckpoint subclass of cloudckpt.errors called ``name`` (else CorruptCheckpoint)."""
+    from .. import errors
+
+    cls = getattr(errors, name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, CorruptCheckpoint) else CorruptCheckpoint
