@@ -23,6 +23,8 @@ from typing import Callable
 import google_crc32c
 import torch
 
+from .tries import honest_state, zero_state  # the honest step every case starts from
+
 MODEL = "model_and_optim"
 META = f"{MODEL}/.metadata"
 TRAIN = "train/rank0.pt"
@@ -30,16 +32,6 @@ TRAIN = "train/rank0.pt"
 
 def crc(data: bytes) -> str:
     return f"{google_crc32c.value(data):08x}"
-
-
-def honest_state() -> dict:
-    g = torch.Generator().manual_seed(1)
-    return {"model": {"w": torch.randn(64, generator=g), "b": torch.randn(8, generator=g)},
-            "optim": {"m": torch.randn(64, generator=g)}, "extra": {"n": 3}}
-
-
-def zero_state() -> dict:
-    return {"model": {"w": torch.zeros(64), "b": torch.zeros(8)}, "optim": {"m": torch.zeros(64)}, "extra": {"n": 0}}
 
 
 class Step:
@@ -404,6 +396,63 @@ CASES: list[Case] = [
     Case("link-as-pointer", "link", "the latest pointer replaced by a link to a file outside",
          lambda s, c: _link_pointer(c), local_only=True),
 ]
+
+
+# ------------------------------------------------------------------ expected outcomes
+CORPUS_ENTRIES = ["load", "load_pre_download", "resume", "lightning", "cli_inspect", "cli_verify", "cli_export",
+                  "cli_download", "cli_list", "cli_gc", "cli_prune"]
+
+# which entry points parse which crafted part (the rest never read it: ok)
+_PARSES = {
+    "metadata": {"load", "load_pre_download", "resume", "lightning", "cli_inspect", "cli_verify", "cli_export"},
+    "marker": set(CORPUS_ENTRIES) - {"cli_gc", "cli_prune"},  # gc and prune leave a step they cannot read alone
+    # an entry of a rank's manifest part (format 2): what reads the parts; list reads markers only
+    "part": set(CORPUS_ENTRIES) - {"cli_gc", "cli_prune", "cli_list"},
+    "train_state": {"load", "load_pre_download", "resume", "lightning", "cli_inspect", "cli_verify"},
+    "byte_item": {"load", "load_pre_download", "resume"},  # the Lightning plugin keeps non-tensors in its train state
+    "nested": set(),
+}
+_OVERRIDES = {
+    # only the train state's declared size lies: readers of the train state refuse, and so do
+    # verify and download (size compare); export and list do not read it
+    "marker-size-lie": {"load", "load_pre_download", "resume", "lightning", "cli_inspect", "cli_verify", "cli_download"},
+    "link-as-step": set(),  # step1 itself is honest; the link beside it is never followed (see test_links)
+    "link-as-shard": {"load", "load_pre_download", "resume", "lightning", "cli_verify", "cli_export", "cli_download"},
+    "link-as-train-dir": {"load", "load_pre_download", "resume", "lightning", "cli_inspect", "cli_verify",
+                          "cli_download"},
+    "link-as-pointer": set(),  # the pointer is only a hint: discovery lists instead of following it
+}
+
+
+def expected(case: Case, entry: str) -> str:
+    """"refused" (a typed error; resume and list: the step is not used) or "ok" (that
+    entry point does not read the crafted part)."""
+    refusing = _OVERRIDES.get(case.name, _PARSES.get(case.target, set()))
+    return "refused" if entry in refusing else "ok"
+
+
+def entry_point(tmp: str, step: str, folder: str, entry: str, honest: bool) -> dict:
+    """Run in the sandbox by test_corpus: ``entry`` on the crafted ``step``. Returns
+    ``{"outcome": "ok" | "refused", "message": ..., "polluted": ...}``; a refusal is
+    CorruptCheckpoint, NotACheckpoint, a CLI exit 1 or 3, or the step not being used;
+    any other error escapes (the test fails with the sandbox's result)."""
+    from torch.distributed.checkpoint import metadata as dcp_md
+
+    from cloudckpt.errors import CorruptCheckpoint, NotACheckpoint
+
+    from .tries import CliRefused, NotUsed, run_entry
+
+    repr_before = dcp_md.Metadata.__dict__.get("__repr__")
+    try:
+        outcome, message = "ok", run_entry(entry, step=step, folder=folder, tmp=tmp, check_honest=honest)
+    except (CorruptCheckpoint, NotACheckpoint, NotUsed) as e:
+        outcome, message = "refused", f"{type(e).__name__}: {e}"
+    except CliRefused as e:
+        if e.code not in (1, 3):
+            raise
+        outcome, message = "refused", str(e)
+    return {"outcome": outcome, "message": message[:4000],
+            "polluted": dcp_md.Metadata.__dict__.get("__repr__") is not repr_before}
 
 
 def _duplicate(s: Step) -> None:

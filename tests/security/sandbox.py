@@ -4,10 +4,12 @@ untyped, crashed (a signal such as SIGSEGV), ran out of memory (a bomb) or hung.
 
 A try is ``"package.module:function"`` called with keyword arguments that are plain
 JSON. It runs in a grandchild forked from a *zygote*: one long-lived child of the test
-process that imported torch, numpy, boto3 and cloudckpt once and started no threads of
-its own, so each try costs a fork (tens of milliseconds) instead of a Python start-up
-with torch (seconds), and a try never shares state with the test process or with
-another try.
+process that imported torch, numpy, boto3 and every module of cloudckpt once (with
+Lightning and transformers), built the S3 client, and started no threads of its own, so
+each try costs a fork (milliseconds) instead of a Python start-up with torch (seconds),
+and a try never shares state with the test process or with another try. The tries of
+one sandbox share a cache folder (``$HOSTILE_TRIES_CACHE``, removed by ``close``)
+for what is worth building once, such as the honest step of ``tries.honest_step``.
 
     with Sandbox() as sb:
         r = sb.run("tests.security.hostile_x:load_step", step="/tmp/x/step1", work="/tmp/w")
@@ -28,6 +30,8 @@ from __future__ import annotations
 import json
 import os
 import resource
+import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,6 +46,8 @@ OUTCOMES = (OK, REFUSED, UNTYPED, CRASH, BOMB, HANG)
 AS_LIMIT = 4 << 30  # the address space a try may map (the issue's reproduction used 4 GiB)
 RSS_LIMIT = 1536 << 20  # peak resident memory above which a try that returned still counts as a bomb
 TIMEOUT = 60.0  # seconds of wall clock per try
+WARM_UP_ENV = "HOSTILE_TRIES_WARM_UP"
+CACHE_ENV = "HOSTILE_TRIES_CACHE"  # the sandbox's shared cache folder (not CLOUDCKPT_*: those are config overrides)
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -54,6 +60,7 @@ class Result:
     value: object = None  # what the function returned, if JSON-able (else its repr)
     seconds: float = 0.0
     max_rss_mb: float = 0.0
+    cpu_seconds: float = 0.0  # user + system CPU time of the try (its own process and what it waited for)
     output: str = field(default="", repr=False)  # stdout+stderr of the try (last 4 KiB)
 
     def __str__(self) -> str:
@@ -64,14 +71,23 @@ class Result:
 class Sandbox:
     """A zygote process and the tries run through it (one at a time)."""
 
-    def __init__(self, *, env: dict[str, str] | None = None):
+    def __init__(self, *, env: dict[str, str] | None = None, warm_up: str | None = None):
+        """``warm_up``: a ``"module:function"`` the zygote calls once before it forks any try
+        (e.g. a save and a load in a scratch folder, so that lazy initialisations happen
+        once); it must leave no thread running (the zygote refuses to start otherwise)."""
         e = dict(os.environ)
         e.update(env or {})
         e["PYTHONPATH"] = os.pathsep.join([str(_REPO), str(_REPO / "tests"), e.get("PYTHONPATH", "")])
+        # a folder the tries of this sandbox share for things worth building once (tries.honest_step)
+        self.cache = tempfile.mkdtemp(prefix="cloudckpt-sandbox-cache-")
+        e[CACHE_ENV] = self.cache
+        if warm_up:
+            e[WARM_UP_ENV] = warm_up
         self._proc = subprocess.Popen([sys.executable, "-m", "tests.security.sandbox"], cwd=_REPO, env=e,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         ready = self._proc.stdout.readline()
         if ready.strip() != "ready":
+            self.close()
             raise RuntimeError(f"the sandbox zygote did not start: {ready!r}")
 
     def run(self, target: str, *, timeout: float = TIMEOUT, as_limit: int = AS_LIMIT, rss_limit: int = RSS_LIMIT,
@@ -94,6 +110,8 @@ class Sandbox:
                 self._proc.wait(10)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
+                self._proc.wait()
+        shutil.rmtree(self.cache, ignore_errors=True)
 
     def __enter__(self) -> "Sandbox":
         return self
@@ -150,6 +168,32 @@ def _child(req: dict, result_path: str, log_fd: int) -> None:
     os._exit(0)
 
 
+def _wait(pid: int, deadline: float):
+    """(status, rusage, hung) of the child ``pid``, killed at ``deadline``. Wakes up the
+    moment the child exits (a pidfd), not on a polling tick."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd (old kernel): poll
+        fd = None
+    try:
+        while True:
+            wpid, st, ru = os.wait4(pid, os.WNOHANG)
+            if wpid == pid:
+                return st, ru, False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                os.kill(pid, signal.SIGKILL)
+                _, st, ru = os.wait4(pid, 0)
+                return st, ru, True
+            if fd is None:
+                time.sleep(min(0.01, left))
+            else:
+                select.select([fd], [], [], left)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def _serve_one(req: dict) -> dict:
     tmp = tempfile.mkdtemp(prefix="cloudckpt-sandbox-")
     result_path, log_path = os.path.join(tmp, "result.json"), os.path.join(tmp, "log.txt")
@@ -162,24 +206,14 @@ def _serve_one(req: dict) -> dict:
         finally:
             os._exit(99)
     os.close(log_fd)
-    status, rusage, hung = None, None, False
-    while True:
-        wpid, st, ru = os.wait4(pid, os.WNOHANG)
-        if wpid == pid:
-            status, rusage = st, ru
-            break
-        if time.monotonic() - t0 > req["timeout"]:
-            os.kill(pid, signal.SIGKILL)
-            _, status, rusage = os.wait4(pid, 0)
-            hung = True
-            break
-        time.sleep(0.01)
+    status, rusage, hung = _wait(pid, t0 + req["timeout"])
     seconds = time.monotonic() - t0
     with open(log_path, "rb") as f:
         f.seek(max(0, os.path.getsize(log_path) - 4096))
         output = f.read().decode("utf-8", "replace")
     max_rss_mb = rusage.ru_maxrss / 1024 if rusage else 0.0
-    res: dict = {"seconds": seconds, "max_rss_mb": max_rss_mb, "output": output}
+    cpu = rusage.ru_utime + rusage.ru_stime if rusage else 0.0
+    res: dict = {"seconds": seconds, "max_rss_mb": max_rss_mb, "cpu_seconds": cpu, "output": output}
     if hung:
         res.update(outcome=HANG, message=f"still running after {req['timeout']} s")
     elif os.WIFSIGNALED(status):
@@ -199,18 +233,72 @@ def _serve_one(req: dict) -> dict:
     return res
 
 
+def _warm() -> None:
+    """Import every module of cloudckpt (and what its integrations import: Lightning,
+    transformers) and build the S3 client once, so that a try pays only for its fork
+    and its own work. Nothing here starts a thread or opens a connection: a forked
+    child must not inherit either."""
+    import importlib
+    import pkgutil
+    import threading
+
+    import cloudckpt
+
+    for m in pkgutil.walk_packages(cloudckpt.__path__, "cloudckpt."):
+        if m.name.startswith("cloudckpt.testing") or m.name.endswith("__main__"):
+            continue
+        try:
+            importlib.import_module(m.name)
+        except Exception:  # noqa: BLE001 - an optional package not installed, or a module that does not
+            pass  # import now: warming up is only for speed, the tries that use it will say what is wrong
+    if os.environ.get("AWS_ENDPOINT_URL"):
+        from cloudckpt.storage import open_store
+
+        open_store("s3://sandbox-warm-up").client  # noqa: B018 - the client is built lazily
+    target = os.environ.pop(WARM_UP_ENV, "")
+    if target:
+        mod, fn = target.split(":")
+        getattr(importlib.import_module(mod), fn)()
+    if threading.active_count() != 1:
+        raise RuntimeError(f"the sandbox zygote started threads while warming up: {threading.enumerate()}")
+
+
+def _log_handler():
+    """Log records of a try carry their exception's type and message, not the traceback:
+    Python 3.11 parses the source of every frame to underline it, which cost a tenth of
+    a try that logs two warnings with exc_info. What escapes a try is in its result."""
+    import logging
+    import traceback
+
+    class Formatter(logging.Formatter):
+        def formatException(self, ei) -> str:  # noqa: N802 - logging's name
+            return "".join(traceback.format_exception_only(ei[0], ei[1])).rstrip()
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(Formatter("%(levelname)s %(name)s: %(message)s"))
+    return handler
+
+
 def _zygote() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, handlers=[_log_handler()])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import boto3  # noqa: F401 - imported once here so each try only forks
     import numpy  # noqa: F401
     import torch  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
 
-    import cloudckpt  # noqa: F401
-    import cloudckpt.cli  # noqa: F401
+    _warm()
 
     # the zygote's own stdout is the protocol; a try writes to its log file instead
     proto = os.fdopen(os.dup(1), "w", buffering=1)
+    # what the zygote holds is never collected by a try's garbage collector: a collection
+    # walks (writes) every tracked object, which makes the child copy the pages it shares
+    import gc
+
+    gc.collect()
+    gc.freeze()
     proto.write("ready\n")
     for line in sys.stdin:
         if not line.strip():
