@@ -28,7 +28,6 @@ memory at once; only safetensors is strictly streaming.
 from __future__ import annotations
 
 import ctypes
-import io
 import json
 import logging
 import math
@@ -44,12 +43,11 @@ import torch
 
 from .checkpoint import layout, step_files
 from .config import default_work_dir
-from .checkpoint.marker import Marker
 from .errors import AlreadyExists, ConfigError, CorruptCheckpoint, MissingKeys
 from .storage import Location, StorageOptions, Where
 from .storage import url as urls
 from .transfer import TransferConfig, TransferEngine, crc32c_bytes
-from .untrusted.plain import load_tensor
+from .dcp.items import decode_item_tensor
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +122,7 @@ def _plan(metadata, key_prefix: str, dtype: torch.dtype | None, *, safetensors: 
         src = md.properties.dtype
         out = dtype if (dtype is not None and src.is_floating_point) else src
         if safetensors and out not in SAFETENSORS_DTYPES:
-            raise ConfigError(f"{fqn} has dtype {out}, which safetensors cannot store; use fmt='torch'")
+            raise ConfigError(f"{fqn!r} has dtype {out}, which safetensors cannot store; use fmt='torch'")
         entries.append(_Entry(fqn[len(prefix):], fqn, tuple(md.size), src, out, tuple(md.chunks)))
     if not entries:
         tops = sorted({k.split(".", 1)[0] for k in metadata.state_dict_metadata})
@@ -141,17 +139,24 @@ class _TensorReader:
     Reads go straight to the store (its SDK retries throttling and transient
     errors), not through the transfer engine: the engine's futures keep their
     result alive until Python's cyclic garbage collector runs, which would let
-    tensors already written pile up in memory."""
+    tensors already written pile up in memory.
 
-    def __init__(self, step: Location, marker: Marker, metadata, pool: ThreadPoolExecutor, *, verify: bool,
-                 piece_size: int, on_bytes=None):
-        self.model_url = step.join(layout.MODEL_DIR).url
-        self.store = step.store
+    What it allocates is bounded by the checkpoint: the metadata was validated
+    (``untrusted.validate_metadata``: a tensor's chunks are distinct, disjoint, inside
+    it and cover it, each backed by an item at least its size), so the assembled
+    tensor is never larger than the items read for it and no part of it is left
+    unwritten; each decoded item must be a dense CPU tensor of the chunk's dtype and
+    element count (``dcp.items.check_item_tensor``)."""
+
+    def __init__(self, folder_url: str, store, metadata, pool: ThreadPoolExecutor, *, checksums: dict,
+                 verify: bool, piece_size: int, on_bytes=None):
+        self.model_url = folder_url
+        self.store = store
         self.metadata = metadata
         self.pool = pool
         self.verify = verify
         self.piece_size = piece_size
-        self.checksums = step_files.item_checksums(marker)
+        self.checksums = checksums
         self.on_bytes = on_bytes
         self.bytes_read = 0
 
@@ -170,30 +175,35 @@ class _TensorReader:
         del parts
         return data
 
-    def read(self, e: _Entry) -> torch.Tensor:
+    def read_item(self, fqn: str, offsets) -> tuple[bytes, str]:
+        """The checked bytes of the item of ``fqn`` at ``offsets`` (None: a byte item), and its URL."""
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
+        info = self.metadata.storage_data[MetadataIndex(fqn, offsets)]
+        url = urls.join(self.model_url, info.relative_path)
+        if getattr(info, "transform_descriptors", None):
+            raise CorruptCheckpoint(f"{url}: the item of {fqn!r} uses stream transforms, which cloudckpt does not support")
+        data = self._read_range(url, info.offset, info.length)
+        if len(data) != info.length:
+            raise CorruptCheckpoint(f"{url}: expected {info.length} bytes at offset {info.offset}, got {len(data)}; it is truncated")
+        want = self.checksums.get(info.relative_path, {}).get((info.offset, info.length))
+        if self.verify and want is not None and crc32c_bytes(data) != want:
+            raise CorruptCheckpoint(f"{url}: CRC32C mismatch in bytes [{info.offset}, {info.offset + info.length}) of "
+                                    f"{fqn!r}; the object is corrupt: restore it or export an older step")
+        self.bytes_read += len(data)
+        if self.on_bytes is not None:
+            self.on_bytes(len(data))
+        return data, url
+
+    def read(self, e: _Entry) -> torch.Tensor:
         full = None
         for chunk in e.chunks:
-            info = self.metadata.storage_data[MetadataIndex(e.fqn, chunk.offsets)]
-            if getattr(info, "transform_descriptors", None):
-                raise CorruptCheckpoint(f"{e.fqn}: stream transforms {info.transform_descriptors} are not supported by cloudckpt")
-            url = urls.join(self.model_url, info.relative_path)
-            data = self._read_range(url, info.offset, info.length)
-            if len(data) != info.length:
-                raise CorruptCheckpoint(f"{url}: expected {info.length} bytes at offset {info.offset}, got {len(data)}; it is truncated")
-            want = self.checksums.get(info.relative_path, {}).get((info.offset, info.length))
-            if self.verify and want is not None and crc32c_bytes(data) != want:
-                raise CorruptCheckpoint(f"{url}: CRC32C mismatch in bytes [{info.offset}, {info.offset + info.length}) of {e.fqn}; "
-                                        "the object is corrupt: restore it or export an older step")
-            self.bytes_read += len(data)
-            if self.on_bytes is not None:
-                self.on_bytes(len(data))
-            part = load_tensor(io.BytesIO(data), url=url, fqn=e.fqn)
+            data, url = self.read_item(e.fqn, chunk.offsets)
+            part = decode_item_tensor(data, url=url, fqn=repr(e.fqn))
             del data
-            if not isinstance(part, torch.Tensor) or part.numel() != math.prod(chunk.sizes):
-                raise CorruptCheckpoint(f"{url}: the item of {e.fqn} at offsets {list(chunk.offsets)} does not hold a "
-                                        f"tensor of {list(chunk.sizes)}")
+            if part.dtype != e.src_dtype or part.numel() != math.prod(chunk.sizes):
+                raise CorruptCheckpoint(f"{url}: the item of {e.fqn!r} at offsets {list(chunk.offsets)} does not hold a "
+                                        f"{e.src_dtype} tensor of {list(chunk.sizes)}")
             if tuple(chunk.sizes) == e.shape and len(e.chunks) == 1:
                 return part
             if full is None:
@@ -204,6 +214,31 @@ class _TensorReader:
         if full is None:  # a tensor with no chunks has no elements
             full = torch.empty(e.shape, dtype=e.src_dtype)
         return full
+
+
+def read_dcp_state(folder: Location, metadata, *, checksums: dict | None = None, verify: bool = True,
+                   piece_size: int = 32 * _MiB) -> dict[str, Any]:
+    """Every value of the DCP folder ``folder`` (its validated ``metadata``) as a flat
+    ``{fqn: tensor or value}``: tensors assembled from their chunks as export reads
+    them, byte items unpickled by ``untrusted.load_plain``. Holds the whole state in
+    memory once; what it allocates is bounded by the items' bytes (see _TensorReader).
+    Raises CorruptCheckpoint / UnsafeCheckpoint, storage errors."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .untrusted import load_plain
+
+    out: dict[str, Any] = {}
+    with ThreadPoolExecutor(max_workers=4, thread_name_prefix="cloudckpt-read") as pool:
+        reader = _TensorReader(folder.url, folder.store, metadata, pool, checksums=checksums or {}, verify=verify,
+                               piece_size=piece_size)
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                out[fqn] = reader.read(_Entry(fqn, fqn, tuple(md.size), md.properties.dtype, md.properties.dtype,
+                                              tuple(md.chunks)))
+            else:
+                data, url = reader.read_item(fqn, None)
+                out[fqn] = load_plain(data, url=url, what="DCP byte item")
+    return out
 
 
 def _stored_bytes(metadata, entries: list[_Entry]) -> int:
@@ -243,7 +278,7 @@ def _write_safetensors(f: BinaryIO, entries: list[_Entry], reader: _TensorReader
     for e in entries:
         t = _cast(reader.read(e), e.dtype)
         if _write_tensor(f, t) != e.nbytes:
-            raise CorruptCheckpoint(f"{e.fqn}: read {tuple(t.shape)} {t.dtype}, the metadata says {e.shape} {e.dtype}")
+            raise CorruptCheckpoint(f"{e.fqn!r}: read {tuple(t.shape)} {t.dtype}, the metadata says {e.shape} {e.dtype}")
         del t
 
 
@@ -323,8 +358,9 @@ def export_weights(
     try:
         if read_progress is not None:
             read_progress.start(_stored_bytes(metadata, entries))
-        reader = _TensorReader(step, marker, metadata, pool, verify=verify_checksums, piece_size=piece_size,
-                               on_bytes=read_progress.update if read_progress is not None else None)
+        reader = _TensorReader(step.join(layout.MODEL_DIR).url, step.store, metadata, pool,
+                               checksums=step_files.item_checksums(marker), verify=verify_checksums,
+                               piece_size=piece_size, on_bytes=read_progress.update if read_progress is not None else None)
         with open(tmp, "xb") as f:
             if fmt == "safetensors":
                 _write_safetensors(f, entries, reader, meta)

@@ -7,8 +7,13 @@ storage's bytes start, and one single-threaded memcpy moves the bytes the target
 needs from the fetched buffer into the target's memory. It is taken when the
 stored view and the target are contiguous, have the same dtype and shape, the
 target is a plain CPU tensor, the storage record is uncompressed and in this
-machine's byte order. Anything else takes the general path: ``torch.load`` the
-tensor, narrow it, ``target.copy_``.
+machine's byte order. Anything else takes the general path: ``untrusted.load_tensor``
+the tensor, narrow it, ``target.copy_``.
+
+An item is a checkpoint's bytes: before either path uses what it decoded,
+``check_item_tensor`` requires a dense CPU tensor (not on the meta device, whose
+data pointer is 0; not sparse, quantized or nested) whose dimensions hold the part
+the plan reads. Anything else is a CorruptCheckpoint naming the item.
 
 Why: the general path copies every byte twice (into the loaded storage, then
 into the target) and ``copy_`` runs on torch's OpenMP pool, whose threads
@@ -28,7 +33,7 @@ import zipfile
 import torch
 
 from .._torch_compat import narrow_tensor_by_index
-from ..errors import CorruptCheckpoint
+from ..errors import CloudCkptError, CorruptCheckpoint
 from ..untrusted.plain import load_tensor
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header (30 bytes)
@@ -77,14 +82,48 @@ def load_tensor_into(data: memoryview, storage_offsets, lengths, target: torch.T
     into ``target`` (same shape). Returns True if the direct path was taken."""
     if _direct(data, storage_offsets, lengths, target):
         return True
-    tensor = load_tensor(BufferReader(data), url=url, fqn=fqn)
-    if not isinstance(tensor, torch.Tensor):
-        raise CorruptCheckpoint(f"{url}: the item of {fqn} holds a {type(tensor).__name__}, not a tensor")
+    tensor = decode_item_tensor(data, url=url, fqn=fqn)
+    if not _holds(tensor, storage_offsets, lengths):
+        raise CorruptCheckpoint(f"{url}: the item of {fqn} holds a tensor of shape {tuple(tensor.shape)}, which does "
+                                f"not hold the part at offsets {list(storage_offsets)} of sizes {list(lengths)}")
     tensor = narrow_tensor_by_index(tensor, storage_offsets, lengths)
     if target.size() != tensor.size():
         raise CorruptCheckpoint(f"{url}: {fqn} has shape {tuple(tensor.size())}, expected {tuple(target.size())}")
     target.copy_(tensor)
     return False
+
+
+def decode_item_tensor(data, *, url: str, fqn: str) -> torch.Tensor:
+    """The tensor of one DCP item (``torch.save`` bytes), checked by ``check_item_tensor``."""
+    try:
+        tensor = load_tensor(BufferReader(data if isinstance(data, memoryview) else memoryview(data)), url=url, fqn=fqn)
+    except CloudCkptError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the item's bytes are the checkpoint's: any failure is a bad item
+        raise CorruptCheckpoint(f"{url}: the item of {fqn} cannot be decoded ({type(e).__name__}); "
+                                "the checkpoint is damaged or was not written by DCP") from None
+    return check_item_tensor(tensor, url=url, fqn=fqn)
+
+
+def check_item_tensor(tensor, *, url: str, fqn: str) -> torch.Tensor:
+    """``tensor`` if it is a dense tensor in CPU memory (what DCP writes); else
+    CorruptCheckpoint. A meta tensor has no data (its pointer is 0), a sparse,
+    quantized or nested one is not a block of elements that can be copied or written."""
+    if not isinstance(tensor, torch.Tensor):
+        raise CorruptCheckpoint(f"{url}: the item of {fqn} holds a {type(tensor).__name__}, not a tensor")
+    if type(tensor) not in _PLAIN or tensor.device.type != "cpu" or tensor.layout != torch.strided \
+            or tensor.is_quantized or tensor.is_nested:
+        raise CorruptCheckpoint(f"{url}: the item of {fqn} holds a {tensor.layout} tensor on the "
+                                f"{tensor.device.type} device; DCP items are dense CPU tensors: the checkpoint "
+                                "was tampered with")
+    return tensor
+
+
+def _holds(tensor: torch.Tensor, storage_offsets, lengths) -> bool:
+    """Whether ``tensor`` has the dimensions and extent for the part to be narrowed."""
+    shape = tensor.shape
+    return len(shape) == len(lengths) == len(storage_offsets) and all(
+        0 <= o and o + n <= s for o, n, s in zip(storage_offsets, lengths, shape))
 
 
 def _direct(data: memoryview, storage_offsets, lengths, target: torch.Tensor) -> bool:
@@ -98,14 +137,15 @@ def _direct(data: memoryview, storage_offsets, lengths, target: torch.Tensor) ->
         meta = torch.load(BufferReader(data), map_location="meta", weights_only=True)
     except Exception:  # noqa: BLE001 - not a plain tensor item: the general path reports what it is
         return False
-    if type(meta) is not torch.Tensor or meta.untyped_storage().nbytes() != size:
-        return False
+    if type(meta) is not torch.Tensor or meta.layout != torch.strided or meta.is_quantized \
+            or meta.untyped_storage().nbytes() != size or not _holds(meta, storage_offsets, lengths):
+        return False  # the general path checks and reports it
     view = narrow_tensor_by_index(meta, storage_offsets, lengths)
     if view.dtype != target.dtype or view.size() != target.size() or not view.is_contiguous():
         return False
     n = view.numel() * view.element_size()
     first = start + view.storage_offset() * view.element_size()
-    if first + n > start + size:
+    if view.storage_offset() < 0 or first + n > start + size:
         return False
     if n:
         _from_memory(target.data_ptr(), n, _PyBUF_WRITE)[:] = data[first: first + n]

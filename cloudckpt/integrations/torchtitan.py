@@ -46,7 +46,7 @@ from torchtitan.components.checkpointer import (DATALOADER, LR_SCHEDULER, MODEL,
 
 from .. import CheckpointConfig, Checkpointer
 from ..checkpoint import layout
-from ..errors import NotACheckpoint
+from ..errors import ConfigError, NotACheckpoint
 from ..storage import StorageOptions
 from ..storage import url as urls
 
@@ -183,17 +183,17 @@ def import_torchtitan_step(src: str, save_folder: str, *, step: int | None = Non
 
     ``src`` is read as untrusted input (allowlisted metadata unpickling, byte items
     with torch's weights-only loader); the whole state is held in memory once, as one
-    rank. Raises ValueError (``src`` is not a local torchtitan folder, or no step
-    number), UnsafeCheckpoint / CorruptCheckpoint (refused or unreadable input),
+    rank. Raises ConfigError, a ValueError (``src`` is not a local torchtitan folder, or no
+    step number), UnsafeCheckpoint / CorruptCheckpoint (refused or unreadable input),
     CheckpointExists (the step is already committed), storage errors."""
     if not urls.is_plain_path(src) and not src.startswith("file://"):
-        raise ValueError(f"import_torchtitan_step reads a local folder; download {src} first "
+        raise ConfigError(f"import_torchtitan_step reads a local folder; download {src} first "
                          "(e.g. `aws s3 cp --recursive` or `gcloud storage cp -r`)")
     src = src[len("file://"):] if src.startswith("file://") else src
     if step is None:
         name = os.path.basename(os.path.normpath(src))
         if not (name.startswith("step-") and name[5:].isdigit()):
-            raise ValueError(f"{src}: not named step-N; pass step=")
+            raise ConfigError(f"{src}: not named step-N; pass step=")
         step = int(name[5:])
     sd = read_dcp_folder(src)
     dest = layout.step_dir(save_folder, step)
@@ -208,47 +208,82 @@ def import_torchtitan_step(src: str, save_folder: str, *, step: int | None = Non
 
 
 def read_dcp_folder(src: str) -> dict[str, Any]:
-    """Every entry of the local DCP folder ``src`` as a plain state dict (tensors, and
-    byte items unpickled weights-only), read with cloudckpt's untrusted-input checks."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    """Every entry of the local DCP folder ``src`` as a plain state dict, read as
+    untrusted input: ``.metadata`` unpickled with the allowlist and validated against
+    the folder's files, every file read through the local backend (never through a
+    symbolic link: a shard that is a link is refused, its target never opened), tensors
+    assembled as export assembles them (dense CPU items of the chunk's dtype and size;
+    what is allocated is bounded by the items' bytes), byte items unpickled by
+    ``untrusted.load_plain``, and the planner data's paths checked before the flat keys
+    are nested again. The user's own path ``src`` is resolved once, so a link above the
+    folder keeps working. Raises ConfigError (no ``.metadata``: not a DCP folder),
+    UnsafeCheckpoint / CorruptCheckpoint, storage errors."""
+    from ..export import read_dcp_state
+    from ..storage import Location
+    from ..untrusted import MAX_METADATA_BYTES, loads_metadata, read_capped
 
-    from ..untrusted import load_plain, loads_metadata
-    from ..untrusted.limits import MAX_METADATA_BYTES
-
-    files = {n: os.path.getsize(os.path.join(src, n)) for n in os.listdir(src)
-             if os.path.isfile(os.path.join(src, n)) and n != ".metadata"}
-    meta_path = os.path.join(src, ".metadata")
-    if not os.path.isfile(meta_path):
-        raise ValueError(f"{src}: no DCP .metadata; not a torchtitan checkpoint folder")
-    if os.path.getsize(meta_path) > MAX_METADATA_BYTES:
-        raise ValueError(f"{meta_path}: larger than {MAX_METADATA_BYTES} bytes; refused")
-    with open(meta_path, "rb") as f:
-        md = loads_metadata(f.read(), url=meta_path, files=files)
-
-    class Reader(dcp.FileSystemReader):
-        def read_metadata(self, *args, **kwargs):  # the allowlisted parse above, not pickle
-            return md
-
-    class Planner(dcp.DefaultLoadPlanner):
-        def load_bytes(self, read_item, value):  # weights-only, never plain pickle
-            self.state_dict[read_item.dest_index.fqn] = load_plain(value, url=src, what="DCP byte item")
-
-    sd: dict[str, Any] = {}
-    for key, m in md.state_dict_metadata.items():
-        sd[key] = None if isinstance(m, BytesStorageMetadata) else torch.empty(m.size, dtype=m.properties.dtype)
-    dcp.load(sd, storage_reader=Reader(src), planner=Planner(flatten_state_dict=False, flatten_sharded_tensors=False),
-             no_dist=True)
-    return _unflatten(sd, md.planner_data)
+    folder = Location.of(urls.resolve_local(src))
+    prefix = folder.url.rstrip("/") + "/"
+    files = {e.url[len(prefix):]: e.size for e in folder.store.list(prefix) if not e.is_prefix}
+    if files.pop(".metadata", None) is None:
+        raise ConfigError(f"{src}: no DCP .metadata; not a torchtitan checkpoint folder")
+    meta_url = prefix + ".metadata"
+    md = loads_metadata(read_capped(folder.store, meta_url, limit=MAX_METADATA_BYTES, what="DCP metadata"),
+                        url=meta_url, files=files)
+    return _unflatten(read_dcp_state(folder, md), md.planner_data, meta_url)
 
 
-def _unflatten(sd: dict[str, Any], mapping: Any) -> dict[str, Any]:
-    """DCP's flat keys (``optimizer.state.w.exp_avg``) back into nested dicts, as saved."""
-    if not mapping:
+def _unflatten(sd: dict[str, Any], mapping: Any, url: str) -> dict[str, Any]:
+    """DCP's flat keys (``optimizer.state.w.exp_avg``) back into nested dicts and lists,
+    as saved (what DCP's ``unflatten_state_dict`` does), with the planner data's paths
+    checked first: one per key, of strings (dict keys) and ints (list indices), and
+    lists grown by at most ``len(sd) + 65536`` empty slots in all (a path may name
+    index 10^10). A path that contradicts another is refused. Raises UnsafeCheckpoint."""
+    from ..errors import UnsafeCheckpoint
+
+    if mapping is None or (type(mapping) is dict and not mapping):
         return sd
-    from .._torch_compat import unflatten_state_dict
+    if type(mapping) is not dict:
+        raise UnsafeCheckpoint(f"{url}: the planner data is a {type(mapping).__name__}, not DCP's map of key paths")
+    room = [len(sd) + (1 << 16)]
 
-    return unflatten_state_dict(sd, mapping)
+    def bad(key: str, why: str) -> UnsafeCheckpoint:
+        shown = key if len(key) <= 120 else key[:117] + "..."
+        return UnsafeCheckpoint(f"{url}: the planner data's path for {shown!r} {why}; the checkpoint was tampered with")
+
+    def slot(cur: Any, part: Any, key: str) -> None:
+        if type(cur) is dict:
+            if type(part) is not str:
+                raise bad(key, "indexes a dict with a number")
+            return
+        if type(part) is not int:
+            raise bad(key, "indexes a list with a string")
+        grow = part + 1 - len(cur)
+        if grow > 0:
+            room[0] -= grow
+            if room[0] < 0:
+                raise bad(key, "names a list index far past every value saved")
+            cur.extend([None] * grow)
+
+    nested: dict[str, Any] = {}
+    for key, value in sd.items():
+        path = mapping.get(key)
+        if type(path) is not tuple or not path or type(path[0]) is not str or not all(
+                type(p) is str or (type(p) is int and p >= 0) for p in path):
+            raise bad(key, "is missing or not a tuple of names and list indices")
+        cur: Any = nested
+        for part, after in zip(path, path[1:]):
+            slot(cur, part, key)
+            nxt = cur.get(part) if type(cur) is dict else cur[part]
+            if nxt is None:
+                nxt = {} if type(after) is str else []
+                cur[part] = nxt
+            elif type(nxt) not in (dict, list):
+                raise bad(key, "runs through another saved value")
+            cur = nxt
+        slot(cur, path[-1], key)
+        cur[path[-1]] = value
+    return nested
 
 
 def _empty_like(tree: Any) -> Any:
