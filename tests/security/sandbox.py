@@ -18,8 +18,9 @@ for what is worth building once, such as the honest step of ``tries.honest_step`
 Outcomes: ``ok`` (returned), ``refused`` (raised a :class:`cloudckpt.errors.CloudCkptError`
 or, where an entry point documents it, a CLI exit code that means "refused"),
 ``untyped`` (any other exception), ``crash`` (killed by a signal), ``bomb``
-(``MemoryError`` under the address-space limit, or a peak RSS above ``rss_limit``),
-``hang`` (still running at ``timeout``; killed).
+(``MemoryError`` under the address-space limit, a peak RSS above ``rss_limit``, or a
+write past ``fsize_limit``, the largest file a try may write), ``hang`` (still running
+at ``timeout``; killed).
 
 The zygote is ``python -m tests.security.sandbox`` reading one JSON request per line on
 stdin and answering one JSON line on stdout.
@@ -46,6 +47,7 @@ OUTCOMES = (OK, REFUSED, UNTYPED, CRASH, BOMB, HANG)
 AS_LIMIT = 4 << 30  # the address space a try may map (the issue's reproduction used 4 GiB)
 RSS_LIMIT = 1536 << 20  # peak resident memory above which a try that returned still counts as a bomb
 TIMEOUT = 60.0  # seconds of wall clock per try
+FSIZE_LIMIT = 2 << 30  # the largest file a try may write (a disk bomb is stopped here and reported)
 WARM_UP_ENV = "HOSTILE_TRIES_WARM_UP"
 CACHE_ENV = "HOSTILE_TRIES_CACHE"  # the sandbox's shared cache folder (not CLOUDCKPT_*: those are config overrides)
 
@@ -91,11 +93,11 @@ class Sandbox:
             raise RuntimeError(f"the sandbox zygote did not start: {ready!r}")
 
     def run(self, target: str, *, timeout: float = TIMEOUT, as_limit: int = AS_LIMIT, rss_limit: int = RSS_LIMIT,
-            env: dict[str, str] | None = None, **kwargs) -> Result:
+            fsize_limit: int = FSIZE_LIMIT, env: dict[str, str] | None = None, **kwargs) -> Result:
         """Run ``target`` (``"module:function"``) with ``kwargs`` in a fresh fork; never raises
         for what the try does."""
         req = {"target": target, "kwargs": kwargs, "timeout": timeout, "as_limit": as_limit,
-               "rss_limit": rss_limit, "env": env or {}}
+               "rss_limit": rss_limit, "fsize_limit": fsize_limit, "env": env or {}}
         self._proc.stdin.write(json.dumps(req) + "\n")
         self._proc.stdin.flush()
         line = self._proc.stdout.readline()
@@ -135,6 +137,9 @@ def _child(req: dict, result_path: str, log_fd: int) -> None:
     os.dup2(log_fd, 2)
     resource.setrlimit(resource.RLIMIT_AS, (req["as_limit"], req["as_limit"]))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (req["fsize_limit"], req["fsize_limit"]))
+    too_large: list[int] = []  # a write past RLIMIT_FSIZE fails with EFBIG and raises SIGXFSZ
+    signal.signal(signal.SIGXFSZ, lambda *_: too_large.append(1))
     os.environ.update(req["env"])
     import importlib
 
@@ -157,6 +162,9 @@ def _child(req: dict, result_path: str, log_fd: int) -> None:
         except BaseException as e2:  # noqa: BLE001 - str() of a hostile exception may itself fail
             msg = f"<str() raised {type(e2).__name__}>"
         out = {"outcome": UNTYPED, "error": f"{type(e).__module__}.{type(e).__qualname__}", "message": msg}
+    if too_large:  # whatever it answered, it tried to write a file past the limit
+        out = {"outcome": BOMB, "error": "fsize", "message": f"wrote a file past {req['fsize_limit']} bytes "
+               f"(then: {out['outcome']} {out.get('error', '')})"}
     try:
         data = json.dumps(out)
     except BaseException:  # noqa: BLE001

@@ -37,7 +37,8 @@ def _check(module: str, tries) -> list[Try]:
     if not isinstance(tries, list) or not tries:
         raise BadTries(f"{where}: TRIES must be a non-empty list of tries.Try, got {type(tries).__name__}")
     for t in tries:
-        if not isinstance(t, Try):
+        if not isinstance(t, Try) and not (type(t).__qualname__ == "Try" and  # the same module, imported as
+                                           type(t).__module__.endswith("security.tries")):  # tests.security.tries
             raise BadTries(f"{where}: {t!r} is not a tries.Try")
         problem = (
             f"class {t.klass} is not one of the issue's classes 1..10" if t.klass not in CLASSES or t.klass == 0 else
@@ -66,11 +67,11 @@ def _check(module: str, tries) -> list[Try]:
     return tries
 
 
-def collect_tries() -> list[Try]:
-    """The TRIES of every tests/security/hostile_*.py, in file order."""
+def collect_tries(folder: Path = HERE, package: str = __package__) -> list[Try]:
+    """The TRIES of every hostile_*.py of ``folder`` (the package ``package``), in file order."""
     out: list[Try] = []
-    for path in sorted(HERE.glob("hostile_*.py")):
-        name = f"{__package__}.{path.stem}"
+    for path in sorted(folder.glob("hostile_*.py")):
+        name = f"{package}.{path.stem}"
         try:
             mod = importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - a broken module fails the collection, named
@@ -134,6 +135,103 @@ def test_hostile_try(t: Try, sandbox, tmp_path, request):
     assert r.outcome == t.expect, f"{head}: expected {t.expect}, got {r}"
     changed = _planted_changed(outside)
     assert not changed, f"FINDING: {head}: the planted {changed} in {outside} changed"
+
+
+# ----------------------------------------------------------------- the machinery itself
+def _segv(tmp: str, root: str) -> None:
+    import ctypes
+
+    ctypes.string_at(0)  # reads address 0
+
+
+def _allocate(tmp: str, root: str) -> None:
+    _ = bytearray(8 << 30)  # over the 4 GiB address space
+
+
+def _touch_rss(tmp: str, root: str) -> None:
+    block = bytearray(2 << 30)  # under the address space, over the RSS limit once touched
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+
+
+def _disk(tmp: str, root: str) -> None:
+    with open(f"{tmp}/big", "wb") as f:
+        f.truncate(0)
+        chunk = b"x" * (1 << 20)
+        for _ in range(64):  # 64 MiB against a 16 MiB limit
+            f.write(chunk)
+
+
+def _sleep(tmp: str, root: str) -> None:
+    import time
+
+    time.sleep(30)
+
+
+def _untyped(tmp: str, root: str) -> None:
+    raise RecursionError("deep")
+
+
+def _typed(tmp: str, root: str) -> None:
+    from cloudckpt.errors import UnsafeCheckpoint
+
+    raise UnsafeCheckpoint(f"{root}/step1: refused")
+
+
+def _touch_outside(tmp: str, root: str) -> None:
+    from .tries import outside_untouched
+
+    with outside_untouched(tmp) as outside:
+        Path(outside, "victim").write_text("changed")
+
+
+def _raw_escape(tmp: str, root: str) -> None:
+    import cloudckpt.cli
+
+    from .tries import cli
+
+    cloudckpt.cli.main = lambda argv: print("run\x1b[31m") or 0  # a CLI that sends an escape to the terminal
+    cli("list", root)
+
+
+@pytest.mark.parametrize("fn,outcome,limits", [
+    ("_segv", CRASH, {}), ("_allocate", BOMB, {}), ("_touch_rss", BOMB, {"rss_limit": 512 << 20}),
+    ("_disk", BOMB, {"fsize_limit": 16 << 20}), ("_sleep", HANG, {"timeout": 1.0}), ("_untyped", UNTYPED, {}),
+    ("_typed", REFUSED, {}), ("_touch_outside", UNTYPED, {}), ("_raw_escape", UNTYPED, {}),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_the_sandbox_tells_each_finding_apart(fn, outcome, limits, sandbox, tmp_path):
+    """The runner's own oracle: a SIGSEGV, an allocation past the address space, a peak
+    RSS or a file past their limits, a hang, an untyped error, a change outside and a
+    raw escape printed by the CLI are each reported as what they are."""
+    plant(str(tmp_path))
+    r = sandbox.run(f"tests.security.test_hostile:{fn}", tmp=str(tmp_path), root=str(tmp_path / "saves"), **limits)
+    assert r.outcome == outcome, r
+    if fn in ("_touch_outside", "_raw_escape"):
+        assert r.error.endswith({"_touch_outside": "OutsideTouched", "_raw_escape": "TerminalInjection"}[fn]), r
+
+
+def test_a_broken_or_malformed_hostile_module_fails_the_collection_naming_it(tmp_path, monkeypatch):
+    pkg = tmp_path / "fakepkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (pkg / "hostile_broken.py").write_text("raise NameError('half-written')\n")
+    with pytest.raises(BadTries, match="hostile_broken.py does not import: NameError: half-written"):
+        collect_tries(pkg, "fakepkg")
+    (pkg / "hostile_broken.py").unlink()
+    one = "Try(9, 'a', 'w', 'load', 'tests.security.hostile_generic:attack'"
+    bad = {  # what the error says: the module's TRIES
+        "expect 'crash'": f"[{one}, expect='crash')]",
+        "must be a non-empty list": "None",
+        "is not module:function": "[Try(9, 'a', 'w', 'load', 'tests.security.hostile_generic:nothing')]",
+        "kwargs name tmp": f"[{one}, {{'tmp': 1}})]",
+        "two tries are c9-a-load-local": f"[{one}), {one})]",
+    }
+    for i, (problem, tries) in enumerate(bad.items()):
+        (pkg / f"hostile_bad{i}.py").write_text(f"from {__package__}.tries import Try\nTRIES = {tries}\n")
+        with pytest.raises(BadTries, match=problem):
+            collect_tries(pkg, "fakepkg")
+        (pkg / f"hostile_bad{i}.py").unlink()
 
 
 # ----------------------------------------------------------------- the table of docs/security.md
