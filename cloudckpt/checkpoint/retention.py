@@ -90,6 +90,7 @@ class GcReport:
     step_dirs: list[str]  # removed (would be, in a dry run)
     uploads: list[str]
     failed: list[str] = field(default_factory=list)  # step folders whose delete failed (logged): not in step_dirs
+    young: list[str] = field(default_factory=list)  # uncommitted folders left: newest object younger than older_than
 
 
 def gc(folder: Where, *, older_than: float = 3600.0, only_steps_above: int | None = None, protect: frozenset[int] = frozenset(),
@@ -118,7 +119,7 @@ def _collect(loc: Location, uncommitted: list[tuple[int, str]], *, older_than: f
     """gc's decisions and deletes, given the step folders known to have no marker.
     ``found_empty`` gets the steps whose folder held no object."""
     folder, store = loc.url, loc.store
-    doomed = []
+    doomed, young = [], []
     for step, dir in uncommitted:
         if only_steps_above is not None:
             if step <= only_steps_above:
@@ -129,6 +130,8 @@ def _collect(loc: Location, uncommitted: list[tuple[int, str]], *, older_than: f
             if newest is None and found_empty is not None:
                 found_empty.append(step)
             if newest is None or now - newest < older_than:
+                if newest is not None:
+                    young.append(dir)
                 continue
         doomed.append(dir)
 
@@ -150,7 +153,7 @@ def _collect(loc: Location, uncommitted: list[tuple[int, str]], *, older_than: f
         for u in uploads:
             store.abort_multipart_upload(u)
             log.info("gc: aborted multipart upload %s", u.url)
-    return GcReport([d for d in doomed if d not in failed], [u.url for u in uploads], failed)
+    return GcReport([d for d in doomed if d not in failed], [u.url for u in uploads], failed, young)
 
 
 # ---------------------------------------------------------------- maintenance of a running job

@@ -23,7 +23,9 @@ SDKs' wire logs, which carry signed headers). Exit codes:
        retries, local I/O)
     130 interrupted
 
-Heavy imports (torch) happen only in the commands that need them (``inspect``).
+Heavy imports happen only where needed: torch only once ``inspect``, ``verify`` or
+``export`` has read the step's marker (a missing step is reported without it), boto3 or
+google-cloud-storage only for an s3:// or gs:// URL.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from .common import (
     parse_duration,
     seconds_arg,
 )
+from .hints import flag_words, not_a_step
 from .output import escaped_streams
 
 __all__ = ["CliError", "build_parser", "exit_code", "main", "parse_duration"]
@@ -127,13 +130,30 @@ def exit_code(e: BaseException) -> int:
     return EXIT_ERROR
 
 
-def _message(e: BaseException) -> str:
-    if isinstance(e, (CloudCkptError, CliError)):
-        return " ".join(str(e).split())  # one line
+def _message(e: BaseException, args=None) -> str:
+    if isinstance(e, CloudCkptError):
+        text = _instead(e, args) or flag_words(str(e))  # the CLI's words, not the Python parameter's
+        return " ".join(text.split())  # one line
+    if isinstance(e, CliError):
+        return " ".join(str(e).split())
     if isinstance(e, OSError):
         return f"{e.strerror or type(e).__name__}: {e.filename or ''}".rstrip(": ") + \
             "; check the local path and its permissions (rerun with --debug for details)"
     return f"unexpected {type(e).__name__}: {' '.join(str(e).split())} (rerun with --debug for the traceback)"
+
+
+def _instead(e: BaseException, args) -> str | None:
+    """For a STEP that is not a committed checkpoint: what is there instead (the path
+    does not exist, the save folder's other steps, a run given for a step)."""
+    from ..errors import NotACheckpoint
+
+    step = getattr(args, "step", None)
+    if not isinstance(e, NotACheckpoint) or not isinstance(step, str):
+        return None
+    try:
+        return not_a_step(args, getattr(args, "given", {}).get("step", step), step)
+    except Exception:  # noqa: BLE001 - the hint is extra: the error itself is still reported
+        return None
 
 
 def _resolve_local_paths(args) -> None:
@@ -142,9 +162,11 @@ def _resolve_local_paths(args) -> None:
     component is kept, so a step folder that is a planted link is refused."""
     from ..storage import resolve_local, resolve_step_dir
 
+    args.given = {}  # as typed, for messages
     for name, resolve in (("step", resolve_step_dir), ("folder", resolve_local), ("dest", resolve_local)):
         value = getattr(args, name, None)
         if isinstance(value, str):
+            args.given[name] = value
             setattr(args, name, resolve(value))
 
 
@@ -180,5 +202,5 @@ def _main(argv: Sequence[str] | None) -> int:
     except Exception as e:  # noqa: BLE001 - every error becomes one line and an exit code
         if args.debug:
             traceback.print_exc()
-        print(f"cloudckpt: error: {_message(e)}", file=sys.stderr)
+        print(f"cloudckpt: error: {_message(e, args)}", file=sys.stderr)
         return exit_code(e)

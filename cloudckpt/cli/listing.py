@@ -10,12 +10,18 @@ from .common import EXIT_NO, EXIT_NOT_FOUND, EXIT_OK, loc, positive_int, yes_opt
 from .output import age, emit, emit_records, size, table, utc
 
 
-def no_steps(folder: str, *, runs: str = "") -> int:
+def no_steps(folder: str, *, runs: str = "", given: str | None = None) -> int:
     """A folder with no step{N} folder (and, for ``list``, no run: ``runs`` says
-    where none was found): one line, exit 3."""
+    where none was found): one line, exit 3. A local path that does not exist is said
+    so (``given``: the path as typed, for the hint about buckets)."""
     from ..checkpoint import layout
     from ..storage import url as urls
+    from .hints import missing_local
 
+    gone = missing_local(folder if given is None else given, folder)
+    if gone:
+        print(f"cloudckpt: error: {gone}", file=sys.stderr)
+        return EXIT_NOT_FOUND
     hint = "is the path right?"
     if layout.step_of_name(urls.basename(folder)) is not None:
         hint = f"it looks like a step folder itself: use its save folder {urls.parent(folder)}"
@@ -45,22 +51,25 @@ def _list_runs(args, folder) -> int:
         emit_records(args, rows, {"prefix": args.folder, "runs": rows, "depth": found.max_depth,
                                   "folders_listed": found.folders_listed, "truncated": found.truncated,
                                   "not_searched": found.deeper})
-        return EXIT_OK if rows else no_steps(args.folder, runs=where)
+        return EXIT_OK if rows else no_steps(args.folder, runs=where, given=args.given.get("folder"))
     if not rows:
         for n in notes:
             print(n)
-        return no_steps(args.folder, runs=where)
+        return no_steps(args.folder, runs=where, given=args.given.get("folder"))
     lines = []
     for r in rows:
+        counts = [r["steps"], r["step_dirs"] - r["steps"] or "-"]
         if r["newest_step"] is None:
-            lines.append([r["url"], r["step_dirs"], "-", "none committed", "-", "-", "-"])
+            lines.append([r["url"], *counts, "-", "none committed", "-", "-", "-"])
         else:
-            lines.append([r["url"], r["step_dirs"], r["newest_step"], "ephemeral" if r["ephemeral"] else "persistent",
+            lines.append([r["url"], *counts, r["newest_step"], "ephemeral" if r["ephemeral"] else "persistent",
                           size(r["size_bytes"]), utc(r["created_unix"]), age(r["age_seconds"])])
-    table(["RUN", "STEPS", "NEWEST", "KIND", "SIZE", "CREATED (UTC)", "AGE"], lines, right=(1, 2, 4, 6))
+    table(["RUN", "STEPS", "UNCOMMITTED", "NEWEST", "KIND", "SIZE", "CREATED (UTC)", "AGE"], lines,
+          right=(1, 2, 3, 5, 7))
     print(f"{len(rows)} run(s) under {args.folder} (searched {found.max_depth} level(s) down, "
-          f"{found.folders_listed} folder(s) listed); NEWEST is the newest committed step, SIZE and CREATED are its; "
-          "`cloudckpt list RUN` shows a run's steps")
+          f"{found.folders_listed} folder(s) listed); STEPS are committed steps, UNCOMMITTED step folders without "
+          "a marker (saves in progress or crashed, folders a prune emptied); NEWEST is the newest "
+          "committed step, SIZE and CREATED are its; `cloudckpt list RUN` shows a run's steps")
     for n in notes:
         print(n)
     return EXIT_OK
@@ -133,7 +142,7 @@ def cmd_latest(args) -> int:
             return EXIT_NO
         named = latest_named(folder)  # checkpoint folders with other names (Lightning's epoch=0-step=8.ckpt)
         if named is None:
-            return no_steps(args.folder)
+            return no_steps(args.folder, given=args.given.get("folder"))
         step, url = named
     if args.json:
         emit(args, {"folder": args.folder, "step": step, "url": url})

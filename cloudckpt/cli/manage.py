@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import time
 
+from ..errors import AlreadyExists, IncompatibleCheckpoint, MissingKeys
 from .common import EXIT_ERROR, EXIT_OK, EXIT_USAGE, CliError, duration_arg, loc, positive_int, storage_options, yes_opt
+from .hints import flag_words, is_local
 from .output import Bar, age, emit, size, table, utc
 from .step import progress_opts, transfer_opts
 
@@ -27,16 +30,19 @@ def cmd_prune(args) -> int:
         if not plan.prune:
             print(f"nothing to prune in {args.folder}: the policy keeps all {plan.committed} committed step(s)")
         else:
-            verb = "deleting" if args.yes else "would delete"
-            print(f"{verb} {len(plan.prune)} of {plan.committed} committed step(s) "
-                  f"({size(sum(i.size_bytes for i in plan.prune))}); keeping {len(plan.kept)}:")
-            table(["STEP", "KIND", "SIZE", "URL"],
-                  [[i.step, "ephemeral" if i.ephemeral else "persistent", size(i.size_bytes), i.url] for i in plan.prune],
-                  right=(0, 2))
+            verbs = ("deleting", "keeping") if args.yes else ("would delete", "keep")
+            print(f"{verbs[0]} {len(plan.prune)} of {plan.committed} committed step(s) "
+                  f"({size(sum(i.size_bytes for i in plan.prune))}) and {verbs[1]} {len(plan.kept)}; "
+                  "ACTION says which:")
+            rows = sorted([(i, "delete") for i in plan.prune] + [(i, "keep") for i in plan.kept_items],
+                          key=lambda r: r[0].step)
+            table(["STEP", "ACTION", "KIND", "SIZE", "URL"],
+                  [[i.step, action, "ephemeral" if i.ephemeral else "persistent", size(i.size_bytes), i.url]
+                   for i, action in rows], right=(0, 3))
     if args.yes:
         ops.apply_prune(plan, on_deleted=None if args.json else (lambda i: print(f"deleted {i.url}")))
     elif plan.prune and not args.json:
-        print("dry run: nothing was deleted; run again with --yes to delete")
+        print(f"dry run: nothing was deleted; run again with --yes to delete the {len(plan.prune)} step(s) marked delete")
     if args.json:
         emit(args, plan.to_json(dry_run=not args.yes))
     return EXIT_OK
@@ -49,12 +55,15 @@ def cmd_gc(args) -> int:
     rep = retention.gc(loc(args, args.folder), older_than=args.older_than, dry_run=not args.yes)
     if args.json:
         emit(args, {"folder": args.folder, "dry_run": not args.yes, "older_than_seconds": args.older_than,
-                    "step_dirs": rep.step_dirs, "uploads": rep.uploads, "failed": rep.failed})
+                    "step_dirs": rep.step_dirs, "uploads": rep.uploads, "failed": rep.failed, "young": rep.young})
         return EXIT_ERROR if rep.failed else EXIT_OK
     verb = "removed" if args.yes else "would remove"
     older = f"{age(args.older_than)} (before {utc(time.time() - args.older_than)})"
+    young = (f"; left {len(rep.young)} uncommitted step folder(s) younger than that ({_urls(rep.young)}: a save may "
+             "still be writing them; a shorter --older-than takes them)") if rep.young else ""
     if not rep.step_dirs and not rep.uploads and not rep.failed:
-        print(f"nothing to collect in {args.folder}: no uncommitted step folder or multipart upload older than {older}")
+        print(f"nothing to collect in {args.folder}: no uncommitted step folder or multipart upload older than "
+              f"{older}{young}")
         return EXIT_OK
     for d in rep.step_dirs:
         print(f"{verb} uncommitted step folder {d}")
@@ -63,10 +72,14 @@ def cmd_gc(args) -> int:
     for u in rep.uploads:
         print(f"{'aborted' if args.yes else 'would abort'} multipart upload {u}")
     print(f"{len(rep.step_dirs)} uncommitted folder(s), {len(rep.uploads)} multipart upload(s) older than {older}"
-          f"{f'; {len(rep.failed)} folder(s) could not be removed' if rep.failed else ''}")
+          f"{f'; {len(rep.failed)} folder(s) could not be removed' if rep.failed else ''}{young}")
     if not args.yes:
         print("dry run: nothing was deleted; run again with --yes to delete")
     return EXIT_ERROR if rep.failed else EXIT_OK
+
+
+def _urls(urls: list[str], limit: int = 5) -> str:
+    return ", ".join(urls[:limit]) + (f", ... ({len(urls)} in all)" if len(urls) > limit else "")
 
 
 # ---------------------------------------------------------------- adopt
@@ -95,22 +108,71 @@ def cmd_adopt(args) -> int:
 
 
 # ---------------------------------------------------------------- export
+def _refuse_existing(args) -> None:
+    """DEST (or, with --format hf, its model.safetensors / config.json) exists and no
+    --force: exit 2 before the step is read (one stat; nothing heavy imported)."""
+    if args.force:
+        return
+    if args.format == "hf":
+        paths = [os.path.join(args.dest, name) for name in ("model.safetensors", "config.json")]
+        found = [p for p in paths if os.path.lexists(p)]
+    else:
+        dest = args.dest + ("model.safetensors" if args.format == "safetensors" else "model.pt") \
+            if args.dest.endswith("/") else args.dest
+        found = [dest] if loc(args, dest).store.exists(dest) else []
+    if found:
+        raise CliError(f"{found[0]} already exists; rerun with --force to replace it", EXIT_USAGE)
+
+
+def _saved_hf_config(args, step) -> dict:
+    """The model config cloudckpt's Hugging Face integration saved with the step (rank
+    0's train state, read as a load reads it), or exit 2 naming --config."""
+    from ..checkpoint import discovery, layout, step_files
+    from ..integrations.hf_export import MAX_CONFIG_BYTES, saved_json
+
+    marker = discovery.read_marker(step)
+    state = step_files.train_state(step, marker, layout.train_state_name(0))
+    section = state.get("hf") if isinstance(state, dict) else None
+    text = section.get("config") if isinstance(section, dict) else None
+    if not isinstance(text, str):
+        raise CliError(f"{args.step} has no saved model config (it was not saved by cloudckpt's Hugging Face "
+                       "integration): pass --config PATH (the model's config.json, or a folder holding one)",
+                       EXIT_USAGE)
+    value = saved_json(text, url=step.url, what="model config", limit=MAX_CONFIG_BYTES)
+    if not isinstance(value.get("model_type"), str):
+        raise IncompatibleCheckpoint(f"the model config saved with {args.step} is not a Hugging Face model config "
+                                     "(a JSON object with 'model_type'); pass --config PATH")
+    return value
+
+
 def cmd_export(args) -> int:
+    from ..checkpoint import discovery
+
+    if args.format != "hf" and args.config is not None:
+        raise CliError("--config is for --format hf (the model config written beside the weights)", EXIT_USAGE)
+    if args.format == "hf" and not is_local(args.dest):
+        raise CliError(f"--format hf writes a local folder (from_pretrained reads one), got {args.dest}; export to a "
+                       "local folder, then upload it", EXIT_USAGE)
+    _refuse_existing(args)
+    step = loc(args, args.step).resolved_step()
+    discovery.read_marker(step)  # a step that is not there is reported before torch is imported
     from ..ops.progress import engine_subscriber
 
     with Bar(args, "export read") as read, Bar(args, "export upload") as bar:
         common = dict(dtype=args.dtype, key_prefix=args.key, overwrite=args.force,
                       storage_options=storage_options(args), progress=engine_subscriber(bar), read_progress=read)
-        if args.format == "hf":
-            from ..integrations.hf_export import export_hf
+        try:
+            if args.format == "hf":
+                from ..integrations.hf_export import export_hf
 
-            res = export_hf(args.step, args.dest, config=args.config, **common)
-        else:
-            if args.config is not None:
-                raise CliError("--config is for --format hf (the model config written beside the weights)", EXIT_USAGE)
-            from ..export import export_weights
+                config = args.config if args.config is not None else _saved_hf_config(args, step)
+                res = export_hf(args.step, args.dest, config=config, **common)
+            else:
+                from ..export import export_weights
 
-            res = export_weights(args.step, args.dest, fmt=args.format, **common)
+                res = export_weights(args.step, args.dest, fmt=args.format, **common)
+        except (AlreadyExists, MissingKeys) as e:  # DEST created while we read (no --force), or a --key naming nothing
+            raise CliError(flag_words(str(e)), EXIT_USAGE) from e
     if args.json:
         emit(args, res)
         return EXIT_OK

@@ -1,7 +1,8 @@
 """What one committed step holds: its marker, the entries of its DCP metadata and
 the top-level keys of rank 0's train state, both read through
 :mod:`cloudckpt.checkpoint.step_files` (checked against the marker, then parsed with
-the untrusted-input checks). Imports torch (the metadata holds torch types)."""
+the untrusted-input checks). Imports torch (the metadata holds torch types), but only
+once the marker is read: a step that is not there is reported without it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..checkpoint import discovery, layout, step_files
+from ..checkpoint import discovery, layout
 from ..checkpoint.marker import Marker
 from ..storage import Location, Where
 
@@ -70,6 +71,8 @@ def describe_value(v: Any) -> tuple[str, Any, str]:
 
 
 def _tensors(step: Location, marker: Marker) -> tuple[bool, list[dict], list[str]]:
+    from ..checkpoint import step_files  # imports torch
+
     data = step_files.metadata_bytes(step, marker)
     if data is None:
         return False, [], []
@@ -95,6 +98,8 @@ def _train_state(step: Location, marker: Marker) -> dict | None:
     rel = layout.train_state_name(0)
     if marker.object(rel) is None:
         return None
+    from ..checkpoint import step_files  # imports torch
+
     obj = step_files.train_state(step, marker, rel)
     keys = []
     if isinstance(obj, dict):

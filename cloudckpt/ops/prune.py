@@ -43,6 +43,7 @@ class PrunePlan:
     kept: list[int]
     foreign: list[int]  # committed steps another tool wrote (counted only with include_foreign)
     deleted: list[int] = field(default_factory=list)
+    kept_items: list[PruneItem] = field(default_factory=list)  # the kept steps, like ``prune`` (for showing)
 
     @property
     def committed(self) -> int:
@@ -85,10 +86,13 @@ def plan_prune(folder: Where, *, keep_last: int, keep_every: int | None = None, 
         policy = retention.Policy(keep_last_ephemeral=keep_last_ephemeral, max_checkpoints=keep_last,
                                   keep_every=keep_every)
         doomed = retention.steps_to_prune(committed, policy)
-    items = [PruneItem(s, layout.step_dir(loc.url, s), markers[s].ephemeral, markers[s].total_bytes) for s in doomed]
+    def item(s: int) -> PruneItem:
+        return PruneItem(s, layout.step_dir(loc.url, s), markers[s].ephemeral, markers[s].total_bytes)
+
     gone = set(doomed)
-    return PrunePlan(loc, keep_last, keep_every, ephemeral_only, keep_last_ephemeral, include_foreign, items,
-                     [s for s, _ in committed if s not in gone], foreign)
+    kept = [s for s, _ in committed if s not in gone]
+    return PrunePlan(loc, keep_last, keep_every, ephemeral_only, keep_last_ephemeral, include_foreign,
+                     [item(s) for s in doomed], kept, foreign, kept_items=[item(s) for s in kept])
 
 
 def apply_prune(plan: PrunePlan, *, on_deleted: Callable[[PruneItem], None] | None = None) -> list[int]:

@@ -7,11 +7,14 @@ to 1000 entries or more pages for big folders); the listing says when either bou
 stopped it. Every request is bounded in time by the store's options.
 
 Cost: one LIST per folder visited, then per run the markers from its highest step
-folder down to the first committed one (one GET when the newest folder is committed).
+folder down to the first committed one (one GET when the newest folder is committed)
+and one HEAD per step folder for whether it holds a marker (``committed``: a folder a
+crashed save or a prune left, empty or not, is a step folder but not a step).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,10 +35,11 @@ class RunRow:
     newest: Marker | None = None  # the newest committed step's marker (None: no committed step)
     newest_url: str | None = None
     unreadable: int = 0  # markers passed over because they do not parse
+    committed: int = 0  # step folders holding a marker (the run's steps); the others are leftovers
 
     def to_json(self, now: float) -> dict:
         m = self.newest
-        return {"type": "run", "url": self.url, "step_dirs": self.step_dirs,
+        return {"type": "run", "url": self.url, "steps": self.committed, "step_dirs": self.step_dirs,
                 "newest_step": m.step if m else None, "newest_url": self.newest_url,
                 "ephemeral": m.ephemeral if m else None, "format": m.kind if m else None,
                 "size_bytes": m.total_bytes if m else None, "object_count": m.object_count if m else None,
@@ -103,5 +107,11 @@ def find_runs(prefix: Where, *, max_depth: int = 3, max_folders: int = 500) -> R
             if truncated:
                 break
         runs = list(pool.map(lambda f: _newest(*f), found))
+        dirs = [(i, d) for i, (_, steps) in enumerate(found) for _, d in steps]
+        has = list(pool.map(lambda d: root.store.exists(layout.marker_url(d[1])), dirs))
+        counts = [0] * len(runs)
+        for (i, _), yes in zip(dirs, has):
+            counts[i] += yes
+        runs = [dataclasses.replace(r, committed=n) for r, n in zip(runs, counts)]
     runs.sort(key=lambda r: r.url)
     return RunsListing(root.url, runs, listed, max_depth, max_folders, sorted(deeper), truncated)

@@ -37,13 +37,13 @@ def test_list_of_a_bucket_shows_each_run_with_its_newest_committed_step(bucket):
     r = cli("list", bucket)
     assert r.code == 0, r.err
     lines = r.out.splitlines()
-    assert lines[0].split() == ["RUN", "STEPS", "NEWEST", "KIND", "SIZE", "CREATED", "(UTC)", "AGE"]
+    assert lines[0].split() == ["RUN", "STEPS", "UNCOMMITTED", "NEWEST", "KIND", "SIZE", "CREATED", "(UTC)", "AGE"]
     rows = {ln.split()[0]: ln.split() for ln in lines[1:4]}
     assert set(rows) == {bucket + "/team-a/run-1", bucket + "/team-a/run-2", bucket + "/team-b/exp/run-3"}
-    assert rows[bucket + "/team-a/run-1"][1:5] == ["2", "20", "ephemeral", "100B"]
-    assert rows[bucket + "/team-a/run-2"][1:5] == ["1", "5", "persistent", "2.0KiB"]
-    assert rows[bucket + "/team-b/exp/run-3"][1:4] == ["1", "-", "none"]
-    created = datetime.strptime(rows[bucket + "/team-a/run-2"][5], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    assert rows[bucket + "/team-a/run-1"][1:6] == ["2", "-", "20", "ephemeral", "100B"]
+    assert rows[bucket + "/team-a/run-2"][1:6] == ["1", "-", "5", "persistent", "2.0KiB"]
+    assert rows[bucket + "/team-b/exp/run-3"][1:5] == ["0", "1", "-", "none"]  # a crashed save is not a step
+    created = datetime.strptime(rows[bucket + "/team-a/run-2"][6], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
     assert abs(created.timestamp() - time.time()) < 600
     assert lines[4].startswith(f"3 run(s) under {bucket} (searched 3 level(s) down")
     assert "not searched" in r.out and bucket + "/a/b/c" in r.out  # the run four levels down, said so
@@ -54,6 +54,7 @@ def test_list_of_a_bucket_shows_each_run_with_its_newest_committed_step(bucket):
     assert [(x["type"], x["url"], x["newest_step"]) for x in runs] == [
         ("run", bucket + "/team-a/run-1", 20), ("run", bucket + "/team-a/run-2", 5),
         ("run", bucket + "/team-b/exp/run-3", None)]
+    assert [(x["steps"], x["step_dirs"]) for x in runs] == [(2, 2), (1, 1), (0, 1)]
     assert runs[1]["size_bytes"] == 2048 and runs[1]["newest_url"] == bucket + "/team-a/run-2/step5"
     assert "not searched" in r.err
 
@@ -119,7 +120,7 @@ def test_inspect_shows_human_sizes_and_a_utc_time(tmp_path):
     r = cli("inspect", folder + "/step4", "--objects")
     assert r.code == 0, r.err
     objects = [ln.split() for ln in r.out.splitlines() if ln.startswith("model_and_optim/") or ln.startswith("train/")]
-    assert len(objects) == 4 and all(row[1].endswith(("B", "KiB")) and not row[1].isdigit() for row in objects)
+    assert len(objects) == 5 and all(row[1].endswith(("B", "KiB")) and not row[1].isdigit() for row in objects)
     assert "Z (" in r.out.splitlines()[2]  # committed 2026-...Z (3s ago)
 
 

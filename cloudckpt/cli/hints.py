@@ -1,0 +1,118 @@
+"""The library's errors said in the CLI's words: the flag instead of the Python
+parameter (``--force``, not ``overwrite=True``), and for a STEP or FOLDER that is not
+one, what is there instead (the path does not exist; the step folders of the save
+folder; a save folder given where a step was expected).
+
+The library's messages are written for Python callers and stay as they are; they are
+translated here, at the CLI boundary. A hint costs at most one LIST and the marker
+reads of finding the newest committed step, and only when a command has already failed.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Python parameter -> flag, in the library's messages (exact fragments, longest first where
+# one contains another).
+FLAG_WORDS: tuple[tuple[str, str], ...] = (
+    ("pass overwrite=True (--force) to replace it", "rerun with --force to replace it"),
+    ("pass config= a PretrainedConfig, a dict or a config.json path",
+     "pass --config PATH (the model's config.json, or a folder holding one)"),
+    ("config= is not a Hugging Face model config", "--config is not a Hugging Face model config"),
+    ("use fmt='torch'", "use --format torch"),
+    ("pass key_prefix= one of them", "pass --key with one of them"),
+    ("unknown export dtype", "unknown --dtype"),
+    ("export dtype must be", "--dtype must be"),
+    ("storage option endpoint_url=", "--endpoint-url "),
+    (" (--endpoint-url, CLOUDCKPT_ENDPOINT_URL)", ""),
+    ("(AWS_ENDPOINT_URL / endpoint_url)", "(--endpoint-url / AWS_ENDPOINT_URL)"),
+    ("(endpoint_url / AWS_ENDPOINT_URL)", "(--endpoint-url / AWS_ENDPOINT_URL)"),
+    ("(STORAGE_EMULATOR_HOST / endpoint_url)", "(STORAGE_EMULATOR_HOST / --endpoint-url)"),
+    ("raise operation_timeout (--timeout)", "raise --timeout"),
+    ("within operation_timeout=", "within --timeout "),
+)
+
+
+def flag_words(text: str) -> str:
+    """``text`` with the library's parameter names replaced by the CLI's flags."""
+    for python, flag in FLAG_WORDS:
+        text = text.replace(python, flag)
+    return text
+
+
+def is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+def _local_path(url: str) -> str:
+    return url.removeprefix("file://")
+
+
+def missing_local(given: str, resolved: str) -> str | None:
+    """When ``resolved`` is a local path that does not exist: one line saying so (for a
+    relative path without a scheme, also how to name a bucket). None otherwise."""
+    if not is_local(resolved) or os.path.lexists(_local_path(resolved)):
+        return None
+    text = f"{resolved} does not exist"
+    if "://" not in given and not os.path.isabs(given):
+        first, _, rest = given.partition("/")
+        bucket = f"{first}/{rest}" if rest else first
+        text += (f" (`{given}` is read as a local path relative to {os.getcwd()}; for a bucket write "
+                 f"s3://{bucket} or gs://{bucket})")
+    return text
+
+
+HINT_DIRS = 200  # step folders checked for a marker in a hint (the newest ones)
+
+
+def _committed(args, folder: str, *, skip: int | None = None) -> tuple[list[int], int]:
+    """The committed steps among the newest ``HINT_DIRS`` step folders of ``folder``
+    (one LIST, one HEAD each, 16 at a time), and how many step folders it holds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..checkpoint import discovery, layout
+    from .common import loc
+
+    where = loc(args, folder)
+    dirs = [d for d in discovery.list_step_dirs(where) if d[0] != skip]
+    newest = dirs[-HINT_DIRS:]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        has = list(pool.map(lambda d: where.store.exists(layout.marker_url(d[1])), newest))
+    return [s for (s, _), yes in zip(newest, has) if yes], len(dirs)
+
+
+def _steps_text(folder: str, steps: list[int], dirs: int, *, other: str = "") -> str:
+    """"its committed steps: step300, step400 (newest: URL)" or what there is instead."""
+    from ..storage import url as urls
+
+    if not dirs:
+        return f"{folder} holds no {other}step{{N}} folder (is the path right?)"
+    if not steps:
+        return f"none of the {dirs} {other}step folder(s) of {folder} is committed (`cloudckpt list --all {folder}`)"
+    shown = ", ".join(f"step{s}" for s in steps[-10:])
+    more = f"..., {shown} ({len(steps)} of the newest {min(dirs, HINT_DIRS)} step folders)" if len(steps) > 10 \
+        else shown
+    return (f"the committed steps of {folder}: {more}; the newest is {urls.join(folder, f'step{steps[-1]}')}")
+
+
+def not_a_step(args, given: str, url: str) -> str | None:
+    """What is at ``url`` instead of a committed step (``given``: as typed), or None
+    when nothing more can be said."""
+    from ..checkpoint import layout
+    from ..storage import url as urls
+
+    name_step = layout.step_of_name(urls.basename(url))
+    parent = urls.parent(url)
+    gone = missing_local(given, url)
+    if gone and (name_step is None or not os.path.isdir(_local_path(parent))):
+        return gone
+    if name_step is None:
+        steps, dirs = _committed(args, url)
+        if not dirs:
+            return None
+        return f"{url} is a save folder (a run), not a step: give one of its steps; {_steps_text(url, steps, dirs)}"
+    what = (f"{url} does not exist" if gone else
+            f"{url} is not a committed checkpoint: it has no {layout.MARKER} (a pruned or removed step, a save "
+            "that never finished, or a wrong path)")
+    steps, dirs = _committed(args, parent, skip=name_step)
+    return f"{what}; {_steps_text(parent, steps, dirs, other='other ')}"
