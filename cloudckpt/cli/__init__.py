@@ -14,8 +14,10 @@ SDKs' wire logs, which carry signed headers). Exit codes:
     0  success
     1  the answer is "no" / a check failed: ``latest`` found no committed step,
        ``verify`` or ``download`` found missing or corrupt objects, an unreadable marker
-    2  usage: bad arguments, a malformed URL or duration
-    3  not found: bucket, folder or object missing; not a committed checkpoint;
+    2  usage: bad arguments, a malformed URL or duration; ``export`` to a DEST that
+       exists without ``--force``, a ``--key`` with no tensors, ``--format hf`` with no
+       config saved or given
+    3  not found: bucket, folder, local path or object missing; not a committed checkpoint;
        ``latest`` of a folder that holds no step{N} folder at all, ``list`` of a
        prefix with neither step{N} folders nor runs beneath it
     4  access denied or no usable credentials
