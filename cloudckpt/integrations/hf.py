@@ -27,17 +27,24 @@ the optimizer:
    resume never goes on with a fresh optimizer silently.
 
 The folder holds no ``optimizer.pt``/``scheduler.pt``: nothing from the bucket is
-unpickled beyond the weights-only train state cloudckpt itself reads.
+unpickled beyond the weights-only train state cloudckpt itself reads. It is a full
+copy of the weights, so it lives only as long as it is needed: it is removed when the
+first training step begins (the Trainer has read it all by then), at ``on_train_end``,
+``close()`` or process exit, whichever comes first. By default it is made in the work
+dir as ``hf-resume-{pid}-*``; one left by a killed process is removed by the next
+``prepare_resume()`` on that machine.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
 import os
 import random
-import tempfile
+import re
+import shutil
 from typing import Any
 
 import torch
@@ -51,6 +58,7 @@ from .. import AppState, CheckpointConfig, CheckpointManager
 from ..checkpoint import layout
 from ..errors import CheckpointError, CorruptCheckpoint
 from ..export import export_weights
+from ..storage.nofollow import Folder, private_dir, resolve
 from ._hf import FORMAT, HF_KEY, build_manager, config_json, hf_section, unwrap
 from .hf_export import MAX_CONFIG_BYTES, MAX_TRAINER_STATE_BYTES, saved_json
 
@@ -74,6 +82,53 @@ def _write_json(path: str, text: Any, what: str, url: str, *, limit: int, non_fi
         json.dump(value, f, indent=2, sort_keys=True)
 
 
+_RESUME_DIR = "hf-resume-"
+_RESUME_RE = re.compile(r"hf-resume-([0-9]{1,10})-.*")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists
+        return True
+    return True
+
+
+def _remove_dead_leftovers(work_dir: str) -> list[str]:
+    """Remove ``hf-resume-{pid}-*`` folders of ``work_dir`` whose process is gone (a
+    resume folder of a killed job: a full copy of the weights). Never follows a link
+    inside ``work_dir``; a folder of a live process (another rank of this machine) stays."""
+    gone = []
+    try:
+        with Folder.open(resolve(work_dir), what=f"work_dir {work_dir}") as f:
+            for n in f.names():
+                m = _RESUME_RE.fullmatch(n)
+                if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+                    f.remove(n)
+                    gone.append(n)
+    except (OSError, CheckpointError) as e:  # missing, or a link planted there: nothing of ours to remove
+        if not isinstance(e, FileNotFoundError):
+            log.warning("could not look for resume folders of killed processes in %s: %s", work_dir, e)
+    if gone:
+        log.info("removed resume folders of processes that are gone from %s: %s", work_dir, gone)
+    return gone
+
+
+def _rmtree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+_PREPARED: set[str] = set()  # resume folders of this process not removed yet
+
+
+@atexit.register
+def _remove_prepared() -> None:
+    for path in list(_PREPARED):
+        _rmtree(path)
+
+
 # ---------------------------------------------------------------- the callback
 class CloudCheckpointCallback(TrainerCallback):
     """Mirrors every checkpoint the ``Trainer`` saves into ``save_folder`` (local path,
@@ -83,8 +138,9 @@ class CloudCheckpointCallback(TrainerCallback):
     ``save_folder`` and keyword options build a :class:`~cloudckpt.CheckpointConfig`
     (``async_save``, ``max_checkpoints``, ``keep_every``, ``endpoint_url``, …; the
     intervals are the Trainer's ``save_steps``); or pass ``config=``. ``local_dir``:
-    where ``prepare_resume`` writes ``checkpoint-N`` (default: a new temporary folder
-    per process). Call the same methods on every process of a distributed job.
+    where ``prepare_resume`` writes ``checkpoint-N`` (default: a new private folder per
+    process in the work dir); the folder is removed once the Trainer has read it. Call
+    the same methods on every process of a distributed job.
     """
 
     def __init__(self, save_folder: str | None = None, *, config: CheckpointConfig | None = None,
@@ -94,6 +150,7 @@ class CloudCheckpointCallback(TrainerCallback):
         self._manager: CheckpointManager | None = None
         self._pending: tuple[int, str, str] | None = None  # (step, step url, local folder) to finish in on_train_begin
         self._state: tuple[tuple[int, ...], AppState] | None = None
+        self._prepared: str | None = None  # the folder prepare_resume made, removed once read
 
     @property
     def manager(self) -> CheckpointManager:
@@ -125,9 +182,20 @@ class CloudCheckpointCallback(TrainerCallback):
         train_state = mgr.checkpointer.read_train_state(step_url)  # this rank's; the weights come below
         step = mgr.resumed_step = layout.parse_step_dir(step_url)
         hf = hf_section(train_state, step_url)
-        base = self.local_dir or tempfile.mkdtemp(prefix="cloudckpt-hf-")
-        folder = os.path.join(base, f"checkpoint-{step}")
-        os.makedirs(folder, exist_ok=True)
+        self.discard_prepared()  # an earlier call's folder
+        if self.local_dir:
+            folder = os.path.join(self.local_dir, f"checkpoint-{step}")
+            made = None if os.path.exists(folder) else folder  # never remove a folder that was there before
+            os.makedirs(folder, exist_ok=True)
+        else:
+            work_dir = mgr.checkpointer.work_dir
+            _remove_dead_leftovers(work_dir)
+            made = private_dir(work_dir, f"{_RESUME_DIR}{os.getpid()}-")  # 0700, never through a link
+            folder = os.path.join(made, f"checkpoint-{step}")
+            os.mkdir(folder)
+        if made is not None:
+            self._prepared = made
+            _PREPARED.add(made)
         _write_json(os.path.join(folder, "trainer_state.json"), hf.get("trainer_state"), "TrainerState", step_url,
                     limit=MAX_TRAINER_STATE_BYTES, non_finite=True)  # the Trainer logs a NaN loss as NaN
         if hf.get("config") is not None:
@@ -161,6 +229,19 @@ class CloudCheckpointCallback(TrainerCallback):
         self._pending = None
         log.info("restored optimizer and LR scheduler from %s", step_url)
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        # the Trainer has read the prepared folder (weights, trainer state, RNG) by the first step
+        if self._prepared is not None and self._pending is None:
+            self.discard_prepared()
+
+    def discard_prepared(self) -> None:
+        """Remove the folder ``prepare_resume`` wrote (a full copy of the weights), if any
+        is left: done by the callback once the Trainer has read it."""
+        path, self._prepared = self._prepared, None
+        if path is not None:
+            _rmtree(path)
+            _PREPARED.discard(path)
+
     # ------------------------------------------------------------ save
     def on_save(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         if model is None or optimizer is None:
@@ -177,11 +258,14 @@ class CloudCheckpointCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         """Every save is committed (async saves waited for) when ``train`` returns."""
+        self.discard_prepared()
         if self._manager is not None:
             self._manager.wait()
 
     def close(self) -> None:
-        """Wait for in-flight saves and release the manager."""
+        """Wait for in-flight saves and release the manager; remove the folder
+        ``prepare_resume`` wrote if it is still there."""
+        self.discard_prepared()
         if self._manager is not None:
             mgr, self._manager = self._manager, None
             mgr.close()

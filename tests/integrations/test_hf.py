@@ -147,3 +147,69 @@ def test_prepare_resume_guards_against_a_silent_fresh_optimizer_and_foreign_step
     with pytest.raises(IncompatibleCheckpoint, match="step10 was not saved by cloudckpt's Hugging Face integration"):
         cloud.prepare_resume()
     cloud.close()
+
+
+def _prepare_in_a_child(folder: str, work_dir: Path, *, killed: bool) -> str:
+    """prepare_resume() in a new process that then exits normally (or is SIGKILLed);
+    returns the folder it prepared."""
+    code = ("import os, signal, sys\n"
+            "from cloudckpt.integrations.hf import CloudCheckpointCallback\n"
+            "path = CloudCheckpointCallback(sys.argv[1], work_dir=sys.argv[2]).prepare_resume()\n"
+            "print('PREPARED', path, os.listdir(path), flush=True)\n"
+            "if sys.argv[3] == 'kill':\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-c", code, folder, str(work_dir), "kill" if killed else "exit"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == (-signal.SIGKILL if killed else 0), proc.stdout + proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("PREPARED "))
+    assert "model.safetensors" in line, line
+    return line.split()[1]
+
+
+def test_the_resume_folder_is_removed_once_read_at_exit_and_after_a_kill(tmp_path):
+    """prepare_resume's folder is a full copy of the weights: removed when the first
+    resumed step begins, at process exit when training never ran, and, after a
+    SIGKILL, by the next prepare_resume on the machine (a live process's is kept)."""
+    from transformers import TrainerCallback
+
+    example = _example_trainer()
+    folder = str(tmp_path / "run")
+    trainer, cloud = example.make_trainer(folder, max_steps=2, output_dir=str(tmp_path / "out1"))
+    trainer.train(resume_from_checkpoint=cloud.prepare_resume())
+    cloud.close()
+
+    seen = []
+
+    class Probe(TrainerCallback):  # after the cloud callback: sees the folder as the step begins
+        def on_step_begin(self, args, state, control, **kw):
+            seen.append((state.global_step, os.path.exists(path)))
+
+    trainer, cloud = example.make_trainer(folder, max_steps=4, output_dir=str(tmp_path / "out2"), callbacks=[Probe()])
+    path = cloud.prepare_resume()
+    base = os.path.dirname(path)
+    assert os.path.basename(base).startswith(f"hf-resume-{os.getpid()}-") and os.path.isfile(f"{path}/model.safetensors")
+    trainer.train(resume_from_checkpoint=path)
+    cloud.close()
+    assert trainer.state.global_step == 4 and seen == [(2, False), (3, False)], seen
+    assert not os.path.exists(base)
+    assert [s for s, _ in Checkpointer.find_checkpoints(folder)] == [2, 4]
+    # the finished job run again resumes at max_steps, trains one more step and commits it (docs say so)
+    trainer, cloud = example.make_trainer(folder, max_steps=4, output_dir=str(tmp_path / "out3"))
+    path = cloud.prepare_resume()
+    trainer.train(resume_from_checkpoint=path)
+    cloud.close()
+    assert trainer.state.global_step == 5 and not os.path.exists(os.path.dirname(path))
+    assert [s for s, _ in Checkpointer.find_checkpoints(folder)] == [2, 4, 5]
+
+    work = tmp_path / "work"
+    exited = _prepare_in_a_child(folder, work, killed=False)
+    assert not os.path.exists(os.path.dirname(exited)), "removed at process exit"
+    killed = _prepare_in_a_child(folder, work, killed=True)
+    assert os.path.isfile(f"{killed}/model.safetensors"), "a SIGKILL leaves it"
+    live = work / f"hf-resume-{os.getppid()}-live"  # a process that is still running (pytest's parent)
+    live.mkdir()
+    cloud = example.CloudCheckpointCallback(folder, work_dir=str(work))
+    mine = cloud.prepare_resume()
+    assert not os.path.exists(os.path.dirname(killed)) and live.is_dir() and os.path.isdir(mine)
+    cloud.close()
+    assert [n for n in os.listdir(work) if n.startswith("hf-resume-")] == [live.name]
