@@ -30,7 +30,7 @@ FINDINGS = (CRASH, BOMB, HANG, UNTYPED)
 
 @pytest.fixture(scope="module")
 def sandbox(seaweed):
-    with Sandbox(env=seaweed.env()) as sb:
+    with Sandbox(env=seaweed.env(), warm_up="tests.security.tries:warm_up") as sb:
         yield sb
 
 
