@@ -35,7 +35,7 @@ def proxy(seaweed):
 
 
 def _run(proxy, s3_bucket, tmp_path, upto, **kw):
-    env = dict(_env(), AWS_ENDPOINT_URL=proxy.endpoint_url, LOCAL_WORLD_SIZE="2")
+    env = dict(_env(), AWS_ENDPOINT_URL=proxy.endpoint_url, LOCAL_WORLD_SIZE=kw.get("local_world_size", "2"))
     return run_ranks(WORLD, local_workers.run, s3_bucket + "/run", str(tmp_path / "local"), str(tmp_path / "work"),
                      upto, kw.get("cfg_kw"), kw.get("kill"), env=env, timeout=kw.get("timeout", 240))
 
@@ -76,9 +76,13 @@ def test_a_replaced_node_recovers_from_its_peers_without_reading_the_bucket_step
     assert outs[2]["recovery"]["fetched_bytes"] > 0 and outs[3]["recovery"]["fetched_bytes"] > 0
     assert outs[0]["recovery"]["fetched_bytes"] == 0 and outs[1]["recovery"]["fetched_bytes"] == 0
     reqs = _requests_since(proxy, before)
-    # the bucket was only listed and the newest bucket step's marker read: no step data, nothing of step 30
-    assert not [r for r in reqs if "step30" in r], reqs
-    assert not [r for r in reqs if r.startswith("GET") and "/step20/" in r and ".metadata.json" not in r], reqs
+    # what docs/local-tier.md says rank 0 sends (the other ranks send nothing): two LISTs of the save folder
+    # (the newest committed step; uncommitted leftovers above it), one LIST of its unfinished multipart
+    # uploads, one GET and one HEAD of the newest bucket step's marker; no step data, nothing of step 30
+    kinds = sorted("LIST" if "list-type=2" in r and "prefix=run%2F&delimiter" in r else
+                   "UPLOADS" if "?uploads&prefix=run%2F" in r else
+                   r.split()[0] + " marker" if r.split()[1].endswith("/run/step20/.metadata.json") else r for r in reqs)
+    assert kinds == ["GET marker", "HEAD marker", "LIST", "LIST", "UPLOADS"], reqs
 
 
 def test_both_nodes_wiped_resumes_from_the_bucket_step(proxy, s3_bucket, tmp_path):
@@ -100,18 +104,34 @@ def test_without_copies_a_lost_node_falls_back_to_the_bucket(proxy, s3_bucket, t
         assert _equal(o["at_resume"], snaps[20]), r
 
 
+def _leftovers(local) -> list[str]:
+    return sorted(f"{n.name}/{s.name}/{e}" for n in local.iterdir() for s in n.iterdir() if s.is_dir()
+                  for e in os.listdir(s) if e.startswith(".tmp-"))
+
+
 @pytest.mark.parametrize("where", ["save", "copy"])
 def test_a_rank_killed_in_a_local_step_leaves_it_incomplete(proxy, s3_bucket, tmp_path, where):
     """Rank 2 is SIGKILLed while writing (or while receiving the copies of) local step
     30; the others fail on their collectives. The restart resumes from local step 20,
-    the newest complete one, never from 30."""
+    the newest complete one, never from 30; when it writes step 30 again, the killed
+    attempt's temporary folder in it is removed."""
     with pytest.raises(RankFailed):
         _run(proxy, s3_bucket, tmp_path, 30, kill=(30, 2, where), timeout=120)
-    outs = _run(proxy, s3_bucket, tmp_path, 20)
-    ref = _run(proxy, s3_bucket + "/ref", tmp_path / "ref", 20)[0]["snapshots"][20]  # an uninterrupted run's step 20
+    # rank 2's part being written, or its copy of rank 0's part being received
+    left = _leftovers(tmp_path / "local")
+    want = ".tmp-write2-" if where == "save" else ".tmp-recv0-"
+    assert any(x.startswith(f"node1/step30/{want}") for x in left), left  # (other ranks clean up their own)
+    outs = _run(proxy, s3_bucket, tmp_path, 30)
+    ref = _run(proxy, s3_bucket + "/ref", tmp_path / "ref", 30)[0]["snapshots"]  # an uninterrupted run
     for r, o in enumerate(outs):
         assert (o["resumed_from"], o["resumed_step"]) == ("local", 20), r
-        assert _equal(o["at_resume"], ref), r
+        assert _equal(o["at_resume"], ref[20]), r
+    assert outs[0]["snapshots"][30].keys() and _equal(outs[0]["snapshots"][30], ref[30])
+    assert _leftovers(tmp_path / "local") == []
+    for node in (0, 1):  # step 30 written again, complete on both nodes
+        held = sorted(os.listdir(tmp_path / "local" / f"node{node}" / "step30"))
+        assert held == [f".replicated-rank{2 * node}", f".replicated-rank{2 * node + 1}",
+                        "rank0", "rank1", "rank2", "rank3"], held
 
 
 def test_a_rank_killed_while_persisting_leaves_no_bucket_step(proxy, s3_bucket, tmp_path):
@@ -135,7 +155,7 @@ def test_a_rank_killed_while_persisting_leaves_no_bucket_step(proxy, s3_bucket, 
 
 
 def test_bad_settings_are_typed_errors_naming_the_setting(tmp_path):
-    with pytest.raises(ConfigError, match="replication_factor=3 is larger than the number of nodes"):
+    with pytest.raises(ConfigError, match="replication_factor=3 is larger than the number of failure domains"):
         Replication(4, 3, 2)
     with pytest.raises(ConfigError, match=r"not divisible by replication_jump x replication_factor \(2 x 2\)"):
         Replication(6, 2, 2)
@@ -154,6 +174,71 @@ def test_bad_settings_are_typed_errors_naming_the_setting(tmp_path):
     blocked.write_text("not a folder")
     with pytest.raises(ConfigError, match=r"local_dir=.*file.* is not usable on rank 0"):
         CheckpointConfig(save_folder=str(tmp_path / "r"), local_dir=str(blocked / "ckpt")).build()
+
+
+def test_the_node_of_a_rank_is_its_machine_whatever_the_jump():
+    """``{node}`` and same-node links follow the machine (LOCAL_WORLD_SIZE ranks each),
+    not the failure domain: a jump of a rack (2 machines of 2 ranks) keeps 4 folders."""
+    from cloudckpt.checkpoint.local.groups import on_machines
+
+    rack = on_machines(Replication(8, 2, 4), {"LOCAL_WORLD_SIZE": "2"})
+    assert [rack.node_of(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert rack.groups() == [(0, 4), (1, 5), (2, 6), (3, 7)]  # every copy on the other rack
+    assert [on_machines(Replication(8, 2, 4), {}).node_of(r) for r in range(8)] == [0] * 4 + [1] * 4  # no launcher info
+    assert on_machines(Replication(4, 2, 2), {"LOCAL_WORLD_SIZE": "2"}).node_of(3) == 1
+    with pytest.raises(ConfigError, match=r"replication_jump=2 is not a multiple of the ranks per node \(4, "):
+        on_machines(Replication(8, 2, 2), {"LOCAL_WORLD_SIZE": "4"})  # copies would share a machine
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE='x' is not a number of ranks per node"):
+        on_machines(Replication(4, 2, 2), {"LOCAL_WORLD_SIZE": "x"})
+    with pytest.raises(ConfigError, match="3 ranks per node .* does not divide the world size 4"):
+        on_machines(Replication(4, 1, 4), {"LOCAL_WORLD_SIZE": "3"})
+
+
+def test_with_a_jump_of_a_rack_each_machine_keeps_its_own_folder_and_a_replaced_one_recovers(proxy, s3_bucket, tmp_path):
+    """4 machines of 1 rank (LOCAL_WORLD_SIZE=1) in 2 racks (replication_jump=2): each
+    machine writes ``node{0..3}``, with its part and a copy of the other rack's group
+    member's; machine 3 replaced (its folder empty) recovers local step 10 from machine 1."""
+    kw = {"cfg_kw": {"replication_jump": 2}, "local_world_size": "1"}
+    snaps = _run(proxy, s3_bucket, tmp_path, 10, **kw)[0]["snapshots"]
+    local = tmp_path / "local"
+    assert sorted(os.listdir(local)) == ["node0", "node1", "node2", "node3"]
+    for node, want in enumerate([["rank0", "rank2"], ["rank1", "rank3"], ["rank0", "rank2"], ["rank1", "rank3"]]):
+        held = sorted(os.listdir(local / f"node{node}" / "step10"))
+        assert held == [f".replicated-rank{node}"] + want, (node, held)
+    shutil.rmtree(local / "node3")
+    outs = _run(proxy, s3_bucket, tmp_path, 10, **kw)
+    for r, o in enumerate(outs):
+        assert (o["resumed_from"], o["resumed_step"]) == ("local", 10), r
+        assert _equal(o["at_resume"], snaps[10]), r
+    # machines 0-2 link the parts in their own folders; machine 3 has none and fetches what it reads
+    assert [o["recovery"]["local_files"] > 0 for o in outs] == [True, True, True, False]
+    assert outs[3]["recovery"]["fetched_bytes"] > 0
+
+
+def test_temporary_folders_a_killed_save_left_are_removed_by_a_rewrite_and_by_retention(tmp_path):
+    """One process: the leftovers of a killed attempt (its part being written, a copy
+    being received) in a step written again, and in a step kept by retention, are
+    removed; another rank's are not this rank's to remove."""
+    from cloudckpt import CheckpointConfig
+
+    local = tmp_path / "local"
+    cfg = CheckpointConfig(save_folder=str(tmp_path / "run"), local_dir=str(local), local_save_interval=1,
+                           keep_last_local=2, work_dir=str(tmp_path / "w"), exact_resume=False)
+    with cfg.build() as mgr:
+        for step in (1, 2):
+            mgr.maybe_save(step, {"w": torch.full((4,), float(step))})
+        mgr.wait()
+        for name in (".tmp-write0-a1", ".tmp-write0-a2/model_and_optim", ".tmp-write10-x", ".tmp-recv3-y"):
+            (local / "step2" / name).mkdir(parents=True)  # kept step 2
+        (local / "step3" / ".tmp-write0-b1").mkdir(parents=True)  # a killed write of step 3
+        (local / "step3" / ".replicated-rank0").touch()  # left from an older, complete step 3
+        mgr.maybe_save(3, {"w": torch.full((4,), 3.0)})
+        mgr.wait()
+        assert sorted(os.listdir(local / "step3")) == [".replicated-rank0", "rank0"]
+        # rank 0 has no peers (one process): another rank's leftovers are left for that rank
+        assert sorted(os.listdir(local / "step2")) == [".replicated-rank0", ".tmp-recv3-y", ".tmp-write10-x", "rank0"]
+    assert parts.own_leftover(".tmp-write1-ab", 1, ()) and not parts.own_leftover(".tmp-write10-ab", 1, ())
+    assert parts.own_leftover(".tmp-recv3-y", 1, (3,)) and not parts.own_leftover(".tmp-recv3-y", 1, (2,))
 
 
 def test_a_local_dir_without_room_for_the_step_is_a_typed_error_naming_it(tmp_path, monkeypatch):

@@ -69,6 +69,7 @@ def replicate(coord: dist.Coordinator, rep: Replication, root: str, step: int) -
                 log.warning("local step %d: rank %d had no part to send; no copy kept", step, src)
                 continue
             marker = Marker.from_bytes(body, url=f"rank {src}'s part of local step {step}")
+            parts.remove_own_leftovers(root, step, me, (src,))  # a killed process's copy of the same step
             tmp = parts.new_tmp(root, step, f"recv{src}")
             try:
                 for o in marker.objects:

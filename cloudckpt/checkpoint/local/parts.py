@@ -4,8 +4,13 @@
         model_and_optim/__R_0.distcp       the files the rank wrote (rank 0: also .metadata)
         train/rank{R}.pt
         part.json                          the part's manifest (a Marker of its files), LAST
-    {local_dir}/step{N}/.tmp-*             a part being written or received (never read)
+    {local_dir}/step{N}/.tmp-write{R}-*    rank R's part being written (never read)
+    {local_dir}/step{N}/.tmp-recv{S}-*     a copy of rank S's part being received (never read)
     {local_dir}/step{N}/.replicated-rank{R} rank R saw every rank finish copying the step
+                                           (in the folder of R's node, one per rank of it)
+
+Temporary folders of a killed process are removed by the rank that made them when it
+writes (or receives) the same step again, and by retention (``remove_own_leftovers``).
 
 A part counts only when ``part.json`` parses and every file it lists has its size;
 ``verify`` also checks every CRC32C. A rank's copies of a step count only once its
@@ -101,6 +106,35 @@ def remove_leftovers(root: str, prefix: str) -> None:
                         r.remove(n)
     except _MISSING:
         pass
+
+
+def own_leftover(name: str, rank: int, peers: tuple[int, ...]) -> bool:
+    """Whether the entry ``name`` of a step folder is a temporary folder ``rank`` makes:
+    its part being written, or a copy being received from one of its ``peers``."""
+    return name.startswith(f".tmp-write{int(rank)}-") or any(name.startswith(f".tmp-recv{int(p)}-") for p in peers)
+
+
+def remove_own_leftovers(root: str, step: int, rank: int, peers: tuple[int, ...], *, replicated: bool = False) -> list[str]:
+    """Remove from ``step``'s folder the temporary folders ``rank`` makes (left by a
+    killed process: this one has none in flight for the step), and with ``replicated``
+    its ``.replicated-rank{R}`` record (the step is being written again: it is not
+    complete on this rank until its copies are). Links are removed themselves. Returns
+    the names removed."""
+    gone = []
+    try:
+        with open_folder(step_folder(root, step)) as s:
+            for n in s.names():
+                if own_leftover(n, rank, peers) or (replicated and n == f".replicated-rank{int(rank)}"):
+                    try:
+                        s.remove(n)
+                        gone.append(n)
+                    except FileNotFoundError:
+                        pass
+                    except OSError as e:  # the next write of the step or retention tries again
+                        log.warning("could not remove %s: %s", s.join(n), e)
+    except _MISSING:
+        pass
+    return gone
 
 
 def publish(tmp: str, marker: Marker, root: str, rank: int) -> str:

@@ -38,7 +38,7 @@ from ...untrusted import loads_json
 from .. import layout
 from ..marker import Marker
 from . import exchange, parts
-from .groups import Replication
+from .groups import Replication, on_machines
 
 log = logging.getLogger(__name__)
 RUN_FILE = ".cloudckpt-run.json"  # the run (save_folder) whose local steps the folder holds
@@ -66,10 +66,11 @@ class LocalTier:
                  collective_timeout: float, save_folder: str):
         self.ck = checkpointer
         self.persister = persister
-        self.rep = replication
+        self.rep = on_machines(replication)  # the machine of a rank: LOCAL_WORLD_SIZE, not the jump
         self.keep_last = keep_last
         self.rank = checkpointer.coord.rank
-        self.root = node_folder(local_dir, replication.node_of(self.rank))
+        self.root = node_folder(local_dir, self.rep.node_of(self.rank))
+        self._peers = tuple(r for r in self.rep.group_of(self.rank) if r != self.rank)
         self._check_writable(local_dir)
         self._claim(local_dir, save_folder)
         parts.remove_leftovers(self.root, f".tmp-view{self.rank}-")  # of a recovery killed on this rank
@@ -141,6 +142,11 @@ class LocalTier:
 
         def make_folder() -> str:
             nonlocal tmp  # a link planted as the step's folder: UnsafeCheckpoint, and every rank stops here
+            # the step written again (a restart from an older step): a killed attempt's temporary
+            # folders of this rank go, and so does its record of having copied the step
+            gone = parts.remove_own_leftovers(self.root, step, self.rank, self._peers, replicated=True)
+            if gone:
+                log.info("local step %d: removed what an earlier attempt left on rank %d: %s", step, self.rank, gone)
             tmp = parts.new_tmp(self.root, step, f"write{self.rank}")
             return uuid.uuid4().hex
 
@@ -175,7 +181,7 @@ class LocalTier:
         except Exception as e:  # noqa: BLE001 - the step stays incomplete; the next one tries again
             log.warning("local step %d: copying to peer nodes failed (%s); it is not complete", step, e)
             return
-        self._prune()
+        self._prune(step)
 
     def _persist_step(self, step: int, url: str, ephemeral: bool, on_persisted) -> None:
         ok = False
@@ -291,11 +297,13 @@ class LocalTier:
         return ts
 
     # ------------------------------------------------------------ retention
-    def _prune(self) -> None:
+    def _prune(self, copied: int) -> None:
         """Keep the ``keep_last`` newest complete steps (and steps being persisted, and
         any newer step still being written); remove the rest: older complete steps,
-        partial steps below the newest complete one, and leftovers of failed writes.
-        Collective on the tier's group (runs on the background thread)."""
+        partial steps below the newest complete one, and leftovers of failed writes
+        (in the steps kept up to ``copied``, the step just copied: this rank's own
+        temporary folders; a newer step may be being written). Collective on the tier's
+        group (runs on the background thread)."""
         try:
             every = self.coord.all_gather(self._summary())
         except CloudCkptError as e:
@@ -307,6 +315,11 @@ class LocalTier:
             keep |= self._persisting
         newest = complete[-1] if complete else -1
         for s in parts.steps_on_disk(self.root):
+            if s in keep and s <= copied:
+                try:
+                    parts.remove_own_leftovers(self.root, s, self.rank, self._peers)
+                except (OSError, CloudCkptError) as e:
+                    log.warning("local retention could not clean step %d: %s", s, e)
             if s in keep or s > newest:
                 continue
             try:  # a link in the node folder is removed itself, never followed
