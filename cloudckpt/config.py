@@ -100,7 +100,8 @@ class CheckpointConfig:
       locally too and persisted from the local files.
     - ``keep_last_local``: complete local steps kept (>= 1).
     - ``replication_factor``: copies of each rank's part on distinct nodes, its own included (None: 2 when there are two
-      nodes or more, else 1); ``replication_jump``: ranks per node (None: ``LOCAL_WORLD_SIZE``, else 1).
+      nodes or more, else 1); ``replication_jump``: ranks per failure domain, a node or a rack (a multiple of
+      ``LOCAL_WORLD_SIZE``; None: ``LOCAL_WORLD_SIZE``, else 1).
     - ``load_step``: ``resume()`` loads this committed step instead of the newest (None: the newest).
     - ``strict_resume``: a newest step that fails its checks stops ``resume()`` (CorruptCheckpoint) instead of
       being logged, recorded in ``CheckpointManager.skipped_steps`` and skipped for the previous committed step.

@@ -1,6 +1,8 @@
 """Hugging Face Trainer with checkpoints in a bucket. Run it, kill it, run the same
 command again: it resumes from the newest committed step (weights, AdamW state, LR
-scheduler, RNG, global step) and finishes as an uninterrupted run would.
+scheduler, RNG, global step) and finishes as an uninterrupted run would. (Rerunning a
+job that already finished resumes at max_steps, trains one more step and commits it, as
+transformers does with local checkpoints.)
 
     python examples/hf_trainer.py s3://my-bucket/hf-run-1      # or gs://…, or a local folder
     cloudckpt list s3://my-bucket/hf-run-1
