@@ -1,7 +1,7 @@
 """Decode one DCP tensor item (a ``torch.save`` zip inside a shard file) into its
 target tensor.
 
-Direct path: ``torch.load(map_location="meta")`` gives the stored tensor's dtype,
+Direct path: ``untrusted.load_tensor(map_location="meta")`` gives the stored tensor's dtype,
 shape and strides without reading its data, the zip directory gives where the
 storage's bytes start, and one single-threaded memcpy moves the bytes the target
 needs from the fetched buffer into the target's memory. It is taken when the
@@ -134,7 +134,9 @@ def _direct(data: memoryview, storage_offsets, lengths, target: torch.Tensor) ->
         return False
     start, size = located
     try:
-        meta = torch.load(BufferReader(data), map_location="meta", weights_only=True)
+        # the allowlist parser, reading none of the storage bytes (torch.load would follow a
+        # compressed pickle record or build bytearray(n) before any check)
+        meta = load_tensor(data, url="item", fqn="", map_location="meta")
     except Exception:  # noqa: BLE001 - not a plain tensor item: the general path reports what it is
         return False
     if type(meta) is not torch.Tensor or meta.layout != torch.strided or meta.is_quantized \
