@@ -279,3 +279,88 @@ def test_a_newest_marker_over_the_readers_cap_is_a_loud_error_never_an_older_ste
     finally:
         mgr.close()
     assert [s for s, _ in Checkpointer.find_checkpoints(folder)] == [1], "listing shows what it can read"
+
+
+# ------------------------------------------------------------------ agree: a gather of small references
+def gather_values(rank, world_size, fail_rank):
+    from cloudckpt import dist
+    from cloudckpt.errors import SaveFailed
+
+    coord = dist.Coordinator(timeout=60)
+    got = coord.to_coordinator("values", lambda: {"rank": rank})
+    try:
+        coord.to_coordinator("failing", lambda: 1 // (rank != fail_rank), error=SaveFailed.from_failures)
+        failed = None
+    except SaveFailed as e:
+        failed = str(e)
+    return {"got": got, "failed": failed}
+
+
+def test_to_coordinator_gives_values_to_rank_0_only_and_a_failure_to_every_rank():
+    outs = run_ranks(3, gather_values, 2)
+    assert outs[0]["got"] == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
+    assert outs[1]["got"] is None and outs[2]["got"] is None, "no other rank receives the values"
+    assert all(o["failed"] and "rank 2" in o["failed"] and "ZeroDivisionError" in o["failed"] for o in outs)
+
+
+def save_recording_agree(rank, world_size, dir, work_dir, tensors):
+    """Save ``tensors`` tensors per rank, recording the pickled size of what this rank sends
+    to the coordinator at AGREE and of what it receives back from COMMIT."""
+    import pickle
+
+    from cloudckpt import dist
+
+    sizes = {}
+    real_gather, real_on = dist.Coordinator.to_coordinator, dist.Coordinator.on_coordinator
+
+    def to_coordinator(self, step, fn, **kw):
+        def wrapped():
+            v = fn()
+            sizes.setdefault(step, len(pickle.dumps(v)))
+            return v
+        return real_gather(self, step, wrapped, **kw)
+
+    def on_coordinator(self, step, fn):
+        v = real_on(self, step, fn)
+        if step == "commit":
+            sizes["commit"] = len(pickle.dumps(v))
+        return v
+
+    dist.Coordinator.to_coordinator, dist.Coordinator.on_coordinator = to_coordinator, on_coordinator
+    try:
+        state = {"model": {f"r{rank}.t{i}": torch.full((16,), float(i)) for i in range(tensors)}}
+        with Checkpointer(work_dir=work_dir) as ck:
+            ck.save(dir, state, {"rank": rank})
+    finally:
+        dist.Coordinator.to_coordinator, dist.Coordinator.on_coordinator = real_gather, real_on
+    return sizes
+
+
+def test_agree_sends_each_rank_a_part_reference_whatever_the_number_of_tensors(tmp_path):
+    few = run_ranks(2, save_recording_agree, str(tmp_path / "a" / "step1"), str(tmp_path / "w"), 4)
+    many = run_ranks(2, save_recording_agree, str(tmp_path / "b" / "step1"), str(tmp_path / "w"), 400)
+    for r in (0, 1):
+        print(f"rank {r}: agree {few[r]['agree']} -> {many[r]['agree']} bytes, commit {few[r]['commit']} -> "
+              f"{many[r]['commit']} bytes (4 -> 400 tensors per rank)")
+    # rank 1 sends its part's reference only; rank 0 also the .metadata entry: the same size at 100x the items
+    # (a few more digits in the sizes)
+    assert many[1]["agree"] < 600 and abs(many[1]["agree"] - few[1]["agree"]) < 16
+    assert abs(many[0]["agree"] - few[0]["agree"]) < 16
+    assert abs(many[1]["commit"] - few[1]["commit"]) < 32, "the marker every rank gets back does not grow either"
+    full = discovery.read_marker(str(tmp_path / "b" / "step1"))
+    assert sum(len(o.chunks) for o in full.objects) >= 800, "the items are in the parts"
+
+
+def test_a_save_our_reader_would_refuse_fails_before_the_marker(tmp_path, monkeypatch):
+    import cloudckpt.untrusted as untrusted
+    from cloudckpt.errors import SaveFailed
+
+    folder = str(tmp_path / "run")
+    monkeypatch.setattr(untrusted, "MAX_TRAIN_STATE_BYTES", 100)  # a load would refuse any train state over it
+    with Checkpointer(work_dir=str(tmp_path / "w")) as ck:
+        with pytest.raises(SaveFailed, match="train/rank0.pt .*ceiling"):
+            ck.save(layout.step_dir(folder, 1), checks.step_state(1, 0, numel=64), {"step": 1, "pad": "x" * 1000})
+    assert not os.path.exists(os.path.join(layout.step_dir(folder, 1), layout.MARKER))
+    assert list(Checkpointer.find_checkpoints(folder)) == []
+    assert not os.path.exists(layout.step_dir(folder, 1)) or os.listdir(layout.step_dir(folder, 1)) == [], \
+        "the attempt's objects are removed"

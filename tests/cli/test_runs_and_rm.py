@@ -120,7 +120,7 @@ def test_inspect_shows_human_sizes_and_a_utc_time(tmp_path):
     r = cli("inspect", folder + "/step4", "--objects")
     assert r.code == 0, r.err
     objects = [ln.split() for ln in r.out.splitlines() if ln.startswith("model_and_optim/") or ln.startswith("train/")]
-    assert len(objects) == 5 and all(row[1].endswith(("B", "KiB")) and not row[1].isdigit() for row in objects)
+    assert len(objects) == 4 and all(row[1].endswith(("B", "KiB")) and not row[1].isdigit() for row in objects)
     assert "Z (" in r.out.splitlines()[2]  # committed 2026-...Z (3s ago)
 
 
