@@ -518,6 +518,19 @@ def _load_prologue(args, rank: int) -> dict:
     sim = ck.coord = SimCoordinator(rank, args.ranks, _payloads(args))
     step = str(Path(args.work) / "run" / f"step{STEP}")
     reads = None
+    from cloudckpt.dcp import reader as reader_mod
+
+    parse = {"s": 0.0}
+    orig_read = reader_mod.StreamingReader.read_metadata
+
+    def timed(self, *a, **kw):
+        t = time.process_time()
+        try:
+            return orig_read(self, *a, **kw)
+        finally:
+            parse["s"] += time.process_time() - t
+
+    reader_mod.StreamingReader.read_metadata = timed
     with Meter() as m:
         if rank == 0:
             from cloudckpt import CheckpointConfig
@@ -533,7 +546,7 @@ def _load_prologue(args, rank: int) -> dict:
     if reads is None:
         raise RuntimeError("the load read data without calling before_read first")
     return {"received_bytes": sum(sim.received.values()), "broadcast_sent_bytes": sum(sim.sent.values()),
-            "items_to_read": reads, **m.report()}
+            "items_to_read": reads, "metadata_parse_cpu_s": round(parse["s"], 3), **m.report()}
 
 
 def _discover(cfg, sim):
@@ -750,11 +763,14 @@ def confirm(tensors: int, ranks: list[int], tmp: str) -> list[dict]:
         swork = tempfile.mkdtemp(dir=tmp, prefix=f"sim-R{R}-")
         sim_inputs = run_phase("inputs", shape, R, swork)
         sim = run_phase("save", shape, R, swork) if "error" not in sim_inputs else sim_inputs
-        sim_load = run_phase("load", shape, R, swork) if "error" not in sim else sim
+        sim_resume = run_phase("resume", shape, R, swork) if "error" not in sim else sim
+        sim_load = run_phase("load", shape, R, swork) if "error" not in sim_resume else sim_resume
         rows.append({"ranks": R, "tensors": small(tensors).sharded + len(small(tensors).params),
                      "real": real, "sim": {"agree_received_bytes": sim.get("agree_received_bytes"),
                                            "marker_bytes": sim.get("marker_bytes"),
-                                           "load_cpu_s": sim_load.get("cpu_s"), "error": sim.get("error")}})
+                                           "load_cpu_s": sim_load.get("cpu_s"),
+                                           "metadata_parse_cpu_s": sim_load.get("metadata_parse_cpu_s"),
+                                           "error": sim.get("error") or sim_load.get("error")}})
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(swork, ignore_errors=True)
     return rows
@@ -874,7 +890,7 @@ def report(res: dict) -> str:
     if res["confirm"]:
         lines += ["", "Real gloo ranks against the simulation, same shape and R:", "",
                   "| R | tensors | AGREE in per rank, real / sim (bytes) | marker, real / sim (bytes) | "
-                  "metadata parse CPU-s per rank, real | DCP save gathers, bytes sent per rank: first / repeated save |",
+                  "metadata parse CPU-s per rank, real / sim | DCP save gathers, bytes sent per rank: first / repeated save |",
                   "|---|---|---|---|---|---|"]
         for c in res["confirm"]:
             real = c["real"]
@@ -882,7 +898,8 @@ def report(res: dict) -> str:
             sim = c["sim"]
             lines.append(f"| {c['ranks']} | {c['tensors']:,} | {ag} / {_n(sim['agree_received_bytes'])} | "
                          f"{real[0]['marker_bytes']:,} / {_n(sim['marker_bytes'])} | "
-                         f"{', '.join(str(r['metadata_parse_cpu_s']) for r in real)} | "
+                         f"{', '.join(str(r['metadata_parse_cpu_s']) for r in real)} / "
+                         f"{sim.get('metadata_parse_cpu_s', '-')} | "
                          + ", ".join(" / ".join(f"{x:,}" for x in r.get("dcp_gather_sent_bytes", [])) for r in real)
                          + " |")
     return "\n".join(lines) + "\n"

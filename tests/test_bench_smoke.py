@@ -184,4 +184,7 @@ def test_smoke_scale_runs_every_phase_and_agrees_with_real_ranks(tmp_path):
     sim = c["sim"]["agree_received_bytes"]
     assert abs(real[0] - sim) <= 0.05 * max(real[0], 1) + 16, (real, sim)
     assert abs(c["real"][0]["marker_bytes"] - c["sim"]["marker_bytes"]) <= 0.05 * c["sim"]["marker_bytes"], c
+    assert c["sim"]["error"] is None and c["sim"]["metadata_parse_cpu_s"] is not None, c["sim"]
+    # a repeated save of the same structure sends less in DCP's gathers (the plan cache answers)
+    assert all(r["dcp_gather_sent_bytes"][1] < r["dcp_gather_sent_bytes"][0] for r in c["real"]), c["real"]
     assert "| 4 |" in (tmp_path / "scale_quick.md").read_text()
