@@ -31,7 +31,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Iterator
 
-from ..errors import BucketNotFound, CheckpointError, NotACheckpoint, NotFound
+from ..errors import BucketNotFound, CheckpointError, CorruptCheckpoint, NotACheckpoint, NotFound
 from ..storage import Location, Where
 from ..storage import url as urls
 from . import layout
@@ -256,6 +256,27 @@ def latest_checkpoint(folder: Where, *, use_pointer: bool = True) -> str:
                             step, p[0], m.writer, "" if m.verified else " (no manifest: unverified)")
         return dir
     raise NotACheckpoint(f"no committed checkpoint in {folder}")
+
+
+def newest_usable(folder: Where, *, skip_refused: bool) -> tuple[str | None, list[tuple[int, str, str]]]:
+    """For ``resume``: the newest committed step folder (None if there is none), and the
+    newer steps passed over, as ``(step, dir, reason)``: steps whose marker of ours this
+    reader refuses (damaged, unsafe). Without ``skip_refused`` such a step raises as in
+    :func:`latest_checkpoint`; a marker from a newer cloudckpt (IncompatibleCheckpoint)
+    always raises. The caller logs and records what was passed over."""
+    loc = Location.of(folder).resolved()
+    skipped: list[tuple[int, str, str]] = []
+    for step, dir in reversed(list_step_dirs(loc)):
+        try:
+            m = _newest_candidate(loc.at(dir), loc.url)
+        except CorruptCheckpoint as e:
+            if not skip_refused:
+                raise
+            skipped.append((step, dir, " ".join(str(e).split())[:500]))
+            continue
+        if m is not None:
+            return dir, skipped
+    return None, skipped
 
 
 def _newest_candidate(dir: Location, folder: str) -> Marker | None:

@@ -195,6 +195,7 @@ class CheckpointManager:
         explicit ``load_step``) are decided now, not at the save that would meet them."""
         step = layout.parse_step_dir(dir)
         above = self.coord.on_coordinator("steps above", lambda: _committed_above(self.save_location, step))
+        above = sorted(set(above) | {s.step for s in self.skipped_steps if s.step > step})
         if not above:
             return
         bad = {s.step for s in self.skipped_steps}
@@ -220,20 +221,27 @@ class CheckpointManager:
         load_step = self.config.load_step if load_step is None else load_step
 
         def discover():
+            skipped: list = []
             if load_step is not None:
                 latest = _committed_step(loc, load_step)
             else:
-                try:
-                    latest = discovery.latest_checkpoint(loc, use_pointer=False)
-                except NotACheckpoint:
-                    latest = None
+                latest, skipped = discovery.newest_usable(loc, skip_refused=not self.config.strict_resume)
+                for step, dir, reason in skipped:
+                    log.error("resume: %s is committed but its marker is refused (%s); passing over it to an older "
+                              "step. Set strict_resume=True to stop instead", dir, reason)
             step = layout.parse_step_dir(latest) if latest else -1
-            rep = retention.gc(loc, only_steps_above=step)
+            rep = retention.gc(loc, only_steps_above=step)  # uncommitted folders only: a refused marker stays
             if rep.step_dirs:
                 log.warning("removed uncommitted leftovers of a crashed attempt above step %d: %s", step, rep.step_dirs)
-            return latest
+            return latest, skipped
 
-        return self.coord.on_coordinator("discover", discover)
+        latest, skipped = self.coord.on_coordinator("discover", discover)
+        self.skipped_steps += tuple(SkippedStep(step, dir, reason) for step, dir, reason in skipped)
+        if latest is None and skipped:
+            raise CorruptCheckpoint(f"no usable committed step in {self.config.save_folder}: "
+                                    f"{', '.join(d for _, d, _ in skipped[:3])} cannot be read (see the log); restore "
+                                    "one, or start the run afresh in a new save_folder")
+        return latest
 
     # ------------------------------------------------------------ save
     def due(self, step: int) -> str | None:

@@ -119,3 +119,26 @@ def test_two_ranks_fall_back_together_when_one_ranks_train_state_is_corrupt(s3_b
         assert [s for s, _ in out[r]["skipped"]] == [10] and "rank 1" in out[r]["skipped"][0][1]
     strict = run_ranks(2, fw.resume, folder, work, True, env=_env())
     assert all("CorruptCheckpoint" in strict[r]["error"] for r in range(2)), strict
+
+
+def test_an_unreadable_marker_of_ours_on_the_newest_step_is_passed_over_loudly_or_stops_with_strict(tmp_path, caplog):
+    folder = str(tmp_path / "run")
+    fw.save_steps(0, 1, folder, str(tmp_path / "w"), [5, 10])
+    marker = os.path.join(folder, "step10", ".metadata.json")
+    with open(marker, "rb") as f:
+        body = f.read()
+    with open(marker, "wb") as f:
+        f.write(body[: len(body) // 2])  # ours (it starts as ours), but truncated
+    mgr = _mgr(folder, tmp_path)
+    with caplog.at_level(logging.ERROR, logger="cloudckpt"):
+        assert mgr.resume(fw.state(1))["step"] == 5
+    assert [s.step for s in mgr.skipped_steps] == [10] and "step10 is committed but its marker is refused" in caplog.text
+    assert mgr.steps_above_resumed == {10}
+    assert mgr.maybe_save(10, fw.state(10), {"step": 10}) is None  # not saved over, no CheckpointExists later
+    mgr.close()
+    with open(marker, "rb") as f:
+        assert f.read() == body[: len(body) // 2], "the refused step is kept as it was"
+    mgr = _mgr(folder, tmp_path, strict_resume=True)
+    with pytest.raises(CorruptCheckpoint, match="step10"):
+        mgr.resume(fw.state(1))
+    mgr.close()
