@@ -511,13 +511,9 @@ def _sharded_target(shape: Shape, R: int, r: int) -> dict:
     return sd
 
 
-def _load_prologue(args, rank: int) -> dict:
-    shape = shape_named(args.shape)
-    target = _sharded_target(shape, args.ranks, rank)
-    ck = _checkpointer(args.work)
-    sim = ck.coord = SimCoordinator(rank, args.ranks, _payloads(args))
-    step = str(Path(args.work) / "run" / f"step{STEP}")
-    reads = None
+def _time_metadata_parse() -> dict:
+    """From now on, the CPU seconds of every ``StreamingReader.read_metadata`` (the
+    metadata parse of a load) add up in the returned ``{"s": ...}``."""
     from cloudckpt.dcp import reader as reader_mod
 
     parse = {"s": 0.0}
@@ -531,12 +527,21 @@ def _load_prologue(args, rank: int) -> dict:
             parse["s"] += time.process_time() - t
 
     reader_mod.StreamingReader.read_metadata = timed
-    with Meter() as m:
-        if rank == 0:
-            from cloudckpt import CheckpointConfig
+    return parse
 
-            mgr_cfg = CheckpointConfig(save_folder=str(Path(args.work) / "run"), work_dir=os.path.join(args.work, "w"))
-            found = _discover(mgr_cfg, sim)
+
+def _load_prologue(args, rank: int) -> dict:
+    shape = shape_named(args.shape)
+    target = _sharded_target(shape, args.ranks, rank)
+    ck = _checkpointer(args.work)
+    sim = ck.coord = SimCoordinator(rank, args.ranks, _payloads(args))
+    step = str(Path(args.work) / "run" / f"step{STEP}")
+    reads = None
+    mgr = _manager(args, ck) if rank == 0 else None
+    parse = _time_metadata_parse()
+    with Meter() as m:
+        if mgr is not None:
+            found = mgr.step_to_resume()
             assert found is not None and found.endswith(f"step{STEP}"), found
         try:
             ck.load(step, target, load_trainer_state=False, before_read=_stop)
@@ -549,16 +554,18 @@ def _load_prologue(args, rank: int) -> dict:
             "items_to_read": reads, "metadata_parse_cpu_s": round(parse["s"], 3), **m.report()}
 
 
-def _discover(cfg, sim):
-    """``CheckpointManager.step_to_resume`` on a manager whose coordinator is ``sim``."""
-    from cloudckpt.checkpoint.manager import CheckpointManager
+def _manager(args, ck):
+    """A ``CheckpointManager`` of the run whose checkpointer (and so coordinator) is ``ck``'s."""
+    from cloudckpt import CheckpointConfig
+    from cloudckpt.checkpoint import manager as manager_mod
 
-    mgr = CheckpointManager.__new__(CheckpointManager)  # its collective setup needs real ranks
-    mgr.config, mgr.coord = cfg, sim
-    from cloudckpt.storage import Location
-
-    mgr.save_location = Location.of(cfg.save_folder)
-    return mgr.step_to_resume()
+    cfg = CheckpointConfig(save_folder=str(Path(args.work) / "run"), work_dir=os.path.join(args.work, "w"))
+    made = manager_mod._checkpointer
+    manager_mod._checkpointer = lambda config: ck  # its own would create a process group of R ranks
+    try:
+        return manager_mod.CheckpointManager(cfg)
+    finally:
+        manager_mod._checkpointer = made
 
 
 def phase_resume(args) -> dict:
@@ -691,7 +698,6 @@ def gloo_worker(rank, world_size, folder, work, tensors):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from cloudckpt import Checkpointer, dist
-    from cloudckpt.dcp import reader as reader_mod
 
     got = {"agree": 0}
 
@@ -733,17 +739,7 @@ def gloo_worker(rank, world_size, folder, work, tensors):
         sent.append(0)
         got["agree"] = 0  # the last save's
         ck.save(f"{folder}/step{s}", sd)
-    parse = {"s": 0.0}
-    orig_read = reader_mod.StreamingReader.read_metadata
-
-    def timed(self, *a, **kw):
-        t = time.process_time()
-        try:
-            return orig_read(self, *a, **kw)
-        finally:
-            parse["s"] += time.process_time() - t
-
-    reader_mod.StreamingReader.read_metadata = timed
+    parse = _time_metadata_parse()
     target = {k: torch.zeros_like(v) for k, v in sd.items()}
     ck.load(path, target)
     ck.close()
