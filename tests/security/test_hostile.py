@@ -89,7 +89,9 @@ def try_id(t: Try) -> str:
     return f"c{t.klass}-{t.case}-{t.entry}-{t.backend}"
 
 
-TRIES = collect_tries()
+# sorted: a module that builds its list from a set would otherwise order it differently in each
+# xdist worker (string hashes are salted per process), and xdist refuses differing collections
+TRIES = sorted(collect_tries(), key=try_id)
 
 
 def warm_up() -> None:
