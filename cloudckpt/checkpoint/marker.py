@@ -222,6 +222,13 @@ class Marker:
     adopted_crc32c: str = ""  # adopted: the CRC32C of the other tool's marker this manifest vouches for
     parts: tuple[PartRef, ...] = ()  # the ranks' manifest parts (format 2); ``objects`` then holds the step's own files
 
+    def __repr__(self) -> str:
+        # short: a sync save returns a Marker, and its full manifest (every item's CRC32C)
+        # would print thousands of characters in a notebook or a log line
+        return (f"Marker(step={self.step}, ephemeral={self.ephemeral}, world_size={self.world_size}, "
+                f"objects={self.object_count}, bytes={self.total_bytes}, writer={self.writer!r}, "
+                f"format_version={self.format_version})")
+
     @property
     def foreign(self) -> bool:
         """Written by another tool (adopted or not)."""

@@ -364,3 +364,16 @@ def test_a_save_our_reader_would_refuse_fails_before_the_marker(tmp_path, monkey
     assert list(Checkpointer.find_checkpoints(folder)) == []
     assert not os.path.exists(layout.step_dir(folder, 1)) or os.listdir(layout.step_dir(folder, 1)) == [], \
         "the attempt's objects are removed"
+
+
+def test_a_marker_prints_short_whatever_the_step_holds(tmp_path):
+    """A sync maybe_save returns the Marker: its repr is one short line, not the manifest."""
+    import torch as _torch
+
+    from cloudckpt import CheckpointConfig as _Config
+
+    mgr = _Config(save_folder=str(tmp_path / "run"), work_dir=str(tmp_path / "w"), save_interval=1).build()
+    m = mgr.maybe_save(1, {f"w{i}": _torch.randn(8) for i in range(300)}, {"step": 1})
+    mgr.close()
+    text = repr(m)
+    assert text.startswith("Marker(step=1, ephemeral=False, world_size=1, objects=") and len(text) < 200, text
