@@ -272,7 +272,17 @@ def test_a_newest_marker_over_the_readers_cap_is_a_loud_error_never_an_older_ste
     with pytest.raises(UnsafeCheckpoint, match="load_step") as ei:
         Checkpointer.latest_checkpoint(folder)
     assert layout.step_dir(folder, 10) in str(ei.value)
+    # our own save refuses to commit a marker its readers would refuse, so one over the cap was
+    # not written by a legitimate save: resume passes over it loudly (logged, recorded) or,
+    # with strict_resume, stops naming it
     mgr = CheckpointConfig(save_folder=folder, work_dir=str(tmp_path / "w2"), save_interval=1).build()
+    try:
+        assert mgr.resume(checks.zero_state(1, numel=64)) == {"step": 1}
+        assert [s.step for s in mgr.skipped_steps] == [10] and "cannot be read" in mgr.skipped_steps[0].reason
+    finally:
+        mgr.close()
+    mgr = CheckpointConfig(save_folder=folder, work_dir=str(tmp_path / "w2"), save_interval=1,
+                           strict_resume=True).build()
     try:
         with pytest.raises(CheckpointError, match="step10"):
             mgr.resume(checks.zero_state(1, numel=64))

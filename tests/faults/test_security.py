@@ -73,14 +73,14 @@ def test_temporary_work_dirs_are_private_and_removed(pre_download, s3_bucket, tm
     """Every per-save (and pre-download) work dir is mode 0700 while it exists, and is gone afterwards."""
     work = tmp_path / "work"
     seen: dict[str, int] = {}
-    real_mkdtemp = __import__("tempfile").mkdtemp
+    from cloudckpt.storage.nofollow import private_dir
 
     def spy(*a, **kw):
-        d = real_mkdtemp(*a, **kw)
+        d = private_dir(*a, **kw)
         seen[d] = stat.S_IMODE(os.stat(d).st_mode)
         return d
 
-    monkeypatch.setattr("cloudckpt.checkpoint.checkpointer.tempfile.mkdtemp", spy)
+    monkeypatch.setattr("cloudckpt.checkpoint.checkpointer.private_dir", spy)
     old_umask = os.umask(0o000)  # even a permissive umask must not open them up
     try:
         ck = Checkpointer(work_dir=str(work), pre_download=pre_download)
@@ -90,7 +90,7 @@ def test_temporary_work_dirs_are_private_and_removed(pre_download, s3_bucket, tm
         ck.close()
     finally:
         os.umask(old_umask)
-    assert seen, "the checkpointer made its work dirs with tempfile.mkdtemp"
+    assert seen, "the checkpointer made its work dirs with storage.nofollow.private_dir"
     assert len(seen) == (2 if pre_download else 1)
     for d, mode in seen.items():
         assert mode == 0o700, f"{d} was created with mode {oct(mode)}"
