@@ -46,11 +46,17 @@ _log = logging.getLogger(__name__)
 _O_DIR = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY
 
 
-def _unsafe(path: str, link: str, dfd: int, name: str) -> UnsafeCheckpoint:
+def _link_target(dfd: int, name: str) -> str | None:
+    """Where the link ``name`` in the folder ``dfd`` points, or None if it cannot be read."""
     try:
-        target = f" (to {os.readlink(name, dir_fd=dfd)})"
+        return os.readlink(name, dir_fd=dfd)
     except OSError:
-        target = ""
+        return None
+
+
+def _unsafe(path: str, link: str, dfd: int, name: str) -> UnsafeCheckpoint:
+    to = _link_target(dfd, name)
+    target = "" if to is None else f" (to {to})"
     return UnsafeCheckpoint(
         f"{path}: {link} is a symbolic link{target}. cloudckpt does not follow links inside a save folder "
         "(a shared folder may hold links planted by someone else). Remove the link, or pass the real path "

@@ -24,7 +24,7 @@ import shutil
 import stat as st_
 
 from ..errors import ConfigError, StorageError, UnsafeCheckpoint
-from .local import _open_at, _open_dir
+from .local import _link_target, _open_at, _open_dir
 
 _PRIVATE = 0o700
 _euid = getattr(os, "geteuid", lambda: 0)  # whose folders are ours (a seam for tests run as root or not)
@@ -37,10 +37,8 @@ def resolve(path: str) -> str:
 
 
 def _link_error(full: str, dfd: int, name: str, what: str) -> UnsafeCheckpoint:
-    try:
-        target = f" (to {os.readlink(name, dir_fd=dfd)!r})"
-    except OSError:
-        target = ""
+    to = _link_target(dfd, name)
+    target = "" if to is None else f" (to {to!r})"
     return UnsafeCheckpoint(
         f"{full} is a symbolic link{target} inside {what}. cloudckpt never follows a link inside the folders it "
         "works in (someone else may have planted it there): nothing was read or written through it. Remove the "
