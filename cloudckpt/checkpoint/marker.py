@@ -75,6 +75,7 @@ _WRITER = re.compile(r"[a-z0-9][a-z0-9._-]{0,39}")
 
 
 _SHARD_FILE = re.compile(r"model_and_optim/__(0|[1-9][0-9]{0,8})_(?:0|[1-9][0-9]{0,8})\.distcp")
+_INDEX_PART = re.compile(r"index/rank(0|[1-9][0-9]{0,8})\.json")  # a rank's part of the DCP index (dcp/index.py)
 
 
 def part_name(rank: int) -> str:
@@ -83,10 +84,11 @@ def part_name(rank: int) -> str:
 
 
 def owner_of(path: str) -> int | None:
-    """The rank whose part lists ``path`` (its shard files ``model_and_optim/__{R}_{K}.distcp``
-    and its train state ``train/rank{R}.pt``), or None for the step's own files (DCP's
-    ``.metadata``), listed in the marker itself."""
-    m = _SHARD_FILE.fullmatch(path)
+    """The rank whose part lists ``path`` (its shard files ``model_and_optim/__{R}_{K}.distcp``,
+    its train state ``train/rank{R}.pt`` and its DCP index part ``index/rank{R}.json``), or
+    None for the step's own files (DCP's ``.metadata``, ``index/header.json``), listed in
+    the marker itself."""
+    m = _SHARD_FILE.fullmatch(path) or _INDEX_PART.fullmatch(path)
     return int(m.group(1)) if m is not None else rank_of_train_state(path)
 
 
