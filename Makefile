@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` and `make test`.
-.PHONY: setup demo test test-fast docs docs-serve bench local-s3
+.PHONY: setup demo test test-fast lint docs docs-serve bench local-s3
 
 setup:
 	@bash scripts/setup.sh
@@ -12,6 +12,9 @@ test: setup
 
 test-fast: setup
 	.venv/bin/python -m pytest -q -ra -n 2 --dist loadfile -m "not slow"
+
+lint: setup
+	.venv/bin/ruff check .
 
 docs: setup
 	.venv/bin/mkdocs build --strict
