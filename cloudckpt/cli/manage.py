@@ -84,7 +84,7 @@ def _urls(urls: list[str], limit: int = 5) -> str:
 
 # ---------------------------------------------------------------- adopt
 def cmd_adopt(args) -> int:
-    from ..checkpoint.adopt import adopt
+    from ..ops.adopt import adopt
 
     with Bar(args, "adopt") as bar:
         if args.yes:
@@ -168,7 +168,7 @@ def cmd_export(args) -> int:
                 config = args.config if args.config is not None else _saved_hf_config(args, step)
                 res = export_hf(args.step, args.dest, config=config, **common)
             else:
-                from ..export import export_weights
+                from ..ops.export import export_weights
 
                 res = export_weights(args.step, args.dest, fmt=args.format, **common)
         except (AlreadyExists, MissingKeys) as e:  # DEST created while we read (no --force), or a --key naming nothing

@@ -57,7 +57,7 @@ except ImportError as e:  # pragma: no cover - the extra is missing
 from .. import AppState, CheckpointConfig, CheckpointManager
 from ..checkpoint import layout
 from ..errors import CheckpointError, CorruptCheckpoint
-from ..export import export_weights
+from ..ops.export import export_weights
 from ..storage.nofollow import Folder, private_dir, resolve
 from ._hf import FORMAT, HF_KEY, build_manager, config_json, hf_section, unwrap
 from .hf_export import MAX_CONFIG_BYTES, MAX_TRAINER_STATE_BYTES, saved_json

@@ -7,7 +7,7 @@ own class) opens it.
 
 The weights are the tensors under the ``model`` key of the step (what ``AppState``,
 the Trainer callback and the Accelerate helper save), streamed by
-:func:`cloudckpt.export.export_weights` (CRC32C-checked, one tensor in memory at a
+:func:`cloudckpt.ops.export.export_weights` (CRC32C-checked, one tensor in memory at a
 time). The config is the one the integration saved with the step, or ``config=``.
 Needs no transformers import unless ``config`` is a ``PretrainedConfig``.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import Checkpointer
 from ..errors import AlreadyExists, ConfigError, CorruptCheckpoint, IncompatibleCheckpoint
-from ..export import export_weights
+from ..ops.export import export_weights
 from ..storage import StorageOptions
 from ._hf import HF_KEY
 
@@ -116,7 +116,7 @@ def export_hf(
     ``out_dir``: a local folder (created). ``config``: see :func:`_config_text`; the
     JSON is checked to be an object with a ``model_type``. ``dtype`` casts floating-point
     tensors and sets ``torch_dtype``/``dtype`` in the config. ``export_options`` go to
-    :func:`~cloudckpt.export.export_weights` (``transfer``, ``work_dir``,
+    :func:`~cloudckpt.ops.export.export_weights` (``transfer``, ``work_dir``,
     ``verify_checksums``, ``progress``).
 
     Returns export_weights' result plus ``"config"`` (the config path).

@@ -28,7 +28,7 @@ committed steps), ``load_step``, ``exclude_from_loading``, ``load_only``,
 ``async_mode`` (``"async"`` and ``"async_with_pinned_mem"`` both mean cloudckpt's async
 save: a staging copy to host memory, pinned when CUDA is present, then upload in the
 background). Refused with ValueError: the Hugging Face safetensors options
-(``last_save_in_hf``, ``initial_load_in_hf``): use ``cloudckpt.export`` instead.
+(``last_save_in_hf``, ``initial_load_in_hf``): use ``cloudckpt.ops.export`` instead.
 Added: ``work_dir`` and ``storage`` (cloudckpt's StorageOptions fields, e.g.
 ``{"endpoint_url": …}``).
 """
@@ -69,7 +69,7 @@ class CloudCheckpointManager(BaseCheckpointManager):
             _TitanManager.Config.__post_init__(self)
             if self.last_save_in_hf or self.initial_load_in_hf:
                 raise ValueError("CloudCheckpointManager does not read or write Hugging Face safetensors "
-                                 "(last_save_in_hf / initial_load_in_hf): export a step with cloudckpt.export "
+                                 "(last_save_in_hf / initial_load_in_hf): export a step with cloudckpt.ops.export "
                                  "or `cloudckpt export` instead")
 
     def __init__(self, config: Config, *, dataloader: Any, model_parts: list, optimizers: Any, lr_schedulers: Any,
@@ -218,7 +218,7 @@ def read_dcp_folder(src: str) -> dict[str, Any]:
     are nested again. The user's own path ``src`` is resolved once, so a link above the
     folder keeps working. Raises ConfigError (no ``.metadata``: not a DCP folder),
     UnsafeCheckpoint / CorruptCheckpoint, storage errors."""
-    from ..export import read_dcp_state
+    from ..ops.export import read_dcp_state
     from ..storage import Location
     from ..untrusted import MAX_METADATA_BYTES, loads_metadata, read_capped
 

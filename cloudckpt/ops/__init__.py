@@ -11,11 +11,13 @@ script can call the same functions.
 - :func:`find_runs` — the runs (folders of step folders) under a bucket or prefix
 - :func:`plan_prune` / :func:`apply_prune` — retention's policy applied once
 - :func:`plan_remove` / :func:`apply_remove` — one step folder, marker first
+- :func:`cloudckpt.ops.adopt.adopt` — our manifest for a step another tool committed
+- :func:`cloudckpt.ops.export.export_weights` — a step's model weights to one
+  safetensors or torch file
 
-Latest, gc, adopt and export are library functions already:
+Latest and gc are the library's own functions:
 :func:`cloudckpt.checkpoint.discovery.latest_checkpoint`,
-:func:`cloudckpt.checkpoint.retention.gc`, :func:`cloudckpt.checkpoint.adopt.adopt`,
-:func:`cloudckpt.export.export_weights`.
+:func:`cloudckpt.checkpoint.retention.gc`.
 
 Progress goes to an optional object with ``start(total_bytes)`` and ``update(n)``
 (:class:`Progress`); nothing here prints.

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from cloudckpt import Checkpointer
-from cloudckpt import export as export_mod
+from cloudckpt.ops import export as export_mod
 from cloudckpt.errors import AlreadyExists, CorruptCheckpoint, MissingKeys, NotACheckpoint
-from cloudckpt.export import export_weights
+from cloudckpt.ops.export import export_weights
 from cloudckpt.storage import open_store
 from cloudckpt.testing.multiprocess import run_ranks
 
@@ -138,7 +138,7 @@ def status(field):
             return int(line.split()[1]) * 1024
 
 import torch.distributed.checkpoint.metadata  # noqa: F401 - one-time imports and the S3 client are not the export's
-from cloudckpt.export import export_weights, read_dcp_metadata
+from cloudckpt.ops.export import export_weights, read_dcp_metadata
 read_dcp_metadata(sys.argv[1])
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # VmHWM := current RSS

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 from cloudckpt.checkpoint import discovery, layout  # noqa: E402
 from cloudckpt.errors import BucketNotFound, NotACheckpoint  # noqa: E402
-from cloudckpt.export import export_weights  # noqa: E402
+from cloudckpt.ops.export import export_weights  # noqa: E402
 from cloudckpt.integrations import lightning as cl  # noqa: E402
 from cloudckpt.storage import open_store  # noqa: E402
 from cloudckpt.storage import url as urls  # noqa: E402

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from cloudckpt import AppState, Checkpointer
-from cloudckpt.export import export_weights
+from cloudckpt.ops.export import export_weights
 
 
 def make_model() -> torch.nn.Module:

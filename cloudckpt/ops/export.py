@@ -1,0 +1,386 @@
+"""Export the model weights of a committed checkpoint (torchtitan's ``export``).
+
+    from cloudckpt.ops.export import export_weights
+    export_weights("s3://bucket/run-7/step1000", "s3://bucket/run-7/export/model.safetensors",
+                   dtype="bfloat16")
+
+Only the tensors under one top-level key of the DCP state (``model`` by default)
+are exported, named without that prefix (``model.layers.0.w`` -> ``layers.0.w``),
+optionally cast to another floating-point dtype (integer and bool tensors keep
+their dtype).
+
+Streaming (``safetensors``): the header is written first (every name, dtype and
+shape is known from the DCP metadata), then the tensors one at a time: read the
+byte ranges of its chunks (concurrent range reads, CRC32C-checked against the
+commit marker), assemble, cast, write, drop. Memory above baseline is bounded
+by the largest tensor, not by the model: about two to three times the largest
+tensor (its bytes as read, the decoded chunk, and for sharded tensors or a cast
+the assembled or cast copy; measured: 33 MiB for 16 MiB tensors cast to bf16).
+The output goes to a local file (next to the destination
+when it is local, else in ``work_dir``), so local disk holds the whole output
+once; a bucket destination is then uploaded by the transfer engine (multipart
+above the store's threshold, CRC32C computed).
+
+``torch`` format: ``torch.save`` of ``{name: tensor}`` needs every tensor in
+memory at once; only safetensors is strictly streaming.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import math
+import os
+import struct
+import sys
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import torch
+
+from ..checkpoint import layout, step_files
+from ..config import default_work_dir
+from ..errors import AlreadyExists, ConfigError, CorruptCheckpoint, MissingKeys
+from ..storage import Location, StorageOptions, Where
+from ..storage import url as urls
+from ..transfer import TransferConfig, TransferEngine, crc32c_bytes
+from ..dcp.items import decode_item_tensor
+
+log = logging.getLogger(__name__)
+
+_MiB = 1024 * 1024
+FORMATS = ("safetensors", "torch")
+
+#: torch dtype -> safetensors dtype code
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}
+
+_DTYPE_NAMES = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+}
+
+
+def parse_dtype(dtype: "str | torch.dtype | None") -> torch.dtype | None:
+    """``"bfloat16"``/``"bf16"``/``torch.bfloat16`` -> ``torch.bfloat16``; None stays None.
+    Raises ConfigError (a ValueError) for anything but a floating-point dtype."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        if dtype is not None and not dtype.is_floating_point:
+            raise ConfigError(f"export dtype must be a floating-point dtype, got {dtype}")
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPE_NAMES:
+        raise ConfigError(f"unknown export dtype {dtype!r}: use one of {', '.join(sorted(_DTYPE_NAMES))}")
+    return _DTYPE_NAMES[key]
+
+
+# ---------------------------------------------------------------- reading the checkpoint
+def read_dcp_metadata(step: Where, *, verify: bool = True):
+    """The commit marker and the DCP ``Metadata`` of a committed step: see
+    :func:`cloudckpt.checkpoint.step_files.read_dcp_metadata`."""
+    return step_files.read_dcp_metadata(Location.of(step), verify=verify)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str  # output name (fqn without the prefix)
+    fqn: str
+    shape: tuple[int, ...]
+    src_dtype: torch.dtype
+    dtype: torch.dtype  # output dtype
+    chunks: tuple  # ChunkStorageMetadata
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+def _plan(metadata, key_prefix: str, dtype: torch.dtype | None, *, safetensors: bool) -> tuple[list[_Entry], list[str]]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    prefix = f"{key_prefix}." if key_prefix else ""
+    entries, skipped = [], []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not fqn.startswith(prefix):
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            skipped.append(fqn)
+            continue
+        src = md.properties.dtype
+        out = dtype if (dtype is not None and src.is_floating_point) else src
+        if safetensors and out not in SAFETENSORS_DTYPES:
+            raise ConfigError(f"{fqn!r} has dtype {out}, which safetensors cannot store; use fmt='torch'")
+        entries.append(_Entry(fqn[len(prefix):], fqn, tuple(md.size), src, out, tuple(md.chunks)))
+    if not entries:
+        tops = sorted({k.split(".", 1)[0] for k in metadata.state_dict_metadata})
+        raise MissingKeys(f"no tensors under {key_prefix!r} in this checkpoint; its top-level keys are {tops}: "
+                          "pass key_prefix= one of them")
+    return entries, skipped
+
+
+class _TensorReader:
+    """Reads one tensor at a time: the byte ranges of its chunks (split into
+    ``piece_size`` pieces read concurrently), checked against the marker's CRC32C,
+    decoded and assembled.
+
+    Reads go straight to the store (its SDK retries throttling and transient
+    errors), not through the transfer engine: the engine's futures keep their
+    result alive until Python's cyclic garbage collector runs, which would let
+    tensors already written pile up in memory.
+
+    What it allocates is bounded by the checkpoint: the metadata was validated
+    (``untrusted.validate_metadata``: a tensor's chunks are distinct, disjoint, inside
+    it and cover it, each backed by an item at least its size), so the assembled
+    tensor is never larger than the items read for it and no part of it is left
+    unwritten; each decoded item must be a dense CPU tensor of the chunk's dtype and
+    element count (``dcp.items.check_item_tensor``)."""
+
+    def __init__(self, folder_url: str, store, metadata, pool: ThreadPoolExecutor, *, checksums: dict,
+                 verify: bool, piece_size: int, on_bytes=None):
+        self.model_url = folder_url
+        self.store = store
+        self.metadata = metadata
+        self.pool = pool
+        self.verify = verify
+        self.piece_size = piece_size
+        self.checksums = checksums
+        self.on_bytes = on_bytes
+        self.bytes_read = 0
+
+    def _read_range(self, url: str, start: int, length: int) -> bytes:
+        if length <= self.piece_size:
+            return self.store.get_bytes(url, start=start, end=start + length) if length else b""
+        ends = [(s, min(s + self.piece_size, start + length)) for s in range(start, start + length, self.piece_size)]
+        futures = [self.pool.submit(self.store.get_bytes, url, start=s, end=e) for s, e in ends]
+        try:
+            parts = [f.result() for f in futures]
+        finally:
+            for f in futures:
+                f.cancel()
+        del futures
+        data = b"".join(parts)
+        del parts
+        return data
+
+    def read_item(self, fqn: str, offsets) -> tuple[bytes, str]:
+        """The checked bytes of the item of ``fqn`` at ``offsets`` (None: a byte item), and its URL."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        info = self.metadata.storage_data[MetadataIndex(fqn, offsets)]
+        url = urls.join(self.model_url, info.relative_path)
+        if getattr(info, "transform_descriptors", None):
+            raise CorruptCheckpoint(f"{url}: the item of {fqn!r} uses stream transforms, which cloudckpt does not support")
+        data = self._read_range(url, info.offset, info.length)
+        if len(data) != info.length:
+            raise CorruptCheckpoint(f"{url}: expected {info.length} bytes at offset {info.offset}, got {len(data)}; it is truncated")
+        want = self.checksums.get(info.relative_path, {}).get((info.offset, info.length))
+        if self.verify and want is not None and crc32c_bytes(data) != want:
+            raise CorruptCheckpoint(f"{url}: CRC32C mismatch in bytes [{info.offset}, {info.offset + info.length}) of "
+                                    f"{fqn!r}; the object is corrupt: restore it or export an older step")
+        self.bytes_read += len(data)
+        if self.on_bytes is not None:
+            self.on_bytes(len(data))
+        return data, url
+
+    def read(self, e: _Entry) -> torch.Tensor:
+        full = None
+        for chunk in e.chunks:
+            data, url = self.read_item(e.fqn, chunk.offsets)
+            part = decode_item_tensor(data, url=url, fqn=repr(e.fqn))
+            del data
+            if part.dtype != e.src_dtype or part.numel() != math.prod(chunk.sizes):
+                raise CorruptCheckpoint(f"{url}: the item of {e.fqn!r} at offsets {list(chunk.offsets)} does not hold a "
+                                        f"{e.src_dtype} tensor of {list(chunk.sizes)}")
+            if tuple(chunk.sizes) == e.shape and len(e.chunks) == 1:
+                return part
+            if full is None:
+                full = torch.empty(e.shape, dtype=e.src_dtype)
+            index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+            full[index].copy_(part.reshape(tuple(chunk.sizes)))
+            del part
+        if full is None:  # a tensor with no chunks has no elements
+            full = torch.empty(e.shape, dtype=e.src_dtype)
+        return full
+
+
+def read_dcp_state(folder: Location, metadata, *, checksums: dict | None = None, verify: bool = True,
+                   piece_size: int = 32 * _MiB) -> dict[str, Any]:
+    """Every value of the DCP folder ``folder`` (its validated ``metadata``) as a flat
+    ``{fqn: tensor or value}``: tensors assembled from their chunks as export reads
+    them, byte items unpickled by ``untrusted.load_plain``. Holds the whole state in
+    memory once; what it allocates is bounded by the items' bytes (see _TensorReader).
+    Raises CorruptCheckpoint / UnsafeCheckpoint, storage errors."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ..untrusted import load_plain
+
+    out: dict[str, Any] = {}
+    with ThreadPoolExecutor(max_workers=4, thread_name_prefix="cloudckpt-read") as pool:
+        reader = _TensorReader(folder.url, folder.store, metadata, pool, checksums=checksums or {}, verify=verify,
+                               piece_size=piece_size)
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                out[fqn] = reader.read(_Entry(fqn, fqn, tuple(md.size), md.properties.dtype, md.properties.dtype,
+                                              tuple(md.chunks)))
+            else:
+                data, url = reader.read_item(fqn, None)
+                out[fqn] = load_plain(data, url=url, what="DCP byte item")
+    return out
+
+
+def _stored_bytes(metadata, entries: list[_Entry]) -> int:
+    """The bytes an export reads: every stored item of every tensor it writes."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    return sum(metadata.storage_data[MetadataIndex(e.fqn, c.offsets)].length for e in entries for c in e.chunks)
+
+
+# ---------------------------------------------------------------- writing
+def _header(entries: list[_Entry], meta: dict[str, str]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": meta}
+    off = 0
+    for e in entries:
+        header[e.name] = {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [off, off + e.nbytes]}
+        off += e.nbytes
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)  # the data starts 8-byte aligned, as the safetensors library writes it
+    return struct.pack("<Q", len(body)) + body
+
+
+def _write_tensor(f: BinaryIO, t: torch.Tensor) -> int:
+    """Write the tensor's raw little-endian bytes without copying them into Python."""
+    t = t.contiguous()
+    n = t.numel() * t.element_size()
+    if n:
+        f.write(memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())))
+    return n
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _write_safetensors(f: BinaryIO, entries: list[_Entry], reader: _TensorReader, meta: dict[str, str]) -> None:
+    f.write(_header(entries, meta))
+    for e in entries:
+        t = _cast(reader.read(e), e.dtype)
+        if _write_tensor(f, t) != e.nbytes:
+            raise CorruptCheckpoint(f"{e.fqn!r}: read {tuple(t.shape)} {t.dtype}, the metadata says {e.shape} {e.dtype}")
+        del t
+
+
+def _write_torch(f: BinaryIO, entries: list[_Entry], reader: _TensorReader) -> None:
+    tensors = {e.name: _cast(reader.read(e), e.dtype) for e in entries}
+    torch.save(tensors, f)
+
+
+# ---------------------------------------------------------------- entry point
+def export_weights(
+    step_url: str,
+    dest_url: str,
+    *,
+    dtype: "str | torch.dtype | None" = None,
+    fmt: str = "safetensors",
+    key_prefix: str = "model",
+    overwrite: bool = False,
+    storage_options: StorageOptions | None = None,
+    transfer: TransferConfig | None = None,
+    work_dir: str | None = None,
+    verify_checksums: bool = True,
+    piece_size: int = 32 * _MiB,
+    progress: Any = None,
+    read_progress: Any = None,
+) -> dict:
+    """Export the tensors under ``key_prefix`` of the committed step ``step_url`` to
+    ``dest_url`` (a local path, ``file://``, ``s3://`` or ``gs://`` object; a URL
+    ending in ``/`` gets ``model.safetensors`` or ``model.pt`` appended).
+
+    ``progress``: a transfer-engine progress subscriber for the upload of a bucket
+    ``dest_url``; ``read_progress``: an object with ``start(total_bytes)`` and
+    ``update(n)`` (``cloudckpt.ops.Progress``), told the bytes of the step it reads.
+
+    ``dtype`` casts floating-point tensors (``"bfloat16"``, ``"float16"``, a
+    ``torch.dtype``; None keeps the stored dtype). ``fmt`` is ``"safetensors"``
+    (streaming) or ``"torch"`` (``torch.save`` of a dict; holds every tensor).
+
+    Returns ``{"step_url", "step", "dest", "format", "dtype", "tensors", "bytes",
+    "largest_tensor_bytes", "bytes_read", "skipped"}`` (``skipped``: non-tensor
+    values under the prefix, which neither format exports).
+
+    Raises NotACheckpoint (no marker), CorruptCheckpoint (bad size or CRC32C),
+    MissingKeys (no tensor under ``key_prefix``), ConfigError (a ValueError: bad
+    ``fmt`` or ``dtype``, or a dtype safetensors cannot store), AlreadyExists
+    (``dest_url`` exists and not ``overwrite``), storage errors.
+    """
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
+    out_dtype = parse_dtype(dtype)
+    if dest_url.endswith("/"):
+        dest_url = dest_url + ("model.safetensors" if fmt == "safetensors" else "model.pt")
+    if sys.byteorder != "little":
+        raise RuntimeError("export writes raw little-endian tensor bytes; this machine is big-endian")
+    dest = Location.of(dest_url, storage_options)
+    if not overwrite and dest.store.exists(dest_url):
+        raise AlreadyExists(f"{dest_url} already exists; pass overwrite=True (--force) to replace it", url=dest_url)
+
+    step = Location.of(step_url, storage_options).resolved_step()
+    marker, metadata = step_files.read_dcp_metadata(step, verify=verify_checksums)
+    entries, skipped = _plan(metadata, key_prefix, out_dtype, safetensors=fmt == "safetensors")
+    if skipped:
+        log.warning("export skips %d non-tensor value(s) under %r: %s", len(skipped), key_prefix, ", ".join(skipped[:10]))
+    meta = {"format": "pt", "cloudckpt_step": str(marker.step)}
+
+    local = urls.is_plain_path(dest_url) or urls.scheme_of(dest_url) == "file"
+    if local:
+        final = urls.parse_url(dest_url).key
+        tmp_dir = os.path.dirname(final) or "."
+    else:
+        final = None
+        tmp_dir = work_dir or default_work_dir()
+    os.makedirs(tmp_dir, exist_ok=True)
+    tmp = os.path.join(tmp_dir, f".export-{uuid.uuid4().hex}.part")  # open(..., "xb"): the umask applies, as for any file
+    config = transfer or TransferConfig()
+    engine = TransferEngine(config, storage_options=dest.options, progress=progress)
+    pool = ThreadPoolExecutor(max_workers=max(1, min(config.max_concurrency, 16)), thread_name_prefix="cloudckpt-export")
+    try:
+        if read_progress is not None:
+            read_progress.start(_stored_bytes(metadata, entries))
+        reader = _TensorReader(step.join(layout.MODEL_DIR).url, step.store, metadata, pool,
+                               checksums=step_files.item_checksums(marker), verify=verify_checksums,
+                               piece_size=piece_size, on_bytes=read_progress.update if read_progress is not None else None)
+        with open(tmp, "xb") as f:
+            if fmt == "safetensors":
+                _write_safetensors(f, entries, reader, meta)
+            else:
+                _write_torch(f, entries, reader)
+        size = os.path.getsize(tmp)
+        if local:
+            os.replace(tmp, final)
+        else:
+            engine.submit_upload(tmp, dest_url).result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        engine.close()
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    result = {
+        "step_url": step_url, "step": marker.step, "dest": dest_url, "format": fmt,
+        "dtype": str(out_dtype).removeprefix("torch.") if out_dtype else None,
+        "tensors": len(entries), "bytes": size, "largest_tensor_bytes": max(e.nbytes for e in entries),
+        "bytes_read": reader.bytes_read, "skipped": skipped,
+    }
+    log.info("exported %d tensors (%.1f MB) of %s to %s", len(entries), size / 1e6, step_url, dest_url)
+    return result
