@@ -40,12 +40,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from cloudckpt.units import GiB, MiB
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
-MiB = 1024 * 1024
-GiB = 1024 * MiB
 
 
 def _train_steps(seconds_budget: float, done) -> list[float]:

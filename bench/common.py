@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# cloudckpt.units' values, repeated: bench.ranks and bench.state run in peers' venvs, where cloudckpt is not installed
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 BUCKET = "bench"

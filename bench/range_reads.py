@@ -35,10 +35,9 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 from bench.ranks import self_cpu
-from bench.common import BUCKET
+from bench.common import BUCKET, MiB
 from bench.measure import s5cmd_binary, server_cpu
 
-MiB = 1024 * 1024
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

@@ -21,8 +21,7 @@ import time
 
 import torch
 
-MiB = 1024 * 1024
-GiB = 1024 * MiB
+from bench.common import GiB, MiB
 
 
 def plan_layers(total_bytes: int, d: int | None = None) -> tuple[int, int]:

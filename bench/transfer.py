@@ -38,10 +38,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from cloudckpt.units import MiB
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-MiB = 1024 * 1024
 
 
 def write_files(folder: Path, n: int, size: int) -> list[Path]:

@@ -29,6 +29,7 @@ from .errors import ConfigError, InvalidURL
 from .storage import StorageOptions
 from .storage import url as urls
 from .transfer import TransferConfig
+from .units import GiB, KiB, MiB, TiB
 
 _log = logging.getLogger(__name__)
 
@@ -43,10 +44,9 @@ NON_CONFIG_ENV = frozenset({
     "CLOUDCKPT_KILL_SEED",  # tests/faults/test_kill.py
     "CLOUDCKPT_KILL_TRIALS",  # tests/faults/test_kill.py
 })
-_MiB = 1024 * 1024
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*(?:/s)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "ki": 1024, "kib": 1024, "mi": _MiB, "mib": _MiB, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4}
+          "ki": KiB, "kib": KiB, "mi": MiB, "mib": MiB, "gi": GiB, "gib": GiB, "ti": TiB, "tib": TiB}
 
 
 def parse_size(value: Any, name: str) -> int:

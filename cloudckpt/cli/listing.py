@@ -82,7 +82,7 @@ def cmd_list(args) -> int:
     kind = True if args.ephemeral else (False if args.persistent else None)
     listing = ops.list_steps(folder, include_uncommitted=args.all, ephemeral=kind)
     if not listing.step_dirs:  # checkpoint folders with other names (Lightning's epoch=0-step=8.ckpt)
-        from ..ops.named import list_named
+        from ..ops.list_named import list_named
 
         listing = list_named(folder, include_uncommitted=args.all, ephemeral=kind)
     if not listing.step_dirs:  # not a run: the runs beneath it
@@ -127,7 +127,7 @@ def cmd_list(args) -> int:
 def cmd_latest(args) -> int:
     from ..checkpoint import discovery, layout
     from ..errors import NotACheckpoint
-    from ..ops.named import latest_named
+    from ..ops.list_named import latest_named
     from ..storage import url as urls
 
     folder = loc(args, args.folder)

@@ -48,10 +48,10 @@ from ..storage import Location, StorageOptions, Where
 from ..storage import url as urls
 from ..transfer import TransferConfig, TransferEngine, crc32c_bytes
 from ..dcp.items import decode_item_tensor
+from ..units import MiB
 
 log = logging.getLogger(__name__)
 
-_MiB = 1024 * 1024
 FORMATS = ("safetensors", "torch")
 
 #: torch dtype -> safetensors dtype code
@@ -217,7 +217,7 @@ class _TensorReader:
 
 
 def read_dcp_state(folder: Location, metadata, *, checksums: dict | None = None, verify: bool = True,
-                   piece_size: int = 32 * _MiB) -> dict[str, Any]:
+                   piece_size: int = 32 * MiB) -> dict[str, Any]:
     """Every value of the DCP folder ``folder`` (its validated ``metadata``) as a flat
     ``{fqn: tensor or value}``: tensors assembled from their chunks as export reads
     them, byte items unpickled by ``untrusted.load_plain``. Holds the whole state in
@@ -300,7 +300,7 @@ def export_weights(
     transfer: TransferConfig | None = None,
     work_dir: str | None = None,
     verify_checksums: bool = True,
-    piece_size: int = 32 * _MiB,
+    piece_size: int = 32 * MiB,
     progress: Any = None,
     read_progress: Any = None,
 ) -> dict:

@@ -40,8 +40,8 @@ from ..errors import AccessDenied, AlreadyExists, BucketNotFound, InvalidURL, No
 from ..storage import ObjectStore, StorageOptions, clear_cache, open_store
 from ..storage import url as urls
 from ..storage.url import parse_url
+from ..units import MiB
 
-MiB = 1024 * 1024
 BIG_SIZE = 200 * MiB
 N_MANY = 1500
 
