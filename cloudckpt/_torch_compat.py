@@ -74,19 +74,147 @@ def write_files(writer, planner, file_queue):
     return writer._write_data(planner, file_queue)
 
 
-def caching_save_planner(key: str):
+from torch.distributed.checkpoint import DefaultSavePlanner  # noqa: E402 - with the planner below
+
+# An item held by several ranks whose bytes exceed both this and 1/8 of a rank's mean
+# share is written in pieces (rows), so no one rank writes a large replicated tensor.
+MIN_PIECE_BYTES = 1 << 20
+
+
+def _item_bytes(item) -> int:
+    """Bytes an item writes: its chunk's for a tensor (DCP's ``tensor_storage_size``
+    counts the whole tensor for every shard), 1 for a pickled object (size unknown)."""
+    td = item.tensor_data
+    if td is None:
+        return 1
+    n = element_size(td.properties.dtype)
+    for s in td.chunk.sizes:
+        n *= s
+    return n
+
+
+def _pieces(item, cap: int) -> list:
+    """``item`` cut along its first dimension into row ranges of at most about
+    ``cap`` bytes (one piece: ``item`` itself). Pieces are SHARD items: DCP's metadata
+    then holds the tensor as several chunks, as it does a sharded tensor's."""
+    import dataclasses
+
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    nbytes = _item_bytes(item)
+    td = item.tensor_data
+    if td is None or nbytes <= cap or len(td.chunk.sizes) == 0 or td.chunk.sizes[0] < 2:
+        return [item]
+    rows = td.chunk.sizes[0]
+    n = min(rows, -(-nbytes // cap))
+    out, start = [], 0
+    for j in range(n):
+        k = rows // n + (j < rows % n)
+        offsets = torch.Size([td.chunk.offsets[0] + start, *td.chunk.offsets[1:]])
+        chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([k, *td.chunk.sizes[1:]]))
+        out.append(dataclasses.replace(item, type=WriteItemType.SHARD, index=MetadataIndex(item.index.fqn, offsets),
+                                       tensor_data=dataclasses.replace(td, chunk=chunk)))
+        start += k
+    return out
+
+
+def balanced_dedup(all_plans: list, min_piece: int = MIN_PIECE_BYTES) -> list:
+    """One writer per item held by several ranks (DDP's tensors, HSDP's shards held by
+    every replica group, a replicated scalar), the writing shared by bytes. Items held
+    by one rank are its own; a shared tensor larger than ``min_piece`` and than 1/8 of
+    a rank's mean share is cut into row pieces of about that size; then the shared
+    items and pieces, largest first (ties by name and offset), each go to the least
+    loaded of their holders (ties: the lowest rank). Depends only on the plans'
+    contents, so a repeated save with the same plans plans the same.
+
+    DCP 2.13's own ``dedup_save_plans`` walks the items in the order rank 0's plan
+    lists them, sizes each shard as its whole tensor and never cuts an item, so a large
+    item late in the state dict (an untied output layer) lands on one rank on top of an
+    even share, and an embedding larger than a rank's share is written by one rank."""
+    import dataclasses
+
+    holders: dict = {}
+    first: dict = {}
+    for rank, plan in enumerate(all_plans):
+        for item in plan.items:
+            holders.setdefault(item.index, []).append(rank)
+            first.setdefault(item.index, item)
+    world = max(len(all_plans), 1)
+    cap = max(min_piece, sum(_item_bytes(i) for i in first.values()) // (8 * world))
+    load = [0] * len(all_plans)
+    writer: dict = {}  # item or piece index -> the rank that writes it
+    shared = []
+    for index, ranks in holders.items():
+        if len(ranks) == 1:
+            writer[index] = ranks[0]
+            load[ranks[0]] += _item_bytes(first[index])
+        else:
+            shared += [(piece, ranks) for piece in _pieces(first[index], cap)]
+    shared.sort(key=lambda p: (-_item_bytes(p[0]), p[0].index.fqn, tuple(p[0].index.offset or ())))
+    for piece, ranks in shared:
+        rank = min(ranks, key=lambda r: (load[r], r))
+        writer[piece.index] = rank
+        load[rank] += _item_bytes(piece)
+    # each plan keeps its own order, an item's pieces where the item was
+    return [dataclasses.replace(plan, items=[p for item in plan.items for p in
+                                             ([item] if len(holders[item.index]) == 1 else _pieces(item, cap))
+                                             if writer[p.index] == rank])
+            for rank, plan in enumerate(all_plans)]
+
+
+class _BalancedSavePlanner(DefaultSavePlanner):
+    """DefaultSavePlanner deduplicating with ``balanced_dedup``; it writes a piece of a
+    tensor (an item whose chunk is part of this rank's local chunk) as rows of it."""
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        self._local_chunks: dict = {}  # fqn -> [(offsets, sizes)] of this rank's tensors
+        for item in self.plan.items if self.plan is not None else ():
+            if item.tensor_data is not None:
+                self._local_chunks.setdefault(item.index.fqn, []).append(item.tensor_data.chunk)
+        return plan
+
+    def _dedup_save_plans(self, all_plans):
+        return balanced_dedup(all_plans)
+
+    def resolve_data(self, write_item):
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        td = write_item.tensor_data
+        if td is None:
+            return super().resolve_data(write_item)
+        for local in getattr(self, "_local_chunks", {}).get(write_item.index.fqn, ()):
+            if local.offsets == td.chunk.offsets and local.sizes == td.chunk.sizes:
+                break
+            if (local.offsets[1:] == td.chunk.offsets[1:] and local.sizes[1:] == td.chunk.sizes[1:]
+                    and local.offsets[0] <= td.chunk.offsets[0]
+                    and td.chunk.offsets[0] + td.chunk.sizes[0] <= local.offsets[0] + local.sizes[0]):
+                tensor = self.lookup_object(MetadataIndex(write_item.index.fqn, local.offsets))
+                piece = tensor.narrow(0, td.chunk.offsets[0] - local.offsets[0], td.chunk.sizes[0])
+                return self.transform_object(write_item, piece)
+        return super().resolve_data(write_item)
+
+
+def caching_save_planner(key: str, balanced: bool = True):
     """A ``DefaultSavePlanner(enable_plan_caching=True)`` whose cached plans are kept
     under ``key``: a save whose local plans match the previous save's with the same key
     sends an empty plan to the coordinator and reuses the global plan and metadata.
+    ``balanced``: items held by several ranks are written by the rank
+    ``balanced_dedup`` picks (False: DCP's own dedup, kept under another key so
+    neither reuses the other's cached plans; for comparison).
 
     checked: 2.13. ``DefaultSavePlanner._cached_plans_key``: the key of DCP's
     class-level plan caches; by default the class name, i.e. one cache for every save of
     the process, whatever its process group. Callers pass a key naming the group's world
-    size and this rank's place in it, so saves over another group never reuse its plans."""
-    from torch.distributed.checkpoint import DefaultSavePlanner
-
-    planner = DefaultSavePlanner(enable_plan_caching=True)
-    planner._cached_plans_key = f"cloudckpt:{key}"
+    size and this rank's place in it, so saves over another group never reuse its plans.
+    ``DefaultSavePlanner._dedup_save_plans(all_plans)``: called by the coordinator
+    on every rank's local plan (the cached ones merged in) before it builds the
+    global plan and metadata; with caching, a save whose local plans all match the
+    cached ones does not call it and reuses the cached global plan."""
+    planner = (_BalancedSavePlanner if balanced else DefaultSavePlanner)(enable_plan_caching=True)
+    planner._cached_plans_key = f"cloudckpt:{key}" if balanced else f"cloudckpt:{key}:dcp-dedup"
     return planner
 
 

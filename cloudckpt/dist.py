@@ -226,6 +226,42 @@ class Coordinator:
             raise exc from mine.error
         return [x.value for x in outs] if outs is not None else None
 
+    # ------------------------------------------------------------ read-once exchange
+    # (dcp/exchange.py: a census of the ranges each rank needs, then the bytes between
+    # the ranks that share them). Tensors are CPU int64 / uint8; a Work is waited with
+    # ``wait`` (bounded by this group's timeout; gloo's is_completed never reports a
+    # dead peer, a timed wait does).
+
+    def all_to_all_int64(self, rows, send_counts: list[int], recv_counts: list[int]):
+        """all_to_all_single of an int64 tensor: ``send_counts[r]`` elements of ``rows``
+        (in rank order) go to rank ``r``; returns what every rank sent here, in rank
+        order (``recv_counts[r]`` from rank ``r``). Per-rank cost: this rank's own
+        elements and two lists of ``world_size`` counts, nothing that grows with what
+        other ranks send each other."""
+        import torch
+
+        out = torch.empty(sum(recv_counts), dtype=torch.int64)
+        if self.group is None:
+            out.copy_(rows)
+            return out
+        dist.all_to_all_single(out, rows, output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts),
+                               group=self.group)
+        return out
+
+    def isend(self, tensor, dst: int, tag: int = 0):
+        """Start sending ``tensor`` to rank ``dst`` of this group (a Work, for ``wait``)."""
+        return dist.isend(tensor, dst=dist.get_global_rank(self.group, dst), group=self.group, tag=tag)
+
+    def irecv(self, tensor, src: int, tag: int = 0):
+        """Start receiving into ``tensor`` from rank ``src`` of this group (a Work, for ``wait``)."""
+        return dist.irecv(tensor, src=dist.get_global_rank(self.group, src), group=self.group, tag=tag)
+
+    def wait(self, work, seconds: float | None = None) -> None:
+        """Wait for a Work of ``isend``/``irecv``: at most ``seconds`` (default this
+        group's timeout); a closed connection (the peer died) or the time running out
+        raises RuntimeError."""
+        work.wait(timeout=datetime.timedelta(seconds=self.timeout if seconds is None else max(seconds, 0.001)))
+
 
 def init_process_group(rank: int, world_size: int, *, init_method: str, timeout: float = 120.0) -> None:
     """Initialise a gloo world (used by the test/bench launcher and the examples)."""

@@ -460,6 +460,7 @@ class Checkpointer:
                 files=marker.sizes_under(layout.MODEL_DIR),  # every item of .metadata must lie in one
                 manifest=(lambda rels: _shard_manifest(manifest, rels)) if marker.parts else None,
                 before_read=before_read,
+                exchange=self.coord,  # read-once: items several ranks need are read by one (dcp/exchange.py)
             )
             planner = _KeyCheckingPlanner(strict=strict, optional_prefixes=optional, url=model_url, step_url=dir,
                                           allow_partial=allow_partial, skipped=skipped, only=only)

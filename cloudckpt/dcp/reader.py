@@ -30,6 +30,7 @@ to a local file and reads the items back from there (predownload.py).
 from __future__ import annotations
 
 import io
+import logging
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable
@@ -39,15 +40,18 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
+from .. import dist
 from ..errors import CorruptCheckpoint
 from ..storage import url as urls
 from ..transfer import crc32c_bytes
 from ..untrusted import MAX_METADATA_BYTES, loads_metadata, read_capped
+from .exchange import for_coordinator
 from .items import load_tensor_into
 from .predownload import read_predownloaded
 from .resumable import coalesce  # noqa: F401 - imported from here too (dcp/__init__, callers)
 from .streaming import _ItemStream, _Stopped, _Tally, read_streamed  # noqa: F401 - the streams' parts, also by this path
 
+log = logging.getLogger(__name__)
 _MiB = 1024 * 1024
 METADATA_NAME = ".metadata"
 
@@ -74,6 +78,7 @@ class StreamingReader(StorageReader):
         files: dict[str, int] | None = None,
         manifest: Callable[[list[str]], tuple[Checksums, dict[str, int]]] | None = None,
         before_read: Callable[[dict[str, list[tuple[int, int]]]], None] | None = None,
+        exchange=None,
     ):
         """``stream(url, start, end, job)`` runs ``job(open_from, progress)`` on a
         transfer thread and returns its Future (``TransferEngine.submit_stream``);
@@ -91,7 +96,10 @@ class StreamingReader(StorageReader):
         ``before_read``:
         called with ``{relative path: [(offset, length), ...]}``, the items this rank's
         plan reads, once planned and before any is read (on every rank: it may be
-        collective)."""
+        collective). ``exchange``: the read-once exchange (exchange.py; collective: on
+        every rank or none), or a ``dist.Coordinator``: the job's exchange, on a group of
+        its own made at the first load (none for one process). Items several ranks need
+        are then read from the bucket by one of them and sent to the others."""
         super().__init__()
         self.remote_dir = remote_dir
         self._stream = stream
@@ -109,7 +117,11 @@ class StreamingReader(StorageReader):
         self.manifest = manifest
         self.before_read = before_read
         self.storage_data: dict = {}
-        self.bytes_read = 0
+        if isinstance(exchange, dist.Coordinator):  # the job's: its exchange, on a group of its own
+            exchange = for_coordinator(exchange)
+        self.exchange = exchange
+        self.bytes_read = 0  # from the bucket
+        self.bytes_from_peers = 0  # from other ranks (the exchange)
         self.direct_items = 0  # tensor items copied straight from the fetched bytes (items.py)
         self.metadata_error: CorruptCheckpoint | None = None
         self._values_lock = threading.Lock()
@@ -213,10 +225,18 @@ class StreamingReader(StorageReader):
         for req in plan.items:
             s = self.storage_data[req.storage_index]
             per_file.setdefault(s.relative_path, []).append((s.offset, s.length, req))
-        if self.local_dir is not None:
-            read_predownloaded(self, per_file, planner)
+        def plain(per_file: dict) -> None:
+            if self.local_dir is not None:
+                read_predownloaded(self, per_file, planner)
+            else:
+                read_streamed(self, per_file, planner)
+
+        if self.exchange is None:
+            plain(per_file)
         else:
-            read_streamed(self, per_file, planner)
+            self.exchange.read(self, per_file, planner, plain)
+            log.info("load of %s: %d bytes from the bucket, %d bytes from peers", self.remote_dir, self.bytes_read,
+                     self.bytes_from_peers)
         f: torch.futures.Future = torch.futures.Future()
         f.set_result(None)
         return f
