@@ -222,9 +222,11 @@ __all__ = [
     "MEM_FORMAT_ENCODING",
     "StorageInfo",
     "caching_save_planner",
+    "chunk_list",
     "copy_state_dict",
     "dtensor_like",
     "element_size",
+    "flatten_for_load",
     "get_layout",
     "narrow_tensor_by_index",
     "set_element",
@@ -243,3 +245,24 @@ def dtensor_like(local, like):
     from torch.distributed.tensor import DTensor
 
     return DTensor.__new__(DTensor, local, like._spec, requires_grad=False)
+
+
+# ---------------------------------------------------------------------- load planning (dcp/index.py, dcp/planned_load.py)
+def chunk_list(tensor):
+    """checked: 2.13. ``planner_helpers._create_chunk_list(tensor)``: this rank's chunks
+    (offsets, sizes) of a DTensor, ShardedTensor or plain tensor, as DCP's load planner
+    computes them."""
+    from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
+
+    return _create_chunk_list(tensor)
+
+
+def flatten_for_load(state_dict):
+    """checked: 2.13. The flat ``{key: value}`` DefaultLoadPlanner.set_up_planner makes of
+    a state dict (``_flatten_sharded_tensors`` then ``flatten_state_dict``), without
+    setting up a planner."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
+
+    flat, _ = flatten_state_dict(_flatten_sharded_tensors(state_dict))
+    return flat

@@ -48,7 +48,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .. import dist
 from ..config import default_work_dir
 from .._version import __version__
-from ..dcp import StreamingReader, UploadingWriter
+from ..dcp import StreamingReader, UploadingWriter, planned_load
+from ..dcp import index as dcp_index
 from ..errors import (
     CheckpointExists,
     CloudCkptError,
@@ -98,6 +99,36 @@ def _shard_manifest(manifest: "discovery.StepManifest", rels) -> tuple[dict, dic
     return sums, {path[len(prefix):]: o.size for path, o in entries.items()}
 
 
+def _index_metadata(step: Location, manifest: "discovery.StepManifest", header_bytes: bytes, flat_sd: dict, *,
+                    verify: bool):
+    """The DCP ``Metadata`` this rank plans its load against, from the step's DCP index:
+    only the chunks its shards overlap, from the index parts of the ranks that wrote
+    them (read concurrently, each checked against its manifest part)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .._torch_compat import flatten_for_load
+
+    header = dcp_index.parse_header(header_bytes, url=step.join(dcp_index.HEADER).url)
+    wanted = dcp_index.wanted_boxes(flatten_for_load(flat_sd))
+    needs, owners = dcp_index.select(header, wanted)
+    rels = {r: dcp_index.part_name(r) for r in sorted(owners)}
+    entries = manifest.entries(rels.values())
+
+    def read(rank: int) -> dict:
+        rel = rels[rank]
+        url = step.join(rel).url
+        if rel not in entries:
+            raise CorruptCheckpoint(f"{url}: the DCP index places chunks on rank {rank}, whose manifest lists no index "
+                                    "part; the step is damaged: load an older step")
+        data = read_checked(step.store, url, entries[rel], limit=dcp_index.MAX_INDEX_BYTES, what="DCP index part",
+                            verify=verify)
+        return dcp_index.parse_part(data, url=url, rank=rank)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(rels)))) as pool:
+        parts = dict(zip(rels, pool.map(read, rels)))
+    return dcp_index.build_metadata(header, needs, parts, wanted)
+
+
 @dataclass
 class _RankOutcome:
     objects: list  # [ObjectEntry]
@@ -137,7 +168,8 @@ class Checkpointer:
         self.thread_count = thread_count
         self.stale_lock_seconds = stale_lock_seconds
         self.coord = dist.Coordinator(timeout=collective_timeout, local=not distributed)
-        self.engine = TransferEngine(transfer or TransferConfig(), storage_options=self.storage_options, progress=progress)
+        self.engine = TransferEngine(transfer or TransferConfig(), storage_options=self.storage_options, progress=progress,
+                                     world_size=self.coord.world_size)
         self.last_save_stats: dict = {}
         self.last_load_info: dict = {}
         self._async = AsyncSaver(self._save_now, max_in_flight=max_in_flight)
@@ -306,6 +338,9 @@ class Checkpointer:
             with _quiet_dcp():
                 dcp.save(state_dict, storage_writer=writer, planner=caching_save_planner(f"{self.coord.world_size}:{self.coord.rank}"), process_group=self.coord.group,
                          no_dist=self.coord.local)
+            index_part = writer.write_index_part(self.coord.rank)
+            if index_part is not None:
+                on_file(index_part)
             if train_state is not None:
                 path = os.path.join(work, layout.train_state_name(self.coord.rank))
                 os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -415,24 +450,25 @@ class Checkpointer:
         self._async.wait()
         dir = resolve_step_dir(dir)
         self._connect_in_background(dir)
-        marker, data = self.coord.on_coordinator("read marker", lambda: self._read_marker_and_metadata(dir))
+        marker, _, data = self.coord.on_coordinator("read marker",
+                                                     lambda: self._read_marker_and_metadata(dir, full=True))
         state_dict = build(step_files.parse_metadata(self._at(dir), marker, data))  # parts' sizes: checked per rank
         opts = dict(load_optim_state=None, load_trainer_state=None, strict=True, pre_download=None,
                     exclude_from_loading=(), allow_partial=False)
         opts.update(load_kwargs)
         with gc_paused():
-            train_state = self._load_now(dir, state_dict, read=(marker, data), **opts)
+            train_state = self._load_now(dir, state_dict, read=(marker, None, data), **opts)
         return state_dict, train_state
 
     def _load_now(self, dir: str, state_dict: dict, *, load_optim_state: bool | None, load_trainer_state: bool | None,
                   strict: bool, pre_download: bool | None, exclude_from_loading: Sequence[str],
                   allow_partial: bool = False, only: str | None = None,
-                  read: tuple[Marker, bytes | None] | None = None,
+                  read: tuple[Marker, bytes | None, bytes | None] | None = None,
                   before_read: Callable[[dict[str, list[tuple[int, int]]]], None] | None = None) -> Any:
         if read is None:
             self._connect_in_background(dir)
             read = self.coord.on_coordinator("read marker", lambda: self._read_marker_and_metadata(dir))
-        marker, metadata = read
+        marker, index_header, metadata = read
         sd = {k: v for k, v in state_dict.items() if k not in exclude_from_loading}
         skipped = set(exclude_from_loading)
         if load_optim_state is False:
@@ -459,17 +495,19 @@ class Checkpointer:
                 streamed=store.streams_ranges,
                 files=marker.sizes_under(layout.MODEL_DIR),  # every item of .metadata must lie in one
                 manifest=(lambda rels: _shard_manifest(manifest, rels)) if marker.parts else None,
-                before_read=before_read,
                 exchange=self.coord,  # read-once: items several ranks need are read by one (dcp/exchange.py)
             )
             planner = _KeyCheckingPlanner(strict=strict, optional_prefixes=optional, url=model_url, step_url=dir,
                                           allow_partial=allow_partial, skipped=skipped, only=only)
-            try:
-                with _quiet_dcp():
-                    dcp.load(sd, storage_reader=reader, planner=planner, process_group=self.coord.group,
-                             no_dist=self.coord.local)
-            except CheckpointException as e:
-                raise (reader.metadata_error or _unwrap_dcp(e)) from None
+
+            def metadata_for(flat_sd: dict):
+                if index_header is None:  # a step without the DCP index (foreign, or older): its whole .metadata
+                    return reader.read_metadata()
+                return _index_metadata(self._at(dir), manifest, index_header, flat_sd, verify=self.verify_checksums)
+
+            with _quiet_dcp():
+                planned_load.load(sd, reader=reader, planner=planner, coord=self.coord, metadata=metadata_for,
+                                  before_read=before_read)
             state_dict.update(sd)  # top-level non-tensor values are replaced, not filled in place
         finally:
             if local:
@@ -504,18 +542,26 @@ class Checkpointer:
 
         threading.Thread(target=connect, name="cloudckpt-connect", daemon=True).start()
 
-    def _read_marker_and_metadata(self, dir: str) -> tuple[Marker, bytes | None]:
-        """Rank 0 reads the marker and DCP's ``.metadata`` once for every rank (DCP
-        would have each rank GET ``.metadata``, whose size grows with ranks x tensors).
-        None if ``.metadata`` is not in the manifest or missing: each rank's reader then
-        reports it. The bytes are checked against the manifest before they travel."""
+    def _read_marker_and_metadata(self, dir: str, *, full: bool = False) -> tuple[Marker, bytes | None, bytes | None]:
+        """Rank 0 reads the marker and what every rank plans its load against, once for
+        every rank: ``(marker, the DCP index's header, None)`` for a step that has the
+        index (dcp/index.py; ``full``: the ``.metadata`` instead), else ``(marker, None,
+        DCP's .metadata)`` (DCP would have each rank GET ``.metadata``, whose size grows
+        with ranks x tensors). ``.metadata`` is None if it is not in the manifest: each
+        rank's reader then reports it. The bytes are checked against the manifest before
+        they travel."""
         step = self._at(dir)
         marker = discovery.read_header(step)  # format 2: the ranks' parts are read by the ranks that need them
         if not marker.verified:
             # a foreign step: sizes from one listing bound every read; no CRC32C to check
             log.warning("loading %s, written by %s without a manifest: sizes are checked, checksums cannot be "
                         "(run `cloudckpt adopt %s --yes` to record them)", dir, marker.writer, dir)
-        return marker, step_files.metadata_bytes(step, marker, verify=self.verify_checksums)
+        entry = None if full else marker.object(dcp_index.HEADER)
+        if entry is not None:
+            url = step.join(dcp_index.HEADER).url
+            return marker, read_checked(step.store, url, entry, limit=dcp_index.MAX_INDEX_BYTES, what="DCP index",
+                                        verify=self.verify_checksums), None
+        return marker, None, step_files.metadata_bytes(step, marker, verify=self.verify_checksums)
 
     def _load_train_state(self, dir: str, manifest: "discovery.StepManifest", *, required: bool) -> Any:
         marker = manifest.marker

@@ -54,6 +54,7 @@ class KeyCheckingPlanner(DefaultLoadPlanner):
         self.only = only  # model_only: every other top-level key is skipped on purpose
         self.missing: list[str] = []
         self.not_loaded: list[str] = []
+        self._judged = False  # leftovers judged from every rank's flags (dcp/planned_load.py)
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -77,8 +78,24 @@ class KeyCheckingPlanner(DefaultLoadPlanner):
         unread = sorted(k for k in self.state_dict if k in have and k not in reads)
         return dataclasses.replace(plan, planner_data={"unread": unread, "top": self._top})
 
+    def asked_keys(self) -> set[str]:
+        """The checkpoint's keys this rank asks for (whether or not it reads any byte of them)."""
+        have = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        return {k for k in self.state_dict if k in have}
+
+    def judge_leftovers(self, asked: set[str], top: set[str], *, warn: bool = True) -> None:
+        """The leftover check from the keys some rank asks for (``asked``) and the
+        top-level keys some rank's target has (``top``), the same on every rank: raises
+        KeysNotLoaded, or sets ``not_loaded`` (the warning for the rest only if ``warn``)."""
+        have = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        self.not_loaded = self._check_leftovers(have, asked, top, warn=warn)
+        self._judged = True
+
     def create_global_plan(self, global_plan):
         import dataclasses
+
+        if self._judged:
+            return super().create_global_plan(global_plan)
 
         asked: set[str] = set()
         top: set[str] = set()
@@ -93,7 +110,8 @@ class KeyCheckingPlanner(DefaultLoadPlanner):
                 for p in super().create_global_plan(global_plan)]
 
     def finish_plan(self, new_plan):
-        self.not_loaded = list((new_plan.planner_data or {}).get("not_loaded", ()))
+        if not self._judged:
+            self.not_loaded = list((new_plan.planner_data or {}).get("not_loaded", ()))
         return super().finish_plan(new_plan)
 
     def _check_shapes(self, have) -> None:
@@ -111,7 +129,7 @@ class KeyCheckingPlanner(DefaultLoadPlanner):
                     "(exclude_from_loading=[...])"
                 )
 
-    def _check_leftovers(self, have, asked: set[str], top: set[str]) -> list[str]:
+    def _check_leftovers(self, have, asked: set[str], top: set[str], *, warn: bool = True) -> list[str]:
         not_loaded = sorted(k for k in have if k not in asked and k.split(".", 1)[0] not in self.skipped
                             and (self.only is None or k.split(".", 1)[0] == self.only))
         guarded = top | {"model", "optim"}
@@ -124,7 +142,7 @@ class KeyCheckingPlanner(DefaultLoadPlanner):
                 "(or model_only=True) if you mean to leave them behind"
             )
         rest = [k for k in not_loaded if k not in dropped]
-        if rest:
+        if rest and warn:
             log.warning("%s: %d key(s) of the checkpoint are not loaded (the target does not ask for them): %s",
                         self.step_url, len(rest), _shown(rest))
         return not_loaded

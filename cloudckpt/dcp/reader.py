@@ -44,7 +44,8 @@ from .. import dist
 from ..errors import CorruptCheckpoint
 from ..storage import url as urls
 from ..transfer import crc32c_bytes
-from ..untrusted import MAX_METADATA_BYTES, loads_metadata, read_capped
+from ..untrusted import loads_metadata
+from ..untrusted.limits import read_metadata
 from .exchange import for_coordinator
 from .items import load_tensor_into
 from .predownload import read_predownloaded
@@ -138,7 +139,7 @@ class StreamingReader(StorageReader):
                 if self.files is not None and METADATA_NAME not in self.files:
                     raise CorruptCheckpoint(f"{url}: the checkpoint's marker lists no DCP metadata; it is not a "
                                             "complete checkpoint")
-                data = read_capped(_Getter(self._get_bytes), url, limit=MAX_METADATA_BYTES, what="DCP metadata")
+                data = read_metadata(_Getter(self._get_bytes), url, described=sum((self.files or {}).values()))
             self._check(METADATA_NAME, 0, len(data), data, url)
             md = loads_metadata(data, url=url, files=self.files)
         except CorruptCheckpoint as e:
@@ -153,15 +154,22 @@ class StreamingReader(StorageReader):
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        ranges = self.check_plan(plan)
+        if self.before_read is not None:
+            self.before_read(ranges)
+        return plan
+
+    def check_plan(self, plan: LoadPlan) -> dict[str, list[tuple[int, int]]]:
+        """``{relative path: [(offset, length), ...]}`` of the items ``plan`` reads, each
+        checked to lie inside its file as the manifest records it (for a manifest in
+        parts: reading the parts of those files only). Not collective."""
         ranges: dict[str, list[tuple[int, int]]] = {}
         for r in plan.items:
             s = self.storage_data[r.storage_index]
             ranges.setdefault(s.relative_path, []).append((s.offset, s.length))
         if self.manifest is not None:
             self._check_planned(ranges)
-        if self.before_read is not None:
-            self.before_read(ranges)
-        return plan
+        return ranges
 
     def _check_planned(self, ranges: dict[str, list[tuple[int, int]]]) -> None:
         """Read the manifest of the files this rank reads (and only those), and refuse
@@ -225,6 +233,7 @@ class StreamingReader(StorageReader):
         for req in plan.items:
             s = self.storage_data[req.storage_index]
             per_file.setdefault(s.relative_path, []).append((s.offset, s.length, req))
+
         def plain(per_file: dict) -> None:
             if self.local_dir is not None:
                 read_predownloaded(self, per_file, planner)

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 from .._torch_compat import element_size, split_by_size_and_type, write_files
 from ..transfer.checksum import bytes_pieces
+from . import index
 
 _MiB = 1024 * 1024
 
@@ -160,6 +161,7 @@ class UploadingWriter(FileSystemWriter):
         self.target_file_size = target_file_size
         self.max_files_per_rank = max_files_per_rank
         self.ranges: dict[str, list[tuple[int, int]]] = {}
+        self.index_items: list[list] = []  # this rank's part of the DCP index (dcp/index.py)
         self._lock = threading.Lock()
 
     def write_data(self, plan, planner):
@@ -179,7 +181,29 @@ class UploadingWriter(FileSystemWriter):
             sd = wr.storage_data
             with self._lock:
                 self.ranges.setdefault(sd.relative_path, []).append((sd.offset, sd.length))
+        self.index_items = index.part_items(items, fut.value())
         return fut
+
+    def finish(self, metadata, results) -> None:
+        """On the coordinator: DCP's ``.metadata``, then the DCP index's header beside
+        the DCP folder (``index/header.json``, dcp/index.py), each handed to ``on_file``."""
+        super().finish(metadata, results)
+        path = os.path.join(os.path.dirname(str(self.path)), index.HEADER)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(index.header_bytes(metadata))
+        self._on_file(path, None)
+
+    def write_index_part(self, rank: int) -> str | None:
+        """After the save: this rank's part of the DCP index (its chunks of sharded
+        tensors) written beside the DCP folder; its path, or None when it wrote none."""
+        if not self.index_items:
+            return None
+        path = os.path.join(os.path.dirname(str(self.path)), index.part_name(rank))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(index.part_bytes(rank, self.index_items))
+        return path
 
     def _closed(self, path: str, sums: FileChecksums | None) -> None:
         with self._lock:

@@ -67,14 +67,18 @@ def test_two_ranks_save_then_load_is_bitexact_and_leaves_no_temp_dirs(backend, r
     assert os.listdir(work) == []
 
 
-def test_rank_0_reads_dcp_metadata_once_for_every_rank(s3_bucket, tmp_path):
-    """DCP has every rank GET ``.metadata`` (its size grows with ranks x tensors);
-    rank 0 reads it with the marker and hands it to the others."""
+def test_rank_0_reads_the_dcp_index_once_and_each_rank_only_its_own_part(s3_bucket, tmp_path):
+    """DCP has every rank GET ``.metadata`` (its size grows with ranks x tensors). Here
+    no rank reads ``.metadata``: rank 0 reads the DCP index's header with the marker and
+    hands it to the others, and each rank reads the index part of the rank that wrote
+    its shards (a restart with the saved layout: its own)."""
     step = s3_bucket + "/run/step7"
     work = str(tmp_path / "work")
     run_ranks(2, workers.save_sharded, step, work, env=_env())
     outs = run_ranks(2, workers.load_counting_metadata_gets, step, work, env=_env())
-    assert [o["metadata_gets"] for o in outs] == [1, 0]
+    assert [o["metadata_gets"] for o in outs] == [0, 0]
+    assert [o["index_header_gets"] for o in outs] == [1, 0]
+    assert [o["index_parts"] for o in outs] == [["rank0.json"], ["rank1.json"]]
     for out in outs:
         _assert_bitexact(out["tensors"])
 
@@ -319,6 +323,7 @@ def _manifest_matches_files(step) -> None:
     """Rewrite the marker's manifest from the files now in the (local) step folder."""
     import json
 
+    from cloudckpt.checkpoint.marker import as_part_list
     from cloudckpt.transfer import crc32c_bytes
 
     def rewrite(objects: list) -> None:
@@ -327,7 +332,7 @@ def _manifest_matches_files(step) -> None:
             o.update(size=len(data), crc32c=crc32c_bytes(data), chunks=[])
 
     marker = step / ".metadata.json"
-    d = json.loads(marker.read_bytes())
+    d = as_part_list(json.loads(marker.read_bytes()))  # format 3's part columns, edited as format 2's list
     rewrite(d["objects"])
     for ref in d.get("parts", []):  # format 2: the ranks' files are listed in their parts
         part = json.loads((step / ref["path"]).read_bytes())

@@ -165,8 +165,7 @@ def load_counting_metadata_gets(rank, world_size, dir, work_dir):
     gets = []
 
     def get_bytes(self, url, **kw):
-        if url.endswith("/model_and_optim/.metadata"):
-            gets.append(url)
+        gets.append(url)
         return real(self, url, **kw)
 
     store_cls.get_bytes = get_bytes
@@ -174,7 +173,9 @@ def load_counting_metadata_gets(rank, world_size, dir, work_dir):
         out = load_sharded(rank, world_size, dir, work_dir)
     finally:
         store_cls.get_bytes = real
-    out["metadata_gets"] = len(gets)
+    out["metadata_gets"] = sum(u.endswith("/model_and_optim/.metadata") for u in gets)
+    out["index_header_gets"] = sum(u.endswith("/index/header.json") for u in gets)
+    out["index_parts"] = sorted(u.rsplit("/", 1)[1] for u in gets if "/index/rank" in u)
     return out
 
 

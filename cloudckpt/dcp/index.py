@@ -1,0 +1,446 @@
+"""The DCP index: what a rank's load planning needs from a step's DCP metadata, in a
+form that no rank has to read or parse whole.
+
+DCP's ``.metadata`` describes every item of every rank (``R x T`` chunks for ``T``
+sharded tensors): 1.6 GB at 4,096 ranks for a 70B model with AdamW, parsed by every
+rank of a stock DCP load. Our writer also writes, beside it (``.metadata`` stays, so
+stock DCP and other tools read the step as before):
+
+``index/header.json`` (rank 0, listed in the marker itself)
+    every key of the checkpoint: a tensor's dtype and size, and either its one item
+    (a tensor stored whole: unsharded or replicated) or the id of its chunk layout; a
+    non-tensor value's item. Each distinct chunk layout (the chunks' offsets and sizes
+    and the rank that wrote each) is written once, however many tensors share it: a
+    transformer's sharded tensors have a handful of shapes, so the header grows with
+    ``T + layouts x R``, not ``T x R``.
+``index/rank{R}.json`` (rank R, listed in its manifest part)
+    the items of rank R's chunks of sharded tensors: key, chunk offsets and sizes, file,
+    offset, length.
+
+A loading rank reads the header (rank 0 reads it once and hands it to every rank),
+picks, for each tensor it loads, the chunks its own shards overlap (:func:`select`),
+reads the index parts of the ranks that wrote them (a restart with the saved layout:
+its own), and hands DCP a ``Metadata`` holding only those chunks
+(:func:`build_metadata`), so DCP's planning costs what the rank loads.
+
+Every byte is hostile until checked (docs/security.md): the header and the parts are
+CRC-checked against the manifest before they are parsed (``untrusted.read_checked``),
+parsed by ``untrusted.loads_json``, and then checked here: names, dtypes from an
+allowlist, sizes within ``[0, 2^63)``, every layout inside its tensor, disjoint and
+covering it (checked once per layout and size), owners within the saved world size,
+items only in their rank's own shard files, every chunk a rank needs present in its
+owner's part with the layout's sizes. What a part or the header holds is never used
+to name a path outside ``model_and_optim/``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from .._torch_compat import StorageInfo
+from ..errors import CorruptCheckpoint, UnsafeCheckpoint
+from ..untrusted import loads_json
+from ..untrusted.limits import MAX_DIM, MAX_TENSOR_DIMS
+
+FORMAT = "cloudckpt-dcp-index"
+VERSION = 1
+HEADER = "index/header.json"
+MAX_INDEX_BYTES = 1 << 30  # a header or a part; the manifest's CRC-checked size bounds each read first
+MAX_KEY_CHARS = 4096
+MAX_RANKS = 1 << 24
+
+_SHARD = re.compile(r"__(0|[1-9][0-9]{0,8})_(0|[1-9][0-9]{0,8})\.distcp")
+
+# dtypes a checkpoint may name: the dense ones DCP writes
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in ("float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
+                 "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
+                 "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def part_name(rank: int) -> str:
+    """The index part of rank ``rank``, relative to the step folder."""
+    return f"index/rank{int(rank)}.json"
+
+
+def _owner(rel: str) -> int:
+    m = _SHARD.fullmatch(rel)
+    if m is None:
+        raise ValueError(f"DCP item in {rel!r}, not a shard file __{{rank}}_{{k}}.distcp")
+    return int(m.group(1))
+
+
+# ============================================================================ writing
+def part_items(plan_items: Iterable[Any], results: Iterable[Any]) -> list[list]:
+    """This rank's index entries: ``[key, chunk offsets, chunk sizes, file, offset,
+    length]`` for each item it wrote of a tensor chunk that is not the whole tensor
+    (``plan_items``: the rank's WriteItems; ``results``: their WriteResults)."""
+    chunks = {}
+    for it in plan_items:
+        td = getattr(it, "tensor_data", None)
+        if td is None:
+            continue
+        if tuple(td.chunk.sizes) == tuple(td.size) and not any(td.chunk.offsets):
+            continue  # stored whole: the header holds its item
+        chunks[(it.index.fqn, tuple(td.chunk.offsets))] = td.chunk
+    out = []
+    for wr in results:
+        c = chunks.get((wr.index.fqn, tuple(wr.index.offset or ())))
+        if c is None:
+            continue
+        sd = wr.storage_data
+        out.append([wr.index.fqn, list(c.offsets), list(c.sizes), sd.relative_path, int(sd.offset), int(sd.length)])
+    out.sort(key=lambda e: (e[0], e[1]))
+    return out
+
+
+def part_bytes(rank: int, items: list[list]) -> bytes:
+    return json.dumps({"format": FORMAT, "version": VERSION, "rank": int(rank), "items": items},
+                      separators=(",", ":")).encode()
+
+
+def header_bytes(metadata: Metadata) -> bytes:
+    """The header of a step from DCP's global ``Metadata`` (on the coordinator, once
+    its ``storage_data`` is set: in the writer's ``finish``)."""
+    storage: dict = {}
+    for key, info in metadata.storage_data.items():
+        storage[(key.fqn, tuple(key.offset) if key.offset is not None else None)] = info
+    layouts: dict[tuple, int] = {}
+    tensors, values = [], []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            info = storage[(fqn, None)]
+            values.append([fqn, info.relative_path, int(info.offset), int(info.length)])
+            continue
+        size = list(md.size)
+        chunks = md.chunks
+        dtype = _DTYPE_NAMES.get(md.properties.dtype)
+        if dtype is None:
+            raise ValueError(f"{fqn!r}: dtype {md.properties.dtype} has no name in the DCP index")
+        if len(chunks) == 1 and list(chunks[0].sizes) == size and not any(chunks[0].offsets):
+            info = storage[(fqn, tuple(chunks[0].offsets))]
+            tensors.append([fqn, dtype, size, -1, [info.relative_path, int(info.offset), int(info.length)]])
+            continue
+        flat: list[int] = []
+        owners = []
+        for c in chunks:
+            flat.extend(c.offsets)
+            flat.extend(c.sizes)
+            owners.append(_owner(storage[(fqn, tuple(c.offsets))].relative_path))
+        key = (len(size), tuple(flat), tuple(owners))
+        lid = layouts.setdefault(key, len(layouts))
+        tensors.append([fqn, dtype, size, lid, None])
+    doc = {
+        "format": FORMAT, "version": VERSION, "dcp_version": getattr(metadata, "version", None),
+        "layouts": [{"ndim": nd, "boxes": list(flat), "owners": list(owners)} for (nd, flat, owners) in layouts],
+        "tensors": tensors, "values": values,
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+# ============================================================================ reading
+@dataclass(frozen=True)
+class Layout:
+    """The chunks of a sharded tensor: ``lo``/``hi`` (n x ndim int64, end exclusive) and
+    the rank that wrote each."""
+
+    lo: np.ndarray
+    hi: np.ndarray
+    owners: np.ndarray
+
+
+@dataclass(frozen=True)
+class Tensor:
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    layout: int  # -1: stored whole, in ``item``
+    item: tuple[str, int, int] | None
+
+
+@dataclass
+class Header:
+    """A checked header: ``tensors`` and ``values`` (key -> item) in the order written."""
+
+    url: str
+    layouts: list[Layout]
+    tensors: dict[str, Tensor]
+    values: dict[str, tuple[str, int, int]]
+    dcp_version: str | None
+
+    def keys(self) -> list[str]:
+        return [*self.tensors, *self.values]
+
+
+def _bad(url: str, why: str) -> CorruptCheckpoint:
+    return CorruptCheckpoint(f"DCP index {url}: {why}; the step is damaged: load an older step "
+                             "(cloudckpt list shows them) or restore the object")
+
+
+def _int(x: Any, lo: int = 0, hi: int = MAX_DIM) -> int:
+    if type(x) is not int or not lo <= x <= hi:
+        raise ValueError(f"{_shown(x)} is not an integer in [{lo}, {hi}]")
+    return x
+
+
+def _ints(x: Any, n: int | None = None, limit: int = MAX_TENSOR_DIMS) -> tuple[int, ...]:
+    if type(x) is not list or (n is not None and len(x) != n) or len(x) > limit:
+        raise ValueError(f"{_shown(x)} is not a list of {n if n is not None else f'at most {limit}'} integers")
+    return tuple(_int(v) for v in x)
+
+
+def _key(x: Any) -> str:
+    if type(x) is not str or not 0 < len(x) <= MAX_KEY_CHARS:
+        raise ValueError(f"a key {_shown(x)} is not a string of 1 to {MAX_KEY_CHARS} characters")
+    return x
+
+
+def _item(x: Any) -> tuple[str, int, int]:
+    if type(x) is not list or len(x) != 3 or type(x[0]) is not str:
+        raise ValueError(f"an item {_shown(x)} is not [file, offset, length]")
+    rel = x[0]
+    _owner(rel)
+    return rel, _int(x[1]), _int(x[2])
+
+
+def _shown(x: Any) -> str:
+    text = repr(x)
+    return ascii(text[:60] + ("..." if len(text) > 60 else ""))
+
+
+def parse_header(data: bytes, *, url: str) -> Header:
+    """The checked header of a step (bytes already checked against the manifest).
+    Raises CorruptCheckpoint."""
+    d = loads_json(data, url=url, what="DCP index", limit=MAX_INDEX_BYTES)
+    if type(d) is not dict or d.get("format") != FORMAT or d.get("version") != VERSION:
+        raise _bad(url, f"not a {FORMAT} of version {VERSION}")
+    try:
+        dv = d.get("dcp_version")
+        if dv is not None and (type(dv) is not str or len(dv) > 32):
+            raise ValueError("dcp_version is not a short string")
+        raw_layouts, raw_tensors, raw_values = d["layouts"], d["tensors"], d["values"]
+        if not all(type(x) is list for x in (raw_layouts, raw_tensors, raw_values)):
+            raise ValueError("layouts, tensors and values must be lists")
+        layouts = [_layout(x) for x in raw_layouts]
+        tensors: dict[str, Tensor] = {}
+        checked: set[tuple[int, tuple]] = set()
+        for t in raw_tensors:
+            if type(t) is not list or len(t) != 5:
+                raise ValueError(f"a tensor entry {_shown(t)} is not [key, dtype, size, layout, item]")
+            fqn = _key(t[0])
+            dtype = _DTYPES.get(t[1]) if type(t[1]) is str else None
+            if dtype is None:
+                raise ValueError(f"{_shown(fqn)} has dtype {_shown(t[1])}, not one DCP writes")
+            size = _ints(t[2])
+            lid = _int(t[3], -1, len(layouts) - 1)
+            if fqn in tensors:
+                raise ValueError(f"{_shown(fqn)} is listed twice")
+            if lid < 0:
+                if t[4] is None:
+                    raise ValueError(f"{_shown(fqn)} has neither an item nor a layout")
+                tensors[fqn] = Tensor(dtype, size, -1, _item(t[4]))
+                continue
+            if t[4] is not None:
+                raise ValueError(f"{_shown(fqn)} has both an item and a layout")
+            if (lid, size) not in checked:
+                _check_layout(layouts[lid], size, fqn)
+                checked.add((lid, size))
+            tensors[fqn] = Tensor(dtype, size, lid, None)
+        values: dict[str, tuple[str, int, int]] = {}
+        for v in raw_values:
+            if type(v) is not list or len(v) != 4:
+                raise ValueError(f"a value entry {_shown(v)} is not [key, file, offset, length]")
+            fqn = _key(v[0])
+            if fqn in tensors or fqn in values:
+                raise ValueError(f"{_shown(fqn)} is listed twice")
+            values[fqn] = _item(v[1:])
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
+        raise _bad(url, f"{type(e).__name__}: {str(e)[:200]}") from None
+    return Header(url, layouts, tensors, values, dv)
+
+
+def _layout(x: Any) -> Layout:
+    if type(x) is not dict or set(x) != {"ndim", "boxes", "owners"}:
+        raise ValueError("a layout is not {ndim, boxes, owners}")
+    nd = _int(x["ndim"], 1, MAX_TENSOR_DIMS)
+    boxes, owners = x["boxes"], x["owners"]
+    if type(boxes) is not list or type(owners) is not list or not owners or len(boxes) != 2 * nd * len(owners):
+        raise ValueError("a layout's boxes and owners do not agree in number")
+    if not all(type(v) is int and 0 <= v <= MAX_DIM for v in boxes):
+        raise ValueError("a layout's offsets and sizes are not integers in [0, 2^63)")
+    if not all(type(v) is int and 0 <= v < MAX_RANKS for v in owners):
+        raise ValueError(f"a layout's owners are not ranks in [0, {MAX_RANKS})")
+    arr = np.array(boxes, dtype=np.uint64).reshape(len(owners), 2, nd)
+    lo, sz = arr[:, 0, :], arr[:, 1, :]
+    if np.any(sz > np.uint64(MAX_DIM) - lo):
+        raise ValueError("a layout's chunk ends past 2^63")
+    return Layout(lo.astype(np.int64), (lo + sz).astype(np.int64), np.array(owners, dtype=np.int64))
+
+
+def _check_layout(lay: Layout, size: tuple[int, ...], fqn: str) -> None:
+    """The chunks lie inside ``size``, are distinct, disjoint and cover it (once per
+    layout and size). Sorted sweep: linear and logarithmic for sharding's grids."""
+    from ..untrusted.unpickle import _Budget, _disjoint
+
+    nd = len(size)
+    if lay.lo.shape[1] != nd:
+        raise ValueError(f"{_shown(fqn)} has {nd} dimensions, its layout {lay.lo.shape[1]}")
+    if nd and np.any(lay.hi > np.array(size, dtype=np.int64)):
+        raise ValueError(f"a chunk of {_shown(fqn)} lies outside its size {list(size)}")
+    numel = 1
+    for s in size:
+        numel *= s
+    vols = [_prod(r) for r in (lay.hi - lay.lo).tolist()]
+    if sum(vols) != numel:
+        raise ValueError(f"the chunks of {_shown(fqn)} hold {sum(vols)} elements, its size {list(size)} has {numel}")
+    boxes = [(tuple(lo), tuple(h - o for h, o in zip(hi, lo)))
+             for lo, hi, v in zip(lay.lo.tolist(), lay.hi.tolist(), vols) if v]
+    if len({b[0] for b in boxes}) != len(boxes):
+        raise ValueError(f"two chunks of {_shown(fqn)} start at the same offsets")
+    if len(boxes) > 1 and not _disjoint(boxes, 0, nd, _Budget(10 ** 8, "")):
+        raise ValueError(f"chunks of {_shown(fqn)} overlap (and so leave part of it unwritten)")
+
+
+def _prod(v: list[int]) -> int:
+    n = 1
+    for x in v:
+        n *= x
+    return n
+
+
+def parse_part(data: bytes, *, url: str, rank: int) -> dict[tuple[str, tuple], tuple[tuple, str, int, int]]:
+    """``{(key, chunk offsets): (chunk sizes, file, offset, length)}`` of rank ``rank``'s
+    index part (bytes already checked against its manifest part). Raises
+    CorruptCheckpoint, UnsafeCheckpoint (an item in another rank's file)."""
+    d = loads_json(data, url=url, what="DCP index part", limit=MAX_INDEX_BYTES)
+    if type(d) is not dict or d.get("format") != FORMAT or d.get("version") != VERSION:
+        raise _bad(url, f"not a {FORMAT} of version {VERSION}")
+    if d.get("rank") != rank:
+        raise UnsafeCheckpoint(f"DCP index part {url} names rank {_shown(d.get('rank'))}, not {rank}; refusing the "
+                               "checkpoint")
+    out: dict = {}
+    try:
+        items = d["items"]
+        if type(items) is not list:
+            raise ValueError("items is not a list")
+        for it in items:
+            if type(it) is not list or len(it) != 6:
+                raise ValueError(f"an item {_shown(it)} is not [key, offsets, sizes, file, offset, length]")
+            fqn, offs = _key(it[0]), _ints(it[1])
+            sizes = _ints(it[2], len(offs))
+            rel, off, n = _item(it[3:])
+            if _owner(rel) != rank:
+                raise UnsafeCheckpoint(f"DCP index part {url} of rank {rank} places {_shown(fqn)} in {rel!r}, a file "
+                                       "of another rank; refusing the checkpoint")
+            if (fqn, offs) in out:
+                raise ValueError(f"{_shown(fqn)} at offsets {list(offs)} is listed twice")
+            out[(fqn, offs)] = (sizes, rel, off, n)
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
+        raise _bad(url, f"{type(e).__name__}: {str(e)[:200]}") from None
+    return out
+
+
+# ============================================================================ planning
+Wanted = dict[str, "list[tuple[tuple[int, ...], tuple[int, ...]]] | None"]  # key -> local boxes (None: a value)
+
+
+def select(header: Header, wanted: Wanted) -> tuple[dict[str, list[int]], set[int]]:
+    """For each tensor of ``wanted`` (key -> this rank's boxes ``(offsets, sizes)``)
+    stored in chunks, the chunks its boxes overlap (as DCP's planner would find them),
+    and the ranks whose index parts hold them. A key the header lacks, or a box of
+    another rank (dimension count) than saved, selects nothing: the planner reports it."""
+    needs: dict[str, list[int]] = {}
+    owners: set[int] = set()
+    memo: dict[tuple, list[int]] = {}
+    for fqn, boxes in wanted.items():
+        t = header.tensors.get(fqn)
+        if t is None or t.layout < 0 or not boxes:
+            continue
+        lay = header.layouts[t.layout]
+        picked: set[int] = set()
+        for off, sz in boxes:
+            if len(off) != lay.lo.shape[1]:
+                continue
+            key = (t.layout, off, sz)
+            hit = memo.get(key)
+            if hit is None:
+                lo = np.array(off, dtype=np.int64)
+                hi = lo + np.array(sz, dtype=np.int64)
+                hit = memo[key] = np.flatnonzero(np.all((lay.lo < hi) & (lo < lay.hi), axis=1)).tolist()
+            picked.update(hit)
+        if picked:
+            ks = sorted(picked)
+            needs[fqn] = ks
+            owners.update(lay.owners[ks].tolist())
+    return needs, owners
+
+
+def build_metadata(header: Header, needs: dict[str, list[int]], parts: dict[int, dict], wanted: Wanted) -> Metadata:
+    """DCP ``Metadata`` holding every key of the checkpoint (so missing and left-behind
+    keys are judged as with the full metadata) and, for storage, only the chunks and
+    values this rank reads. Raises CorruptCheckpoint if an owner's part lacks a chunk."""
+    sdm: dict[str, Any] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    for fqn, t in header.tensors.items():
+        chunks = []
+        if t.layout < 0:
+            if fqn in wanted:
+                offs = torch.Size([0] * len(t.size))
+                chunks.append(ChunkStorageMetadata(offsets=offs, sizes=torch.Size(t.size)))
+                storage[MetadataIndex(fqn, offs)] = StorageInfo(*t.item)
+        else:
+            lay = header.layouts[t.layout]
+            for k in needs.get(fqn, ()):
+                lo, hi, owner = lay.lo[k].tolist(), lay.hi[k].tolist(), int(lay.owners[k])
+                sizes = tuple(h - o for h, o in zip(hi, lo))
+                got = parts[owner].get((fqn, tuple(lo)))
+                if got is None or got[0] != sizes:
+                    raise _bad(header.url, f"the index part of rank {owner} lacks the chunk of {_shown(fqn)} at "
+                                           f"offsets {lo} of sizes {list(sizes)} that the header gives it")
+                offs = torch.Size(lo)
+                chunks.append(ChunkStorageMetadata(offsets=offs, sizes=torch.Size(sizes)))
+                storage[MetadataIndex(fqn, offs)] = StorageInfo(*got[1:])
+        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.size), chunks)
+    for fqn, item in header.values.items():
+        sdm[fqn] = BytesStorageMetadata()
+        if fqn in wanted:
+            storage[MetadataIndex(fqn)] = StorageInfo(*item)
+    md = Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=storage)
+    if header.dcp_version is not None:
+        md.version = header.dcp_version
+    return md
+
+
+def wanted_boxes(flat_state_dict: dict[str, Any]) -> Wanted:
+    """Key -> this rank's boxes of each tensor of a flattened state dict (DTensor,
+    ShardedTensor or plain tensor, as DCP's planner computes them), None for a value."""
+    from .._torch_compat import chunk_list
+
+    out: Wanted = {}
+    for fqn, obj in flat_state_dict.items():
+        if not isinstance(obj, torch.Tensor) and not hasattr(obj, "__create_chunk_list__"):
+            out[fqn] = None
+            continue
+        mesh = getattr(obj, "device_mesh", None)
+        if mesh is not None and mesh.get_coordinate() is None:
+            out[fqn] = []  # a DTensor on a submesh this rank is not part of: DCP reads nothing
+            continue
+        out[fqn] = [(tuple(c.offsets), tuple(c.sizes)) for c in chunk_list(obj)]
+    return out
