@@ -60,7 +60,7 @@ from ..storage import Location
 from ..storage import url as urls
 from ..untrusted import loads_json, read_capped
 from . import layout, pointer
-from .marker import ManifestPart, Marker, ObjectEntry, PartRef
+from .marker import FORMAT_VERSION, ManifestPart, Marker, ObjectEntry, PartRef
 
 log = logging.getLogger(__name__)
 
@@ -256,11 +256,11 @@ class StepCommit:
     def marker(self, parts: Sequence[PartRef], objects: Sequence[ObjectEntry], *, ephemeral: bool,
                torch_version: str = "") -> Marker:
         """The marker of this save: the step header, the step's own ``objects`` (DCP's
-        ``.metadata``) and the ranks' ``parts``."""
+        ``.metadata``) and the ranks' ``parts`` (written as columns: format 3)."""
         return Marker(step=self.step, ephemeral=ephemeral, world_size=self.world_size,
                       objects=tuple(sorted(objects, key=lambda o: o.path)),
                       parts=tuple(sorted(parts, key=lambda p: p.rank)), torch_version=torch_version,
-                      save_id=self.save_id)
+                      save_id=self.save_id, format_version=FORMAT_VERSION)
 
     def commit(self, marker: Marker) -> Marker:
         """Write the marker last (conditional create) and release the lock; the ``latest``
@@ -268,7 +268,7 @@ class StepCommit:
         this library could not read back), CheckpointExists (another save committed
         the step meanwhile), storage errors."""
         store, url = self.store, self.marker_url
-        _check_readable(marker.objects, self.dir)
+        _check_readable(marker.objects, self.dir, step_bytes=marker.total_bytes)
         data = marker.to_bytes()
         try:
             Marker.from_bytes(data, url=url)  # what readers will parse: checked before it is written
@@ -302,10 +302,10 @@ class StepCommit:
     def _advance_pointer(folder: Location, step: int, *, pending: bool) -> None:
         """Keep the ``latest`` pointer from ever lagging behind the newest commit. If it
         cannot be advanced before the commit, remove it (readers then list)."""
+        if not folder.store.conditional_replace:
+            return  # backend without conditional replace: no pointer, discovery lists
         try:
             pointer.advance(folder, step, pending=pending)
-        except NotImplementedError:
-            return  # backend without conditional replace: discovery lists
         except CloudCkptError as e:
             log.warning("could not advance the latest pointer of %s to step %d (%s)", folder.url, step, e)
             if pending:
@@ -327,14 +327,16 @@ class StepCommit:
         self.locked = False
 
 
-def _check_readable(entries: Sequence[ObjectEntry], dir: str) -> None:
+def _check_readable(entries: Sequence[ObjectEntry], dir: str, *, step_bytes: int = 0) -> None:
     """Refuse (SaveFailed), before the marker, an object a reader would refuse for its
-    size: DCP's ``.metadata`` over MAX_METADATA_BYTES, a train state over
-    MAX_TRAIN_STATE_BYTES (a save never commits what a load cannot read)."""
-    from ..untrusted import MAX_METADATA_BYTES, MAX_TRAIN_STATE_BYTES
+    size: DCP's ``.metadata`` over ``metadata_limit`` of the step's other files
+    (``step_bytes``: every object of the step, the metadata included), a train state
+    over MAX_TRAIN_STATE_BYTES (a save never commits what a load cannot read)."""
+    from ..untrusted import MAX_TRAIN_STATE_BYTES
+    from ..untrusted.limits import metadata_limit
 
     for e in entries:
-        limit = (MAX_METADATA_BYTES if e.path == layout.DCP_METADATA else
+        limit = (metadata_limit(step_bytes - e.size) if e.path == layout.DCP_METADATA else
                  MAX_TRAIN_STATE_BYTES if layout.rank_of_train_state(e.path) is not None else None)
         if limit is not None and e.size > limit:
             raise SaveFailed(f"{dir}: {e.path} is {e.size} bytes, over the {limit}-byte ceiling a load reads; nothing "

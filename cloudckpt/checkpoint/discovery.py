@@ -16,7 +16,7 @@ ASCII digits, no leading zero; ``step04`` is not step 4) and its marker parses:
   instead when such a marker is cloudckpt's and its step is the newest: a committed
   step a reader refuses is a loud error naming it, never a silent resume of an older
   step.
-- format 2 markers list the ranks' manifest parts; discovery reads none of them
+- format 2 and 3 markers list the ranks' manifest parts; discovery reads none of them
   (``read_header``); ``StepManifest`` reads the parts a caller needs, ``read_marker``
   all of them.
 
@@ -64,7 +64,7 @@ def read_marker_bytes(dir: Where) -> tuple[Marker, bytes]:
 
 
 def read_header(dir: Where) -> Marker:
-    """The marker as written: the step header, and for format 2 the references to the
+    """The marker as written: the step header, and for format 2 and 3 the references to the
     ranks' manifest parts, unread. Enough to find, list and order steps. Raises as
     ``read_marker``."""
     return read_header_bytes(dir)[0]

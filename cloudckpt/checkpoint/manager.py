@@ -1,6 +1,6 @@
 """CheckpointManager: what a trainer calls. Built by ``CheckpointConfig.build()``.
 
-    mgr = CheckpointConfig(save_folder="s3://b/run", save_interval=1000, ephemeral_save_interval=100).build()
+    mgr = CheckpointConfig(save_folder="s3://my-bucket/run", save_interval=1000, ephemeral_save_interval=100).build()
     train_state = mgr.resume(state_dict)        # newest committed step, or None
     for step in ...:
         mgr.maybe_save(step, state_dict, train_state)

@@ -4,15 +4,33 @@ A step counts as a checkpoint if and only if its marker exists and parses. The
 marker is written last, by one rank, with a conditional create, after every rank
 reported its files uploaded; so whoever sees a marker sees a complete step.
 
-Schema (format_version 2, two levels)::
+Schema (format_version 3, two levels, the parts as columns)::
 
-    {"format": "cloudckpt", "format_version": 2, "step": 1000, "ephemeral": false,
+    {"format": "cloudckpt", "format_version": 3, "step": 1000, "ephemeral": false,
      "world_size": 8, "created": "2026-11-21T23:00:00+00:00", "created_unix": 1.79e9,
      "library_version": "0.1.0", "torch_version": "2.13.0", "save_id": "...",
      "total_bytes": 123, "object_count": 42,
      "objects": [{"path": "model_and_optim/.metadata", "size": 100, "crc32c": "1a2b3c4d"}],
+     "parts": {"ranks": [[0, 8]], "size": [900, ...], "crc32c": "1a2b3c4d5e6f7a8b...",
+               "objects": [5, ...], "bytes": [1000, ...]}}
+
+``parts`` holds one column per field of the ranks' part references: ``ranks`` as runs
+``[first, count]`` (ascending, disjoint; ``[[0, W]]`` when every rank wrote a part),
+then for the i-th rank of those runs its part's ``size``, its CRC32C (characters
+``8i`` to ``8i + 8`` of one hex string), the ``objects`` and ``bytes`` it declares; the
+part's path is ``part_name(rank)``. About 30 bytes per rank (a list of references,
+format 2, took ~115), so the marker of 16,384 ranks is about half a megabyte.
+
+Format 2 wrote the same references as a list of objects, and is still read::
+
      "parts": [{"rank": 0, "path": "manifest/rank0.json", "size": 900, "crc32c": "...",
-                "objects": 5, "bytes": 1000}, ...]}
+                "objects": 5, "bytes": 1000}, ...]
+
+A marker without parts (adopted manifests, the local tier's per-rank manifests) is
+still written as format 2 (``"parts": []``), readable by cloudckpt versions that read
+format 2. A reader of format 1 or 2 refuses a format 3 marker with
+IncompatibleCheckpoint ("upgrade cloudckpt"), never reading it as a step without
+parts.
 
 ``objects`` lists the step's own files (DCP's ``.metadata``); each rank's files are in
 its *part*, ``manifest/rank{R}.json`` (``ManifestPart``), uploaded by that rank before
@@ -60,16 +78,20 @@ from ..untrusted.names import check_name
 from .layout import DCP_METADATA, rank_of_train_state
 
 FORMAT = "cloudckpt"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # the newest this library reads; what a save writes (the parts as columns)
+INLINE_FORMAT_VERSION = 2  # a marker without parts (adopted, local tier), and format 2 steps (parts as a list)
 PART_FORMAT = "cloudckpt-part"
+PART_FORMAT_VERSION = 2  # manifest parts are unchanged since format 2
 PARTS_DIR = "manifest"  # step{N}/manifest/rank{R}.json
 MAX_PART_BYTES = 1 << 30  # no honest part comes near (~30 bytes per DCP item of one rank)
+MAX_PART_OBJECTS = MAX_PART_BYTES // 32  # objects a part may declare: each entry takes more than 32 bytes of it
+MAX_PART_DATA = (1 << 63) - 1  # bytes a part may declare (the objects' sizes are int64s)
 MARKER_NAME = ".metadata.json"  # layout.MARKER (layout imports storage; this module stays import-light)
 ADOPTED_MANIFEST = ".cloudckpt.json"  # our manifest beside another tool's marker (``cloudckpt adopt``)
 FOREIGN_WRITER = "olmo-core"  # the tool whose layout (step{N}/model_and_optim, .metadata.json) we share
 MAX_FOREIGN_OBJECTS = 1_000_000  # objects a listed (foreign) step may hold; honest ones hold ranks x threads
 MARKER_MAX_DEPTH = 8  # a marker nests 5 deep (marker, objects, entry, chunks, chunk); room for additions
-MAX_WORLD_SIZE = 1 << 24  # ranks a marker may name (jobs run on thousands)
+MAX_WORLD_SIZE = 1 << 20  # ranks a marker may name (jobs run on thousands); its marker stays under MAX_MARKER_BYTES
 MAX_UNIX_TIME = 253402300799.0  # 9999-12-31T23:59:59Z: the latest time a date can show
 _WRITER = re.compile(r"[a-z0-9][a-z0-9._-]{0,39}")
 
@@ -166,7 +188,7 @@ class ManifestPart:
         return cache.get(path)
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"format": PART_FORMAT, "format_version": FORMAT_VERSION, "step": self.step,
+        return json.dumps({"format": PART_FORMAT, "format_version": PART_FORMAT_VERSION, "step": self.step,
                            "rank": self.rank, "save_id": self.save_id,
                            "objects": [o.to_json() for o in self.objects]}, separators=(",", ":")).encode()
 
@@ -183,8 +205,9 @@ class ManifestPart:
             raise CorruptCheckpoint(f"manifest part {url} does not match its size and CRC32C in the marker; the step "
                                     "is damaged: restore it or load an older step")
         d = loads_json(data, url=url, what="manifest part", limit=ref.size)
-        if type(d) is not dict or d.get("format") != PART_FORMAT or d.get("format_version") != FORMAT_VERSION:
-            raise CorruptCheckpoint(f"manifest part {url} is not a cloudckpt manifest part of format {FORMAT_VERSION}")
+        if type(d) is not dict or d.get("format") != PART_FORMAT or d.get("format_version") != PART_FORMAT_VERSION:
+            raise CorruptCheckpoint(f"manifest part {url} is not a cloudckpt manifest part of format "
+                                    f"{PART_FORMAT_VERSION}")
         if d.get("step") != step or d.get("rank") != ref.rank or d.get("save_id") != save_id:
             raise UnsafeCheckpoint(f"manifest part {url} belongs to another step, rank or save than the marker "
                                    f"names (step {step}, rank {ref.rank}); refusing the checkpoint")
@@ -218,7 +241,7 @@ class Marker:
     library_version: str = __version__
     torch_version: str = ""
     save_id: str = ""  # the save attempt that committed it
-    format_version: int = FORMAT_VERSION
+    format_version: int = INLINE_FORMAT_VERSION  # how to_bytes writes the parts: 3 columns, 2 a list, 1 none
     writer: str = FORMAT  # the tool that wrote the step's objects ("olmo-core" for a foreign step)
     verified: bool = True  # a manifest with CRC32Cs (ours or adopted); False: sizes from a listing only
     adopted_crc32c: str = ""  # adopted: the CRC32C of the other tool's marker this manifest vouches for
@@ -323,7 +346,9 @@ class Marker:
             "object_count": self.object_count,
             "objects": [o.to_json() for o in self.objects],
         }
-        if self.format_version >= 2:
+        if self.format_version >= 3:
+            d["parts"] = _columns(self.parts)
+        elif self.format_version == 2:
             d["parts"] = [p.to_json() for p in self.parts]
         if self.foreign:
             d["adopted"] = {"writer": self.writer, "marker_crc32c": self.adopted_crc32c}
@@ -358,7 +383,8 @@ class Marker:
                 raise TypeError("objects is not a list")
             objects = tuple(_object_entry(o, url) for o in raw_objects)
             step, world_size = _int(d["step"], "step"), _int(d["world_size"], "world_size")
-            parts = _parts(d.get("parts", []) if v >= 2 else [], world_size, url)
+            parts = (_part_columns(d["parts"], world_size) if v >= 3 else
+                     _parts(d.get("parts", []), world_size) if v == 2 else ())
             if type(d["ephemeral"]) is not bool:
                 raise TypeError("ephemeral is not true or false")
             writer, adopted_crc = FORMAT, ""
@@ -482,9 +508,22 @@ def _crc(v: Any, what: str) -> str | None:
     return v
 
 
-def _parts(raw: Any, world_size: int, url: str) -> tuple[PartRef, ...]:
-    """The marker's part references, checked: one per rank at most, each at its own
-    name, with a size, a CRC32C and the counts it declares."""
+def _part_ref(rank: int, size: Any, crc: Any, objects: Any, nbytes: Any) -> PartRef:
+    """One part reference, checked: a size of at most MAX_PART_BYTES, a CRC32C, the counts
+    it declares within what a part can hold."""
+    size = _int(size, f"the size of the part of rank {rank}")
+    if _crc(crc, f"the part of rank {rank}") is None or size > MAX_PART_BYTES:
+        raise ValueError(f"the part of rank {rank} has no CRC32C or declares {size} bytes (at most {MAX_PART_BYTES})")
+    objects, nbytes = _int(objects, "a part's object count"), _int(nbytes, "a part's bytes")
+    if objects > MAX_PART_OBJECTS or nbytes > MAX_PART_DATA:
+        raise ValueError(f"the part of rank {rank} declares {objects} objects of {nbytes} bytes (at most "
+                         f"{MAX_PART_OBJECTS} objects, {MAX_PART_DATA} bytes)")
+    return PartRef(rank, part_name(rank), size, crc, objects, nbytes)
+
+
+def _parts(raw: Any, world_size: int) -> tuple[PartRef, ...]:
+    """Format 2's part references (a list of objects), checked: one per rank at most,
+    each at its own name, with a size, a CRC32C and the counts it declares."""
     if type(raw) is not list:
         raise TypeError("parts is not a list")
     out, seen = [], set()
@@ -497,13 +536,80 @@ def _parts(raw: Any, world_size: int, url: str) -> tuple[PartRef, ...]:
         seen.add(rank)
         if p["path"] != part_name(rank):
             raise ValueError(f"the part of rank {rank} is not at {part_name(rank)!r}")
-        size = _int(p["size"], "a part's size")
-        crc = _crc(p["crc32c"], f"the part of rank {rank}")
-        if crc is None or size > MAX_PART_BYTES:
-            raise ValueError(f"the part of rank {rank} has no CRC32C or declares {size} bytes (at most {MAX_PART_BYTES})")
-        out.append(PartRef(rank, part_name(rank), size, crc, _int(p["objects"], "a part's object count"),
-                           _int(p["bytes"], "a part's bytes")))
+        out.append(_part_ref(rank, p["size"], p["crc32c"], p["objects"], p["bytes"]))
     return tuple(out)
+
+
+PART_COLUMNS = ("ranks", "size", "crc32c", "objects", "bytes")
+_HEX = re.compile(r"[0-9a-f]*")
+
+
+def _columns(parts: Iterable[PartRef]) -> dict:
+    """Format 3's ``parts``: the references as columns, the ranks as runs."""
+    parts = sorted(parts, key=lambda p: p.rank)
+    runs: list[list[int]] = []
+    for p in parts:
+        if runs and runs[-1][0] + runs[-1][1] == p.rank:
+            runs[-1][1] += 1
+        else:
+            runs.append([p.rank, 1])
+    return {"ranks": runs, "size": [p.size for p in parts], "crc32c": "".join(p.crc32c for p in parts),
+            "objects": [p.objects for p in parts], "bytes": [p.bytes for p in parts]}
+
+
+def _part_columns(raw: Any, world_size: int) -> tuple[PartRef, ...]:
+    """Format 3's part references from their columns, checked before any is built: the
+    columns exactly these, of one length (the CRC32Cs 8 hex digits each), at most one
+    per rank of the world; the rank runs ascending, disjoint, inside the world and
+    covering exactly as many ranks as the columns hold (counted before a rank is made,
+    so nothing is built beyond what the marker's bytes carry)."""
+    if type(raw) is not dict or sorted(raw) != sorted(PART_COLUMNS):
+        raise TypeError(f"parts is not an object of the columns {', '.join(PART_COLUMNS)}")
+    runs, sizes, crcs, objects, nbytes = (raw[k] for k in PART_COLUMNS)
+    if not all(type(c) is list for c in (runs, sizes, objects, nbytes)) or type(crcs) is not str:
+        raise TypeError("a column of parts is not a list (the CRC32Cs: not a string)")
+    n = len(sizes)
+    if not n == len(objects) == len(nbytes) or len(crcs) != 8 * n:
+        raise ValueError(f"the columns of parts disagree in length ({n} sizes, {len(objects)} object counts, "
+                         f"{len(nbytes)} byte counts, {len(crcs)} CRC32C digits: 8 per part)")
+    if n > world_size:
+        raise ValueError(f"{n} parts in a world of {world_size} ranks")
+    if not _HEX.fullmatch(crcs):
+        raise ValueError("the CRC32Cs of parts are not lowercase hex digits")
+    end = covered = 0
+    for run in runs:
+        if type(run) is not list or len(run) != 2:
+            raise TypeError("a run of part ranks is not [first, count]")
+        first, count = _int(run[0], "a run's first rank"), _int(run[1], "a run's count")
+        if count < 1 or first < end or first + count > world_size:
+            raise ValueError(f"the part ranks [{first}, {count}] are empty, out of order, overlap, or run past the "
+                             f"world size {world_size}")
+        end, covered = first + count, covered + count
+        if covered > n:
+            break
+    if covered != n:
+        raise ValueError(f"the part ranks cover {'more than ' if covered > n else ''}{covered} ranks; the columns "
+                         f"hold {n} parts")
+    out, i = [], 0
+    for first, count in runs:
+        for rank in range(first, first + count):
+            out.append(_part_ref(rank, sizes[i], crcs[8 * i:8 * i + 8], objects[i], nbytes[i]))
+            i += 1
+    return tuple(out)
+
+
+def as_part_list(d: Any) -> Any:
+    """A marker's JSON document with format 3's part columns rewritten as format 2's
+    list of references (and ``format_version`` 2, which every reader still reads);
+    anything else as it is. For tests and tools that edit a marker by hand; nothing is
+    checked (the result is parsed like any marker)."""
+    if not (isinstance(d, dict) and d.get("format_version") == 3 and isinstance(d.get("parts"), dict)):
+        return d
+    c = d["parts"]
+    ranks = [r for first, count in c["ranks"] for r in range(first, first + count)]
+    refs = [{"rank": r, "path": part_name(r), "size": c["size"][i], "crc32c": c["crc32c"][8 * i:8 * i + 8],
+             "objects": c["objects"][i], "bytes": c["bytes"][i]} for i, r in enumerate(ranks)]
+    return {**d, "format_version": INLINE_FORMAT_VERSION, "parts": refs}
 
 
 def _object_entry(o: Any, url: str) -> ObjectEntry:

@@ -17,6 +17,8 @@ How it stays correct:
 - Every write is conditional (S3 ``If-Match``/``If-None-Match``, GCS generation match,
   local compare-and-rename under a lock) and never moves the pointer to a lower step,
   so an older or slower save never overwrites a newer pointer; a lost race re-reads.
+  A backend that cannot replace conditionally (``ObjectStore.conditional_replace`` is
+  False) keeps no pointer.
 - A reader of the pointer alone must check the marker of the step it names ("pending"
   or a pruned, deleted or overwritten step has none) and list when it is missing.
 - Anyone who can write the folder can plant a pointer. It is read with a ceiling
@@ -84,9 +86,14 @@ def read(folder: Where) -> tuple[int, bool] | None:
 
 def advance(folder: Where, step: int, *, pending: bool, attempts: int = 8) -> bool:
     """Move the pointer to ``step`` unless it already names a higher step (or the same
-    step, final, when ``pending``). Returns True if written. Raises storage errors."""
+    step, final, when ``pending``). Returns True if written; False, with no request, on
+    a store without conditional replace (``ObjectStore.conditional_replace``: every
+    write of the pointer is conditional, so such a folder keeps none). Raises storage
+    errors."""
     loc = Location.of(folder)
     url, store = pointer_url(loc.url), loc.store
+    if not store.conditional_replace:
+        return False
     body = json.dumps({"step": int(step), "pending": pending, "dir": f"step{int(step)}", "updated_unix": time.time()}).encode()
     for _ in range(attempts):
         try:

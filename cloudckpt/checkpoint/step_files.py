@@ -10,7 +10,8 @@ from typing import Any
 
 from ..errors import CorruptCheckpoint
 from ..storage import Location
-from ..untrusted import MAX_METADATA_BYTES, MAX_TRAIN_STATE_BYTES, load_plain, loads_metadata, read_checked
+from ..untrusted import MAX_TRAIN_STATE_BYTES, load_plain, loads_metadata, read_checked
+from ..untrusted.limits import read_metadata
 from . import discovery, layout
 from .marker import Marker
 
@@ -20,13 +21,15 @@ Checksums = dict[str, dict[tuple[int, int], str]]
 
 
 def metadata_bytes(step: Location, marker: Marker, *, verify: bool = True) -> bytes | None:
-    """The bytes of the step's DCP ``.metadata``, checked against the marker; None when
-    the marker lists none (each reader then reports it)."""
+    """The bytes of the step's DCP ``.metadata``, checked against the marker (size,
+    CRC32C); None when the marker lists none (each reader then reports it). Its ceiling
+    follows the step (``untrusted.limits.metadata_limit``: 1 GiB, or the bytes of the
+    step's other files the marker declares if more)."""
     entry = marker.object(METADATA_REL)
     if entry is None:
         return None
-    url = step.join(METADATA_REL).url
-    return read_checked(step.store, url, entry, limit=MAX_METADATA_BYTES, what="DCP metadata", verify=verify)
+    return read_metadata(step.store, step.join(METADATA_REL).url, size=entry.size, crc32c=entry.crc32c,
+                         described=marker.total_bytes - entry.size, verify=verify)
 
 
 def parse_metadata(step: Location, marker: Marker, data: bytes | None) -> Any:

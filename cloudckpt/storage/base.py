@@ -281,9 +281,20 @@ class ObjectStore(ABC):
     #: reading long ranges should keep them short (the DCP reader does).
     streams_ranges: ClassVar[bool] = False
 
+    #: ``get_bytes_versioned`` + ``put_bytes_if_match`` work: a small object can be
+    #: replaced only if nobody replaced it since it was read (S3 ``If-Match``, GCS
+    #: generation match, local compare-and-rename). The ``latest`` pointer and a stale
+    #: save lock's takeover need it; where it is False (the default: a backend declares
+    #: it) the checkpointer leaves the pointer alone and discovery lists.
+    conditional_replace: ClassVar[bool] = False
+
     #: Used when StorageOptions leaves multipart_threshold / part_size as None.
     default_multipart_threshold: ClassVar[int] = 64 * MiB
     default_part_size: ClassVar[int] = 16 * MiB
+    #: Job-wide request rates the store sustains per prefix, ``(writes/s, reads/s)``: the
+    #: transfer engine paces a job's requests under them (TransferConfig.request_rate
+    #: overrides). None (the default: local folders): no pacing.
+    default_request_rates: ClassVar[Optional[tuple[float, float]]] = None
 
     def __init__(self, options: StorageOptions | None = None):
         self.options = options or StorageOptions()
@@ -379,13 +390,20 @@ class ObjectStore(ABC):
     def get_bytes_versioned(self, url: str, *, limit: int | None = None) -> tuple[bytes, str]:
         """Read a small object and its version token (S3 ETag, GCS generation, local
         inode+mtime+size) for a later ``put_bytes_if_match``. With ``limit``, at most
-        ``limit + 1`` bytes are read (the caller refuses more). Raises NotFound."""
-        raise NotImplementedError(f"{type(self).__name__} has no conditional replace")
+        ``limit + 1`` bytes are read (the caller refuses more). Raises NotFound; a
+        store without :attr:`conditional_replace` raises StorageError."""
+        raise self._no_conditional_replace(url)
 
     def put_bytes_if_match(self, url: str, data: bytes, version: str) -> None:
         """Replace the object only if it still has ``version``; raises PreconditionFailed
-        otherwise (someone else wrote it in between)."""
-        raise NotImplementedError(f"{type(self).__name__} has no conditional replace")
+        otherwise (someone else wrote it in between). A store without
+        :attr:`conditional_replace` raises StorageError."""
+        raise self._no_conditional_replace(url)
+
+    def _no_conditional_replace(self, url: str) -> StorageError:
+        return StorageError(f"{url}: the {type(self).__name__} backend cannot replace an object conditionally "
+                            "(its conditional_replace is False); callers check store.conditional_replace first",
+                            url=url)
 
     def list_multipart_uploads(self, prefix: str) -> list[PendingUpload]:
         """Incomplete multipart uploads under ``prefix`` (empty where the backend has none)."""

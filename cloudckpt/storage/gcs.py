@@ -67,6 +67,7 @@ from ..errors import (
     Transient,
 )
 from .base import DeleteFailures, ListEntry, ObjectInfo, ObjectStore, PendingUpload, Progress, redact_endpoint
+from .errors_table import STATUS_ERRORS, status_error
 from .url import parse_url
 
 # google-cloud-storage (checked: 3.17) draws each multipart upload's boundary from the
@@ -79,11 +80,11 @@ _gcs_upload.random = random.Random()
 _CHUNK_MULTIPLE = 256 * 1024  # GCS resumable chunks must be multiples of 256 KiB
 _SINGLE_REQUEST_MAX = 8 * 1024 * 1024  # google-cloud-storage sends up to this in one multipart request
 _EMULATOR_PROJECT = "cloudckpt-emulator"
-_THROTTLE_STATUS = (429, 503)
 _ADC_HINT = (
     "run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS to a "
     "service-account key file, or run where a service account is attached"
 )
+_HINTS = {AccessDenied: f"check the credentials ({_ADC_HINT}) and that they may use this bucket and prefix"}
 # The library's own retry predicate (408, 429, 5xx, resets, timeouts); kept if it moves.
 _should_retry: Callable[[BaseException], bool] = getattr(gcs_retry, "_should_retry", None) or gcs_retry.DEFAULT_RETRY._predicate
 
@@ -160,7 +161,7 @@ def translate(e: BaseException, url: str, op: str, *, bucket_exists: Callable[[]
                            url=url)
         if cause is not None and cause is not e:
             out = translate(cause, url, op, bucket_exists=bucket_exists, endpoint=endpoint, deadline=deadline)
-            if isinstance(out, Transient):
+            if isinstance(out, Transient) and "retries were exhausted" not in str(out):
                 return type(out)(f"{out}; retries were exhausted", url=url)
             return out
         return Transient(f"{op} {url}: retries were exhausted", url=url)
@@ -174,12 +175,6 @@ def translate(e: BaseException, url: str, op: str, *, bucket_exists: Callable[[]
         return Transient(f"{op} {url}: checksum mismatch between the bytes sent and received (CRC32C); retry", url=url)
     status = _status(e)
     if status:
-        if status in (401, 403):
-            return AccessDenied(
-                f"{op} {url}: access denied ({status}); check the credentials ({_ADC_HINT}) and that "
-                "they may use this bucket and prefix",
-                url=url,
-            )
         if status == 404:
             missing = _bucket_missing_hint(e)
             if missing is None and bucket_exists is not None:
@@ -187,23 +182,16 @@ def translate(e: BaseException, url: str, op: str, *, bucket_exists: Callable[[]
             if missing:
                 bucket = parse_url(url).bucket
                 return BucketNotFound(f"{op} {url}: bucket {bucket!r} does not exist; create it or fix the URL", url=url)
-            return NotFound(f"{op} {url}: no such object", url=url)
-        if status == 412:
-            return PreconditionFailed(f"{op} {url}: precondition failed", url=url)
-        if status in _THROTTLE_STATUS:
-            return Throttled(f"{op} {url}: the store is throttling requests ({status}); retries were exhausted", url=url)
-        if status in (408, 409) or status >= 500:
-            return Transient(f"{op} {url}: server error ({status})", url=url)
         if status == 400 and "name" in _server_message(e).lower():
             return InvalidURL(f"{op} {url}: the store rejected the name: {_server_message(e)}", url=url)
-        return StorageError(f"{op} {url}: {status}: {_server_message(e)}", url=url)
+        return status_error(status, url, op, hints=_HINTS, message=_server_message(e))
     if isinstance(e, _CONNECTION_ERRORS):
         return Transient(f"{op} {url}: connection problem ({type(e).__name__}); check the endpoint and network", url=url)
     return e
 
 
 def _retry_kind(e: BaseException) -> str:
-    return "throttled" if _status(e) in _THROTTLE_STATUS else "transient"
+    return "throttled" if STATUS_ERRORS.get(_status(e)) is Throttled else "transient"
 
 
 class GCSStore(ObjectStore):
@@ -215,6 +203,10 @@ class GCSStore(ObjectStore):
     """
 
     scheme = "gs"
+    conditional_replace = True  # if_generation_match
+    # a bucket starts at about 1,000 object writes and 5,000 reads per second (it scales
+    # up over minutes; above that GCS answers 429/503)
+    default_request_rates = (1000.0, 5000.0)
 
     def __init__(self, options=None):
         super().__init__(options)

@@ -58,7 +58,7 @@ import re
 import threading
 import time
 from email.utils import parsedate_to_datetime
-from typing import BinaryIO, Iterable, Iterator
+from typing import BinaryIO, Iterator
 from urllib.parse import urljoin, urlsplit
 
 import cached_path  # noqa: F401 - the https extra: a missing one fails in open_store with the install hint
@@ -70,7 +70,6 @@ from .._version import __version__
 from ..errors import (
     AccessDenied,
     InvalidURL,
-    NotFound,
     ObjectTooLarge,
     ReadOnlyLocation,
     RedirectRefused,
@@ -79,7 +78,9 @@ from ..errors import (
     Timeout,
     Transient,
 )
-from .base import MiB, ListEntry, ObjectInfo, ObjectStore, PendingUpload, Progress, RangeReader, redact_endpoint
+from .base import ListEntry, MiB, ObjectInfo, Progress, RangeReader, redact_endpoint
+from .errors_table import status_error
+from .readonly import ReadOnlyStore
 from .url import as_prefix, http_url_message
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ _CHUNK = 1 * MiB
 MAX_REDIRECTS = 5  # same-origin redirects followed for one request
 MAX_UNSIZED_BYTES = 1024 * MiB  # a read whose length the caller does not state (no end, no size) stops here
 MIN_RATE = 64 * 1024  # bytes/s a body must average once it is older than operation_timeout
+_HINTS = {AccessDenied: "cloudckpt sends no credentials to http(s):// sources: publish the checkpoint publicly, or "
+                        "read it from s3:// or gs:// with credentials"}
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
 
@@ -105,7 +108,7 @@ def _shown(url: str) -> str:
     return redact_endpoint(url)
 
 
-class HTTPStore(ObjectStore):
+class HTTPStore(ReadOnlyStore):
     """Read-only store for ``http://`` and ``https://`` URLs (one instance serves both)."""
 
     scheme = "https"
@@ -244,13 +247,7 @@ class HTTPStore(ObjectStore):
                                "for it as stored (Accept-Encoding: identity); serve checkpoint files without "
                                "compression", url=_shown(url))
         r.close()
-        if s in (404, 410):
-            raise NotFound(f"{op} {_shown(url)}: no such object (HTTP {s})", url=_shown(url))
-        if s in (401, 403):
-            raise AccessDenied(f"{op} {_shown(url)}: the server refused access (HTTP {s}); cloudckpt sends no "
-                               "credentials to http(s):// sources: publish the checkpoint publicly, or read it "
-                               "from s3:// or gs:// with credentials", url=_shown(url))
-        raise StorageError(f"{op} {_shown(url)}: unexpected answer HTTP {s}", url=_shown(url))
+        raise status_error(s, _shown(url), op, detail=f"HTTP {s}", hints=_HINTS)
 
     # ------------------------------------------------------------ reads
     def get_bytes(self, url: str, *, start: int | None = None, end: int | None = None) -> bytes:
@@ -390,42 +387,9 @@ class HTTPStore(ObjectStore):
                               "published object is not the one the checkpoint lists)", url=_shown(url))
 
     # ------------------------------------------------------------ what a read-only source cannot do
-    @staticmethod
-    def _read_only(url: str, op: str) -> ReadOnlyLocation:
+    def read_only_error(self, url: str, op: str) -> ReadOnlyLocation:
+        """Writes, deletes and conditional replace (:class:`.ReadOnlyStore`): where to save instead."""
         return ReadOnlyLocation(f"cannot {op} {_shown(url)}: " + http_url_message(url), url=_shown(url))
-
-    def check_bucket(self, url: str) -> None:
-        raise self._read_only(url, "save to")
-
-    def put_bytes(self, url: str, data: bytes, *, if_absent: bool = False) -> None:
-        raise self._read_only(url, "write")
-
-    def upload_fileobj(self, fileobj: BinaryIO, url: str, *, size: int, if_absent: bool = False,
-                       progress: Progress = None) -> None:
-        raise self._read_only(url, "upload to")
-
-    def upload_file(self, local_path: str, url: str, *, if_absent: bool = False, progress: Progress = None) -> int:
-        raise self._read_only(url, "upload to")
-
-    def get_bytes_versioned(self, url: str, *, limit: int | None = None) -> tuple[bytes, str]:
-        raise self._read_only(url, "update")  # only ever read to replace the object
-
-    def put_bytes_if_match(self, url: str, data: bytes, version: str) -> None:
-        raise self._read_only(url, "update")
-
-    def delete(self, url: str) -> None:
-        raise self._read_only(url, "delete")
-
-    def delete_many(self, urls_: Iterable[str]) -> int:
-        for u in urls_:
-            raise self._read_only(u, "delete")
-        return 0
-
-    def delete_prefix(self, prefix: str, *, force: bool = False) -> int:
-        raise self._read_only(prefix, "delete under")
-
-    def abort_multipart_upload(self, upload: PendingUpload) -> None:
-        raise self._read_only(upload.url, "abort an upload under")
 
     def list(self, prefix: str, *, delimiter: str | None = "/") -> Iterator[ListEntry]:
         shown = as_prefix(_shown(prefix))

@@ -110,6 +110,7 @@ def _open_dir(path: str, *, create: bool = False, listable: bool = False) -> int
 class LocalStore(ObjectStore):
     scheme = "file"
     streams_ranges = True
+    conditional_replace = True  # compare-and-rename under a lock
 
     @staticmethod
     def _path(url: str) -> str:

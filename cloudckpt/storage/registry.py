@@ -1,8 +1,25 @@
 """Maps a URL scheme to a lazily imported backend class.
 
-The only place that looks at a URL's scheme. Each cloud backend's SDK is an extra
-(``cloudckpt[s3]``, ``cloudckpt[gcs]``): a missing one gives BackendUnavailable naming
-the URL and the install command, instead of an ImportError deep in a call.
+The only place that chooses a backend by a URL's scheme: everything else gets its
+store here (``open_store``, ``Location.store``) and calls the ObjectStore interface.
+Each cloud backend's SDK is an extra (``cloudckpt[s3]``, ``cloudckpt[gcs]``): a missing
+one gives BackendUnavailable naming the URL and the install command, instead of an
+ImportError deep in a call.
+
+Other code that reads a scheme, and why:
+
+- in ``storage/``: ``url.py`` parses it (``scheme_of``, ``parse_url`` and the bucket
+  naming rule of each scheme, ``local_path``, the hint for an ``http(s)://`` save
+  location); each backend refuses a URL of another scheme; ``http.py`` keeps a
+  redirect within its origin.
+- above ``storage/``, to tell a local path from an object-store URL (a download's
+  destination or an export for ``from_pretrained`` must be a local folder); these
+  should ask ``url.local_path`` instead of spelling the test themselves:
+  ``ops/downloads.py`` (``prepare_download``), ``ops/export.py`` (the destination),
+  ``cli/hints.py`` (``is_local``), ``integrations/hf_export.py`` (``export_hf``),
+  ``integrations/torchtitan.py`` (the folder and ``import_torchtitan_step``).
+- ``config.py`` checks ``save_folder``'s scheme against :func:`known_schemes` and
+  refuses a bucket root of an object-store URL.
 """
 
 from __future__ import annotations

@@ -64,12 +64,26 @@ from .base import (
     RangeReader,
     redact_endpoint,
 )
+from .errors_table import error_class, status_error
 from .url import parse_url
 
 _THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
                    "RequestThrottled", "ProvisionedThroughputExceededException", "503", "429"}
 _DENIED_CODES = {"AccessDenied", "403", "SignatureDoesNotMatch", "InvalidAccessKeyId", "ExpiredToken",
                  "InvalidToken", "AllAccessDisabled", "AccountProblem", "TokenRefreshRequired", "Forbidden"}
+# The status an S3 error code stands for (some come with another status: ExpiredToken
+# with 400); a code made of digits (a HEAD answer has no body) is its status.
+# errors_table says what each status raises.
+_CODE_STATUS: dict[str, int] = {
+    "NoSuchKey": 404, "NotFound": 404, "NoSuchUpload": 404,
+    "PreconditionFailed": 412,
+    "ConditionalRequestConflict": 409,
+    **dict.fromkeys(_DENIED_CODES, 403),
+    **dict.fromkeys(_THROTTLE_CODES, 503),
+}
+_NAME_CODES = {"InvalidBucketName", "InvalidArgument", "KeyTooLongError"}  # the store rejected a name: InvalidURL
+_HINTS = {AccessDenied: "check the credentials (AWS_PROFILE, AWS_ACCESS_KEY_ID, the instance role) and that they "
+                        "may use this bucket and prefix"}
 
 
 # characters a key cannot carry through DeleteObjects' XML body as they are (C0, DEL, C1, surrogates)
@@ -110,23 +124,10 @@ def translate(e: BaseException, url: str, op: str) -> BaseException:
         if code == "NoSuchBucket":
             bucket = parse_url(url).bucket
             return BucketNotFound(f"{op} {url}: bucket {bucket!r} does not exist; create it or fix the URL", url=url)
-        if code in ("NoSuchKey", "NotFound", "404", "NoSuchUpload") or status == 404:
-            return NotFound(f"{op} {url}: no such object", url=url)
-        if code in ("PreconditionFailed", "412") or status == 412:
-            return PreconditionFailed(f"{op} {url}: precondition failed", url=url)
-        if code in _DENIED_CODES or status == 403:
-            return AccessDenied(
-                f"{op} {url}: access denied ({code or status}); check the credentials (AWS_PROFILE, "
-                "AWS_ACCESS_KEY_ID, the instance role) and that they may use this bucket and prefix",
-                url=url,
-            )
-        if code in _THROTTLE_CODES or status in (429, 503):
-            return Throttled(f"{op} {url}: the store is throttling requests ({code or status}); retries were exhausted", url=url)
-        if code in ("ConditionalRequestConflict",) or status == 409 or status >= 500:
-            return Transient(f"{op} {url}: server error ({code or status})", url=url)
-        if code in ("InvalidBucketName", "InvalidArgument", "KeyTooLongError"):
+        status = _CODE_STATUS.get(code) or (int(code) if code.isdigit() else status)
+        if code in _NAME_CODES and error_class(status) is StorageError:
             return InvalidURL(f"{op} {url}: the store rejected the name ({code}): {err.get('Message', '')}", url=url)
-        return StorageError(f"{op} {url}: {code or status}: {err.get('Message', '')}", url=url)
+        return status_error(status, url, op, hints=_HINTS, detail=code, message=str(err.get("Message", "")))
     if isinstance(e, (bex.NoCredentialsError, bex.PartialCredentialsError, bex.CredentialRetrievalError)):
         return AccessDenied(
             f"{op} {url}: no usable AWS credentials; set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
@@ -169,6 +170,7 @@ def _endpoint_of_url(raw: str | None) -> str | None:
 class S3Store(ObjectStore):
     scheme = "s3"
     streams_ranges = True
+    conditional_replace = True  # If-Match / If-None-Match on PutObject
     # Checkpoint shard files are ~256 MiB (the DCP writer's target): each goes up in one
     # PUT, larger ones in 64 MiB parts. Measured against 16 MiB parts on SeaweedFS (1 GiB,
     # 2 ranks): the store spent 30-50 % less CPU per save and saves ran 1.3-1.7x faster;
@@ -177,6 +179,9 @@ class S3Store(ObjectStore):
     # while sending, so larger parts cost no memory there.
     default_multipart_threshold = 512 * MiB
     default_part_size = 64 * MiB
+    # S3 answers 503 SlowDown above about 3,500 PUT/COPY/POST/DELETE and 5,500 GET/HEAD
+    # requests per second per partitioned prefix
+    default_request_rates = (3500.0, 5500.0)
 
     def __init__(self, options=None):
         super().__init__(options)

@@ -14,7 +14,45 @@ from dataclasses import dataclass
 from ..errors import InvalidURL
 
 _SCHEME_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)$", re.DOTALL)  # a listed key may hold a newline
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,221}[a-z0-9]$")
+
+
+@dataclass(frozen=True)
+class BucketRule:
+    """What a bucket name may be: ``pattern`` (a full match), at most ``dotted_max``
+    characters when it holds dots (each dot-separated part at most 63), never ``..``.
+    ``says`` is the rule in words, for the error message."""
+
+    pattern: re.Pattern
+    says: str
+    dotted_max: int = 63
+
+
+# The providers' naming rules for a name they would accept, not their reservations
+# (an IP address, xn--, goog...: the store refuses those itself, as InvalidURL):
+# https://docs.aws.amazon.com/AmazonS3/latest/userguide/bucketnamingrules.html and
+# https://cloud.google.com/storage/docs/buckets#naming. S3 names take no underscore,
+# but S3-compatible stores (Ceph, Virtuozzo) do, so s3:// leaves that to the store.
+_S3_BUCKET = BucketRule(re.compile(r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]"),
+                        "3-63 lowercase letters, digits, dots or hyphens (underscores where an S3-compatible store "
+                        "allows them), starting and ending with a letter or digit, without '..'")
+_GCS_BUCKET = BucketRule(re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]"),
+                         "3-63 lowercase letters, digits, dots, hyphens or underscores, starting and ending with a "
+                         "letter or digit, without '..'; a name with dots may have up to 222 characters, at most 63 "
+                         "between two dots", dotted_max=222)
+BUCKET_RULES = {"s3": _S3_BUCKET, "s3a": _S3_BUCKET, "gs": _GCS_BUCKET, "gcs": _GCS_BUCKET}
+"""The bucket rule of each scheme that has buckets; other schemes (a registered
+backend's) get GCS's, the widest."""
+
+
+def check_bucket_name(scheme: str, bucket: str, url: str) -> None:
+    """Raise InvalidURL unless ``bucket`` follows ``scheme``'s naming rule (:data:`BUCKET_RULES`)."""
+    rule = BUCKET_RULES.get(scheme, _GCS_BUCKET)
+    ok = (rule.pattern.fullmatch(bucket) is not None and ".." not in bucket
+          and len(bucket) <= (rule.dotted_max if "." in bucket else 63)
+          and all(len(part) <= 63 for part in bucket.split(".")))
+    if not ok:
+        raise InvalidURL(f"URL {url!r} has an invalid bucket name {bucket!r}: {scheme}:// bucket names are {rule.says}",
+                         url=url)
 
 
 @dataclass(frozen=True)
@@ -55,12 +93,7 @@ def parse_url(url: str) -> ParsedURL:
     bucket, _, key = rest.partition("/")
     if not bucket:
         raise InvalidURL(f"URL {url!r} has no bucket: write {scheme}://bucket/prefix", url=url)
-    if not _BUCKET_RE.match(bucket) or ".." in bucket:
-        raise InvalidURL(
-            f"URL {url!r} has an invalid bucket name {bucket!r}: bucket names are 3-63 lowercase "
-            "letters, digits, dots or hyphens, starting and ending with a letter or digit",
-            url=url,
-        )
+    check_bucket_name(scheme, bucket, url)
     if "//" in key or key.startswith("/"):
         raise InvalidURL(f"URL {url!r} has an empty path segment ('//'): remove it", url=url)
     return ParsedURL(scheme, bucket, key)
@@ -68,6 +101,17 @@ def parse_url(url: str) -> ParsedURL:
 
 def is_plain_path(url: str) -> bool:
     return scheme_of(url) == "file" and not os.fspath(url).startswith("file://")
+
+
+def local_path(url: str) -> str | None:
+    """The filesystem path a local location names (a plain path as given, a ``file://``
+    URL without its scheme), or None for an object-store URL. For code that must have a
+    local folder (a download's destination, an export for ``from_pretrained``): it asks
+    this instead of looking at the scheme. Raises InvalidURL for a malformed URL."""
+    url = os.fspath(url)
+    if scheme_of(url) != "file":
+        return None
+    return url[len("file://"):] if url.startswith("file://") else url
 
 
 def join(url: str, *parts: str) -> str:

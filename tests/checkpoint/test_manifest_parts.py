@@ -1,6 +1,6 @@
-"""The two-level manifest (format 2): each rank's manifest is its own object,
-``manifest/rank{R}.json``, uploaded before the commit; the marker lists the parts with
-their size and CRC32C. A loading rank reads only the parts of the files its plan reads,
+"""The two-level manifest (format 2, and 3: the same with the parts as columns): each
+rank's manifest is its own object, ``manifest/rank{R}.json``, uploaded before the
+commit; the marker lists the parts with their size and CRC32C. A loading rank reads only the parts of the files its plan reads,
 and trusts a part only once it matches the marker. Steps written in format 1 (every
 object in the marker) keep loading and listing unchanged (a step saved by the code
 before parts existed is kept in tests/checkpoint/data/format1)."""
@@ -16,7 +16,7 @@ import torch
 
 from cloudckpt import Checkpointer
 from cloudckpt.checkpoint import discovery, layout
-from cloudckpt.checkpoint.marker import FORMAT_VERSION, Marker, part_name
+from cloudckpt.checkpoint.marker import FORMAT_VERSION, Marker, as_part_list, owner_of, part_name
 from cloudckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 from cloudckpt.storage import open_store
 from cloudckpt.storage import url as urls
@@ -50,9 +50,14 @@ def step(two_rank_step, tmp_path):
     return dir
 
 
-def _marker(dir: str) -> dict:
+def _raw_marker(dir: str) -> dict:
     with open(os.path.join(dir, layout.MARKER), "rb") as f:
         return json.loads(f.read())
+
+
+def _marker(dir: str) -> dict:
+    """The marker as format 2 (its parts a list of references) to edit by hand."""
+    return as_part_list(_raw_marker(dir))
 
 
 def _write_marker(dir: str, d: dict) -> None:
@@ -83,10 +88,12 @@ def _zeros(ranks=(0, 1)) -> dict:
 
 
 def test_each_rank_has_a_part_and_the_marker_lists_them_with_size_and_crc(step):
+    raw = _raw_marker(step)
+    assert raw["format_version"] == FORMAT_VERSION == 3 and raw["parts"]["ranks"] == [[0, 2]], "parts as columns"
     m = _marker(step)
-    assert m["format_version"] == FORMAT_VERSION == 2
     assert [p["rank"] for p in m["parts"]] == [0, 1]
-    assert [o["path"] for o in m["objects"]] == [layout.DCP_METADATA], "only the step's own file is in the marker"
+    own = [o["path"] for o in m["objects"]]
+    assert layout.DCP_METADATA in own and all(owner_of(p) is None for p in own), "only the step's own files"
     for p in m["parts"]:
         with open(os.path.join(step, p["path"]), "rb") as f:
             data = f.read()

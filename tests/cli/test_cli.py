@@ -142,7 +142,7 @@ def test_inspect_json_shows_tensors_train_state_keys_and_marker(runs, backend):
     doc = r.json()
     assert doc["url"] == step
     m = doc["marker"]
-    assert (m["step"], m["ephemeral"], m["world_size"], m["object_count"], m["format_version"]) == (20, True, 1, 5, 2)
+    assert (m["step"], m["ephemeral"], m["world_size"], m["object_count"], m["format_version"]) == (20, True, 1, 5, 3)
     assert m["library_version"] and m["torch_version"] and m["save_id"] and m["created"]
     tensors = {t["key"]: t for t in doc["tensors"]}
     assert tensors["model.w"] == {"key": "model.w", "dtype": "float32", "shape": [4], "numel": 4, "size_bytes": 16, "chunks": 1}

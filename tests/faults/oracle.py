@@ -104,7 +104,15 @@ def marker(step_url: str) -> dict | None:
         d = json.loads(data)
     except ValueError:
         return None
-    return d if isinstance(d, dict) and d.get("format") == "cloudckpt" else None
+    if not (isinstance(d, dict) and d.get("format") == "cloudckpt"):
+        return None
+    if isinstance(d.get("parts"), dict):  # format 3: the part references as columns; read (and relisted) as format 2
+        c = d["parts"]
+        ranks = [r for first, n in c["ranks"] for r in range(first, first + n)]
+        d.update(format_version=2, parts=[{"rank": r, "path": f"manifest/rank{r}.json", "size": c["size"][i],
+                                           "crc32c": c["crc32c"][8 * i:8 * i + 8], "objects": c["objects"][i],
+                                           "bytes": c["bytes"][i]} for i, r in enumerate(ranks)])
+    return d
 
 
 def committed_steps(folder: str) -> list[int]:

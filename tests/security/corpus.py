@@ -44,7 +44,9 @@ class Step:
         return self.store.get_bytes(self.join(self.url, rel))
 
     def marker(self) -> dict:
-        return json.loads(self.get(".metadata.json"))
+        from cloudckpt.checkpoint.marker import as_part_list  # format 3's part columns, edited as format 2's list
+
+        return as_part_list(json.loads(self.get(".metadata.json")))
 
     def put_marker(self, d: dict | bytes) -> None:
         self.store.put_bytes(self.join(self.url, ".metadata.json"), d if isinstance(d, bytes) else json.dumps(d).encode())

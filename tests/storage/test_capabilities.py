@@ -1,0 +1,109 @@
+"""Conditional replace is a capability a backend declares (``ObjectStore.conditional_replace``):
+the declaration holds against the real servers, a store without it gets a typed error from
+the base methods, and a save to it commits without a ``latest`` pointer (the checkpointer
+reads the capability; it does not call and catch)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from cloudckpt import Checkpointer
+from cloudckpt.checkpoint import discovery, layout, pointer
+from cloudckpt.errors import AlreadyExists, PreconditionFailed, ReadOnlyLocation, StorageError
+from cloudckpt.storage import ObjectStore, PendingUpload, open_store
+from cloudckpt.storage import url as urls
+from cloudckpt.storage.gcs import GCSStore
+from cloudckpt.storage.http import HTTPStore
+from cloudckpt.storage.local import LocalStore
+from cloudckpt.storage.readonly import ReadOnlyStore
+from cloudckpt.storage.s3 import S3Store
+
+
+def test_each_backend_declares_whether_it_can_replace_conditionally():
+    assert ObjectStore.conditional_replace is False  # a backend has to say it can
+    assert {c.__name__: c.conditional_replace for c in (LocalStore, S3Store, GCSStore, HTTPStore)} == {
+        "LocalStore": True, "S3Store": True, "GCSStore": True, "HTTPStore": False}
+
+
+def test_a_declared_conditional_replace_holds_on_the_real_store(any_root):
+    """What the declaration promises: a replace with the version read wins once; a replace
+    with a stale version, or of an object deleted since, is PreconditionFailed."""
+    store = open_store(any_root)
+    assert store.conditional_replace
+    url = urls.join(any_root, "latest")
+    store.put_bytes(url, b"v1", if_absent=True)
+    with pytest.raises(AlreadyExists):
+        store.put_bytes(url, b"other", if_absent=True)
+    data, v1 = store.get_bytes_versioned(url)
+    assert data == b"v1"
+    store.put_bytes_if_match(url, b"v2", v1)
+    with pytest.raises(PreconditionFailed):
+        store.put_bytes_if_match(url, b"stale", v1)
+    assert store.get_bytes(url) == b"v2"
+    _, v2 = store.get_bytes_versioned(url)
+    store.delete(url)
+    with pytest.raises(PreconditionFailed):
+        store.put_bytes_if_match(url, b"gone", v2)
+
+
+class _Plain(ObjectStore):
+    """A backend that implements the primitives only (as a third-party one might)."""
+
+    scheme = "plain"
+    put_bytes = get_bytes = upload_fileobj = download_fileobj = stat = list = delete = None  # type: ignore[assignment]
+
+
+def test_a_store_without_the_capability_raises_a_typed_error_naming_the_url():
+    store = _Plain()
+    for call in (lambda: store.get_bytes_versioned("plain://bucket/run/latest"),
+                 lambda: store.put_bytes_if_match("plain://bucket/run/latest", b"x", "1")):
+        with pytest.raises(StorageError, match="plain://bucket/run/latest") as ei:
+            call()
+        assert "conditional_replace" in str(ei.value) and type(ei.value) is StorageError
+
+
+def test_a_save_to_a_store_without_the_capability_commits_without_a_pointer(tmp_path, monkeypatch):
+    folder = str(tmp_path / "run")
+    asked: list[str] = []
+    monkeypatch.setattr(LocalStore, "conditional_replace", False)
+    for name in ("get_bytes_versioned", "put_bytes_if_match"):
+        real = getattr(LocalStore, name)
+        monkeypatch.setattr(LocalStore, name, lambda self, url, *a, _real=real, **kw: asked.append(url) or _real(self, url, *a, **kw))
+    ck = Checkpointer(work_dir=str(tmp_path / "w"))
+    for step in (1, 2):
+        ck.save(layout.step_dir(folder, step), {"w": torch.full((4,), float(step))}, {"step": step})
+    assert not os.path.exists(pointer.pointer_url(folder)) and asked == []
+    assert not pointer.advance(folder, 3, pending=True) and asked == []
+    assert discovery.latest_checkpoint(folder) == layout.step_dir(folder, 2)  # found by listing
+    target = {"w": torch.zeros(4)}
+    assert ck.load(layout.step_dir(folder, 2), target) == {"step": 2} and torch.equal(target["w"], torch.full((4,), 2.0))
+
+
+def test_the_same_saves_keep_the_pointer_where_the_store_can(tmp_path):
+    folder = str(tmp_path / "run")
+    ck = Checkpointer(work_dir=str(tmp_path / "w"))
+    for step in (1, 2):
+        ck.save(layout.step_dir(folder, step), {"w": torch.full((4,), float(step))}, {"step": step})
+    assert pointer.read(folder) == (2, False)
+
+
+def test_a_read_only_store_refuses_every_write_delete_and_listing_with_one_message():
+    """ReadOnlyStore: the http(s) backend gives only the message (where to save instead)."""
+    url = "https://user:pw@127.0.0.1:9/run/step4/x"  # nothing listens: no request is sent
+    store = open_store(url)
+    assert isinstance(store, ReadOnlyStore)
+    calls = [lambda: store.check_bucket(url), lambda: store.put_bytes(url, b"x"),
+             lambda: store.upload_fileobj(None, url, size=0), lambda: store.upload_file(__file__, url),
+             lambda: store.get_bytes_versioned(url), lambda: store.put_bytes_if_match(url, b"x", "v"),
+             lambda: store.delete(url), lambda: store.delete_many([url]),
+             lambda: store.delete_prefix("https://127.0.0.1:9/run/step4"),
+             lambda: store.abort_multipart_upload(PendingUpload(url, "id")),
+             lambda: list(store.list("https://127.0.0.1:9/run/"))]
+    for call in calls:
+        with pytest.raises(ReadOnlyLocation, match="https://127.0.0.1:9/run") as ei:
+            call()
+        assert "pw" not in str(ei.value) and "endpoint_url" in str(ei.value)
+    assert store.delete_many([]) == 0 and store.list_multipart_uploads("https://127.0.0.1:9/run/") == []
