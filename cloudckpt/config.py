@@ -72,7 +72,7 @@ def default_work_dir() -> str:
 #: the field of the same name in ``storage`` (StorageOptions) or ``transfer`` (TransferConfig).
 FLAT_STORAGE = ("endpoint_url", "profile", "region", "addressing_style", "part_size", "sign_payload",
                 "connect_timeout", "read_timeout", "operation_timeout")
-FLAT_TRANSFER = ("max_concurrency", "bandwidth_limit", "stall_timeout")
+FLAT_TRANSFER = ("max_concurrency", "bandwidth_limit", "stall_timeout", "request_rate")
 _NESTED = {"storage": (StorageOptions, FLAT_STORAGE), "transfer": (TransferConfig, FLAT_TRANSFER)}
 
 
@@ -117,7 +117,8 @@ class CheckpointConfig:
     ``part_size`` (None: the backend's default, S3 64 MiB, GCS 16 MiB), ``sign_payload``,
     ``connect_timeout``, ``read_timeout``, ``operation_timeout`` go to ``storage``;
     ``max_concurrency``, ``bandwidth_limit`` (bytes/s or '200MB/s'), ``stall_timeout``
-    (s) go to ``transfer``. A dict or YAML may also give ``storage:`` / ``transfer:``
+    (s), ``request_rate`` (requests/s per prefix for the whole job; None: the store's
+    default, 0: no pacing) go to ``transfer``. A dict or YAML may also give ``storage:`` / ``transfer:``
     mappings of any of their fields.
     """
 

@@ -31,8 +31,11 @@ Faults (``Rule.fault``):
 Choosing requests: a rule matches on ``method`` (one or a set) and ``key`` (a regex
 searched in the request target, path and query: the S3 ``/bucket/key`` or the GCS
 ``.../b/bucket/o/name`` / ``?name=``; a GCS single-request upload names its object in
-its body, so ``&name=...`` taken from the body's JSON part is appended to the target). Among matching requests it fires on the
-``nth`` (1-based, an int or a set), or with probability ``rate``, or always; at most
+its body, so ``&name=...`` taken from the body's JSON part is appended to the target). Among
+matching requests it fires on the ``nth`` (1-based, an int or a set), or with probability ``rate``, or above a request
+rate (``above_rate``: it lets at most that many matching requests through in any
+``per`` seconds, sliding, and fires on the others: ``Rule("slowdown", above_rate=20)``
+is a store that answers SlowDown above 20 requests/s), or always; at most
 ``times`` times. The first rule that fires decides; ``nth`` counts every request
 the rule matches, including ones an earlier rule took. Rate decisions are seeded and
 drawn from a hash of (seed, rule, method, path, how often that method+path was seen),
@@ -87,6 +90,8 @@ class Rule:
     hold: float = 60.0  # stall: seconds to hang before resetting
     delay: float = 0.0  # latency: seconds added
     when: str = "request"  # reset: "request" (never forwarded) or "response" (forwarded, answer lost)
+    above_rate: Optional[float] = None  # fire on matching requests beyond this many per ``per`` seconds
+    per: float = 1.0
     seen: int = field(default=0, init=False)
     fired: int = field(default=0, init=False)
 
@@ -97,6 +102,11 @@ class Rule:
             raise ValueError(f"when={self.when!r}: use 'request' or 'response'")
         if self.rate is not None and not 0 <= self.rate <= 1:
             raise ValueError(f"rate={self.rate!r}: use a probability in [0, 1]")
+        if self.above_rate is not None and not self.above_rate > 0:
+            raise ValueError(f"above_rate={self.above_rate!r}: use requests per `per` seconds > 0")
+        if not self.per > 0:
+            raise ValueError(f"per={self.per!r}: use seconds > 0")
+        self._passed: collections.deque = collections.deque()  # above_rate: when matching requests went through
         if isinstance(self.method, str):
             self.method = {self.method.upper()}
         elif self.method is not None:
@@ -106,6 +116,16 @@ class Rule:
         elif self.nth is not None:
             self.nth = set(self.nth)
         self._key_re = re.compile(self.key) if self.key else None
+
+    def over_rate(self, now: float) -> bool:
+        """``above_rate``: True when ``above_rate`` matching requests went through in
+        the last ``per`` seconds (this one fires), else count this one as let through."""
+        while self._passed and self._passed[0] <= now - self.per:
+            self._passed.popleft()
+        if len(self._passed) >= self.above_rate:
+            return True
+        self._passed.append(now)
+        return False
 
     def matches(self, method: str, target: str) -> bool:
         if self.method is not None and method not in self.method:
@@ -259,7 +279,9 @@ class FaultProxy:
                 r.seen += 1  # every matching request counts for ``nth``, even one an earlier rule took
                 if chosen is not None or (r.times is not None and r.fired >= r.times):
                     continue
-                if r.nth is not None:
+                if r.above_rate is not None:
+                    fire = r.over_rate(time.monotonic())
+                elif r.nth is not None:
                     fire = r.seen in r.nth
                 elif r.rate is not None:
                     fire = _draw(self.seed, i, method, path, occurrence) < r.rate
@@ -281,8 +303,8 @@ class FaultProxy:
         if self.flavor == "gcs":
             import json
 
-            return json.dumps({"error": {"code": status, "message": msg, "errors": [{"reason": code, "message": msg}]}}).encode(), \
-                "application/json; charset=UTF-8"
+            error = {"code": status, "message": msg, "errors": [{"reason": code, "message": msg}]}
+            return json.dumps({"error": error}).encode(), "application/json; charset=UTF-8"
         return (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{msg}</Message>'
                 f"<RequestId>faultproxy</RequestId></Error>").encode(), "application/xml"
 
@@ -300,7 +322,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, like the stores
     server: _Server
 
-    def log_message(self, format, *args) -> None:  # noqa: A002 - BaseHTTPRequestHandler's signature
+    def log_message(self, format, *args) -> None:  # BaseHTTPRequestHandler's signature
         log.debug("faultproxy: " + format, *args)
 
     def handle_one_request(self) -> None:
@@ -374,7 +396,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 yield data
 
     def _has_body(self) -> bool:
-        return bool(int(self.headers.get("Content-Length") or 0)) or "chunked" in (self.headers.get("Transfer-Encoding") or "").lower()
+        chunked = "chunked" in (self.headers.get("Transfer-Encoding") or "").lower()
+        return bool(int(self.headers.get("Content-Length") or 0)) or chunked
 
     # ------------------------------------------------------------ the proxy
     def _proxy(self) -> None:
@@ -382,12 +405,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._prefix = b""
         started = time.monotonic()
         target = self.path
-        if (self.headers.get("Content-Type") or "").startswith("multipart/related") and self.headers.get("Content-Length"):
+        multipart = (self.headers.get("Content-Type") or "").startswith("multipart/related")
+        if multipart and self.headers.get("Content-Length"):
             # a GCS single-request upload names its object in the JSON part at the start of the body
             self._prefix = self.rfile.read(min(_PEEK, int(self.headers["Content-Length"])))
             m = re.search(rb'"name"\s*:\s*"([^"]*)"', self._prefix)
             if m:
-                target += ("&" if "?" in target else "?") + "name=" + urllib.parse.quote(m.group(1).decode("utf-8", "replace"))
+                name = urllib.parse.quote(m.group(1).decode("utf-8", "replace"))
+                target += ("&" if "?" in target else "?") + "name=" + name
         rule = proxy._choose(self.command, target)
         fault = rule.fault if rule else None
         if fault in ("slowdown", "error500", "throttle429"):

@@ -11,11 +11,13 @@ from .checksum import Crc32cReader, crc32c_bytes, crc32c_file
 from .config import TransferConfig, TransferResult, TransferStats
 from .engine import TransferEngine
 from .executor import SerialExecutor
+from .pacing import RequestPacer
 from .progress import ProgressSubscriber, TqdmProgress
 
 __all__ = [
     "Crc32cReader",
     "ProgressSubscriber",
+    "RequestPacer",
     "SerialExecutor",
     "TokenBucket",
     "TqdmProgress",

@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 from ..errors import TransferStalled, Transient
 from ..storage.base import ObjectStore, RangeReader
+from . import pacing
 from .checksum import Crc32cReader, crc32c_file
 from .config import TransferConfig, TransferResult
 
@@ -77,6 +78,11 @@ class Task:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def requests(self, store: ObjectStore) -> tuple[str, int]:
+        """What one attempt sends, for the request pacer: (``pacing.WRITE`` or
+        ``pacing.READ``, how many requests)."""
+        raise NotImplementedError
+
     def run(self, store: ObjectStore, progress: Callable[[int], None], number: int, *, checksum: bool,
             clock: Clock) -> Any:
         """One attempt (number ``number``): the future's result, or raise."""
@@ -103,6 +109,9 @@ class UploadTask(Task):
     def describe(self) -> str:
         return f"upload {self.local_path} -> {self.url}"
 
+    def requests(self, store):
+        return pacing.WRITE, pacing.upload_requests(self.size, store)
+
     def run(self, store, progress, number, *, checksum, clock):
         size = os.path.getsize(self.local_path)
         if self.crc32c is not None or not checksum:
@@ -127,6 +136,9 @@ class DownloadTask(Task):
     def describe(self) -> str:
         return f"download {self.url} -> {self.local_path}"
 
+    def requests(self, store):
+        return pacing.READ, pacing.download_requests(self.expected, store)
+
     def run(self, store, progress, number, *, checksum, clock):
         size = store.download_file(self.url, self.local_path, progress=progress, size=self.expected)
         crc = crc32c_file(self.local_path) if checksum else None
@@ -145,6 +157,9 @@ class ReadTask(Task):
 
     def describe(self) -> str:
         return f"read {self.url} [{self.start}, {self.end})"
+
+    def requests(self, store):
+        return pacing.READ, 1  # get_bytes: one GET
 
     def run(self, store, progress, number, *, checksum, clock):
         data = store.get_bytes(self.url, start=self.start, end=self.end)
@@ -165,6 +180,9 @@ class StreamTask(ReadTask):
     def __init__(self, url: str, start: int, end: int, job: StreamJob):
         super().__init__(url, start, end)
         self.job = job
+
+    def requests(self, store):
+        return pacing.READ, pacing.range_requests(self.end - self.start, store)
 
     def run(self, store, progress, number, *, checksum, clock):
         url, lo, hi = self.url, self.start, self.end

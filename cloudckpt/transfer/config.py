@@ -72,6 +72,14 @@ class TransferConfig:
       backoff_base, backoff_max: exponential backoff with full jitter:
         sleep uniform(0, min(backoff_max, backoff_base * 2**(attempt-1))).
       checksum: compute CRC32C of every uploaded/downloaded file.
+      request_rate: the job-wide request budget per prefix, requests/s, for writes and
+        for reads alike (``pacing.py``): the engine of each rank sends at most
+        ``request_rate / world_size`` requests per second. None: the store's own
+        default (``ObjectStore.default_request_rates``: S3 3,500 writes and 5,500 reads
+        per second, GCS 1,000 and 5,000, local folders none); 0: no pacing.
+      start_jitter: while pacing, the first request after an idle spell waits a random
+        fraction of this many seconds, so ranks that start together spread out. None:
+        one pacing interval of the rank (``world_size / rate``); 0: none.
 
     Raises ConfigError naming the field, the value and what is allowed.
     """
@@ -85,6 +93,8 @@ class TransferConfig:
     backoff_base: float = 0.25
     backoff_max: float = 20.0
     checksum: bool = True
+    request_rate: float | None = None
+    start_jitter: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_concurrency", "min_concurrency", "max_bytes_in_flight", "max_attempts"):
@@ -93,7 +103,8 @@ class TransferConfig:
                 raise _bad(name, v, "use an integer >= 1")
         if self.min_concurrency > self.max_concurrency:
             raise _bad("min_concurrency", self.min_concurrency, f"use at most max_concurrency ({self.max_concurrency})")
-        if self.bandwidth_limit is not None and (not _is_num(self.bandwidth_limit) or not 0 < self.bandwidth_limit < math.inf):
+        if self.bandwidth_limit is not None and (not _is_num(self.bandwidth_limit)
+                                                 or not 0 < self.bandwidth_limit < math.inf):
             raise _bad("bandwidth_limit", self.bandwidth_limit, "use bytes per second > 0, or None for no cap")
         if not _is_num(self.stall_timeout) or self.stall_timeout < 0:
             raise _bad("stall_timeout", self.stall_timeout, "use seconds > 0 (or 0 to disable the stall watchdog)")
@@ -105,6 +116,13 @@ class TransferConfig:
             raise _bad("backoff_max", self.backoff_max, f"use at least backoff_base ({self.backoff_base})")
         if not isinstance(self.checksum, bool):
             raise _bad("checksum", self.checksum, "use True or False")
+        if self.request_rate is not None and (not _is_num(self.request_rate) or not 0 <= self.request_rate < math.inf):
+            raise _bad("request_rate", self.request_rate,
+                       "use requests per second > 0 for the whole job, 0 for no pacing, or None for the store's "
+                       "default")
+        if self.start_jitter is not None and (not _is_num(self.start_jitter) or not 0 <= self.start_jitter < math.inf):
+            raise _bad("start_jitter", self.start_jitter,
+                       "use a finite number of seconds >= 0, or None for one pacing interval")
 
 
 @dataclass(frozen=True)
@@ -131,7 +149,9 @@ class TransferStats:
     re-attempts; sdk_retries: requests the SDK retried (reported by the stores);
     throttled: throttle signals seen (SDK retries on 503/429 and Throttled errors);
     stalls: attempts failed by the stall watchdog; concurrency: the current limit;
-    min_concurrency_seen: the lowest limit so far."""
+    min_concurrency_seen: the lowest limit so far; paced_requests: requests counted
+    against the pacing budget; paced_seconds: time attempts waited for it (start
+    jitter included)."""
 
     transfers: int = 0
     bytes_uploaded: int = 0
@@ -142,3 +162,5 @@ class TransferStats:
     stalls: int = 0
     concurrency: int = 0
     min_concurrency_seen: int = 0
+    paced_requests: int = 0
+    paced_seconds: float = 0.0

@@ -12,6 +12,9 @@ and an internal task that owns its attempts, its progress and its result.
 - attempts (``attempts.py``): what one attempt of each kind does, the retry policy
   (Transient errors, backoff, the deadline since the last new bytes) and the stall
   watchdog; an admitted attempt runs on the executor (a thread pool by default);
+- pacing (``pacing.py``): the rank's share of a job-wide request rate per store
+  (``request_rate / world_size``) with start jitter; an attempt waits for its
+  request slots before it runs (and before the stall watchdog watches it);
 - batches (``batch.py``): many transfers, results in order, stop at the first error.
   A transfer's slot is given back only after its future's callbacks have run, so a
   batch cancels its queued transfers from a failure's callback before any of them
@@ -37,7 +40,7 @@ from typing import Callable, Iterable, Sequence
 from ..errors import Throttled, TransferStalled
 from ..storage.base import ObjectStore, RangeReader, StorageOptions
 from ..storage.registry import open_store
-from . import batch
+from . import batch, pacing
 from .attempts import (
     Attempt,
     DownloadTask,
@@ -67,7 +70,9 @@ class TransferEngine:
     ``2 * max_concurrency + 2`` threads, the headroom being for threads a stalled
     attempt leaves blocked in a socket or that sleep in a backoff; the concurrency
     limit, not the pool, bounds what is in flight). A given executor is not shut
-    down by :meth:`close`.
+    down by :meth:`close`. ``world_size``: ranks of the job that each run an engine
+    like this one; each paces its requests at ``1 / world_size`` of the job's
+    request rate (``TransferConfig.request_rate``, ``pacing.py``).
 
     Thread-safe; a context manager (``close()`` on exit).
     """
@@ -82,7 +87,11 @@ class TransferEngine:
         sleep: Callable[[float], None] = time.sleep,
         executor: cf.Executor | None = None,
         rng: random.Random | None = None,
+        world_size: int = 1,
     ):
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+        self.world_size = world_size
         self.config = config = config or TransferConfig()
         self.storage_options = storage_options
         self._progress = progress
@@ -97,7 +106,9 @@ class TransferEngine:
         self._sched = Scheduler(config, self._stats, clock)
         self._cv = self._sched.cv  # the one lock of the engine's bookkeeping
         deadline = (storage_options or StorageOptions()).operation_timeout
-        self._retry = RetryPolicy(config, deadline, clock, rng or random.Random())
+        self._rng = rng or random.Random()
+        self._retry = RetryPolicy(config, deadline, clock, self._rng)
+        self._pacers: dict[int, pacing.RequestPacer | None] = {}  # by id(store), as _stores
         self._running: set[Attempt] = set()  # attempts started and not settled (the watchdog's list)
         self._stores: dict[int, ObjectStore] = {}
         self._stop = threading.Event()
@@ -206,6 +217,11 @@ class TransferEngine:
             self._release(att)  # cancelled while waiting for a thread
             self._pump()
             return
+        try:
+            self._pace(task)
+        except BaseException as e:  # noqa: BLE001 - settled: handed to the future
+            self._settle(att, exc=e, retry_ok=False)
+            return
         with self._cv:
             if att.settled:
                 return
@@ -222,6 +238,39 @@ class TransferEngine:
             delay = self._settle(att, result=result)
         if delay is not None:
             self._retry_later(task, delay)
+
+    def pace(self, url: str, kind: str = pacing.READ, requests: int = 1) -> float:
+        """Wait for ``requests`` slots of the engine's request pacing (``kind``:
+        ``"read"`` or ``"write"``) before sending them to ``url``'s store yourself
+        (a request that does not go through the engine: a small object read or
+        written with the store's own methods). Returns the seconds waited (0 when
+        the store is not paced)."""
+        if kind not in (pacing.READ, pacing.WRITE):
+            raise ValueError(f"kind={kind!r}: use 'read' or 'write'")
+        return self._wait_for_slots(self._store(url), kind, requests)
+
+    def _wait_for_slots(self, store: ObjectStore, kind: str, n: int) -> float:
+        pacer = self._pacers.get(id(store))
+        if pacer is None:
+            return 0.0
+        waited = pacer.wait(kind, n)
+        with self._cv:
+            self._stats.paced_requests += n
+            self._stats.paced_seconds += waited
+        return waited
+
+    def _pace(self, task: Task) -> None:
+        """Wait for the request slots of the attempt about to run (none when the
+        store is not paced). The wait does not count against the retry budget."""
+        store = self._store(task.url)
+        if self._pacers.get(id(store)) is None:
+            return
+        kind, n = task.requests(store)
+        waited = self._wait_for_slots(store, kind, n)
+        if waited:
+            with self._cv:
+                if task.progress_at is not None:
+                    task.progress_at += waited
 
     def _attempt(self, att: Attempt):
         task = att.task
@@ -250,7 +299,8 @@ class TransferEngine:
             self._free_locked(att)
             return True
 
-    def _settle(self, att: Attempt, *, result=None, exc: BaseException | None = None, retry_ok: bool = True) -> float | None:
+    def _settle(self, att: Attempt, *, result=None, exc: BaseException | None = None,
+                retry_ok: bool = True) -> float | None:
         """Record an attempt's outcome (once: a late outcome of an abandoned attempt
         is ignored). Returns the backoff delay when the task is to be retried."""
         task = att.task
@@ -321,6 +371,9 @@ class TransferEngine:
             if id(store) not in self._stores:
                 self._stores[id(store)] = store
                 store.add_retry_listener(self._on_sdk_retry)
+                self._pacers[id(store)] = pacing.make_pacer(
+                    self.config.request_rate, store, self.world_size, jitter=self.config.start_jitter,
+                    clock=self._clock, sleep=self._sleep, rng=self._rng)
         return store
 
     # ------------------------------------------------------------------ watchdog
@@ -349,7 +402,7 @@ class TransferEngine:
             return
         try:
             getattr(self._progress, method)(url, arg)
-        except Exception:  # noqa: BLE001 - a broken progress bar must not fail a transfer
+        except Exception:  # a broken progress bar must not fail a transfer
             log.exception("progress subscriber %s.%s failed", type(self._progress).__name__, method)
 
     def stats(self) -> TransferStats:
