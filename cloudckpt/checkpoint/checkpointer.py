@@ -172,6 +172,7 @@ class Checkpointer:
                                      world_size=self.coord.world_size)
         self.last_save_stats: dict = {}
         self.last_load_info: dict = {}
+        self._index_cache: dict = {}  # the DCP index's layouts, kept across saves (dcp/index.header_bytes)
         self._async = AsyncSaver(self._save_now, max_in_flight=max_in_flight)
 
     # ================================================================ save
@@ -332,7 +333,8 @@ class Checkpointer:
             crc = sums.crc32c if sums is not None and self.engine.config.checksum else None
             uploads.append((rel, path, sums, self.engine.submit_upload(path, urls.join(dir, rel), crc32c=crc)))
 
-        writer = UploadingWriter(os.path.join(work, layout.MODEL_DIR), on_file, thread_count=self.thread_count)
+        writer = UploadingWriter(os.path.join(work, layout.MODEL_DIR), on_file, thread_count=self.thread_count,
+                                 index_cache=self._index_cache)
         error: BaseException | None = None
         try:
             with _quiet_dcp():

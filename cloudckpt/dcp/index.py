@@ -117,17 +117,21 @@ def part_bytes(rank: int, items: list[list]) -> bytes:
                       separators=(",", ":")).encode()
 
 
-def header_bytes(metadata: Metadata) -> bytes:
+def header_bytes(metadata: Metadata, cache: dict | None = None) -> bytes:
     """The header of a step from DCP's global ``Metadata`` (on the coordinator, once
-    its ``storage_data`` is set: in the writer's ``finish``)."""
-    storage: dict = {}
-    for key, info in metadata.storage_data.items():
-        storage[(key.fqn, tuple(key.offset) if key.offset is not None else None)] = info
+    its ``storage_data`` is set: in the writer's ``finish``).
+
+    Finding each chunk's layout touches every chunk of every sharded tensor (R x T);
+    ``cache`` (a dict kept across saves) keeps each tensor's layout while DCP hands the
+    same chunk list again (its plan caching reuses the global metadata), so a repeated
+    save costs O(T) here."""
+    storage = metadata.storage_data
+    cache = {} if cache is None else cache
     layouts: dict[tuple, int] = {}
     tensors, values = [], []
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
-            info = storage[(fqn, None)]
+            info = storage[MetadataIndex(fqn)]
             values.append([fqn, info.relative_path, int(info.offset), int(info.length)])
             continue
         size = list(md.size)
@@ -136,16 +140,21 @@ def header_bytes(metadata: Metadata) -> bytes:
         if dtype is None:
             raise ValueError(f"{fqn!r}: dtype {md.properties.dtype} has no name in the DCP index")
         if len(chunks) == 1 and list(chunks[0].sizes) == size and not any(chunks[0].offsets):
-            info = storage[(fqn, tuple(chunks[0].offsets))]
+            info = storage[MetadataIndex(fqn, chunks[0].offsets)]
             tensors.append([fqn, dtype, size, -1, [info.relative_path, int(info.offset), int(info.length)]])
             continue
-        flat: list[int] = []
-        owners = []
-        for c in chunks:
-            flat.extend(c.offsets)
-            flat.extend(c.sizes)
-            owners.append(_owner(storage[(fqn, tuple(c.offsets))].relative_path))
-        key = (len(size), tuple(flat), tuple(owners))
+        hit = cache.get(fqn)
+        if hit is not None and hit[0] is chunks and hit[1] == len(chunks):
+            key = hit[2]
+        else:
+            flat: list[int] = []
+            owners = []
+            for c in chunks:
+                flat.extend(c.offsets)
+                flat.extend(c.sizes)
+                owners.append(_owner(storage[MetadataIndex(fqn, c.offsets)].relative_path))
+            key = (len(size), tuple(flat), tuple(owners))
+            cache[fqn] = (chunks, len(chunks), key)
         lid = layouts.setdefault(key, len(layouts))
         tensors.append([fqn, dtype, size, lid, None])
     doc = {

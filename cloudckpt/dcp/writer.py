@@ -153,6 +153,7 @@ class UploadingWriter(FileSystemWriter):
         thread_count: int = 2,
         target_file_size: int = 256 * _MiB,
         max_files_per_rank: int = 64,
+        index_cache: dict | None = None,
     ):
         super().__init__(local_dir, single_file_per_rank=True, sync_files=False, thread_count=thread_count, overwrite=True)
         self._on_file = on_file
@@ -162,6 +163,7 @@ class UploadingWriter(FileSystemWriter):
         self.max_files_per_rank = max_files_per_rank
         self.ranges: dict[str, list[tuple[int, int]]] = {}
         self.index_items: list[list] = []  # this rank's part of the DCP index (dcp/index.py)
+        self.index_cache = {} if index_cache is None else index_cache  # kept across saves by the caller
         self._lock = threading.Lock()
 
     def write_data(self, plan, planner):
@@ -191,7 +193,7 @@ class UploadingWriter(FileSystemWriter):
         path = os.path.join(os.path.dirname(str(self.path)), index.HEADER)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
-            f.write(index.header_bytes(metadata))
+            f.write(index.header_bytes(metadata, self.index_cache))
         self._on_file(path, None)
 
     def write_index_part(self, rank: int) -> str | None:

@@ -1,0 +1,304 @@
+"""The DCP index (cloudckpt/dcp/index.py): built from DCP's own Metadata, it gives a
+rank the same read items DCP's planner finds with the whole metadata, for the saved
+layout and for resharded ones; crafted headers and parts are typed errors."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from cloudckpt._torch_compat import StorageInfo
+from cloudckpt.dcp import index
+from cloudckpt.errors import CloudCkptError, CorruptCheckpoint, UnsafeCheckpoint
+
+URL = "s3://b/run/step1/index/header.json"
+
+
+def job(R: int, *, rows: int = 8, cols: int = 3, tensors: int = 3, grid: bool = False):
+    """DCP Metadata of an R-rank save: ``tensors`` tensors of [R*rows, cols] sharded on
+    dim 0 (or, ``grid``, on a 2 x R/2 grid), a replicated bias (written by rank 0), a
+    0-d step and a value; plus each rank's index part items, as the writer makes them."""
+    sdm, storage = {}, {}
+    parts: dict[int, list] = {r: [] for r in range(R)}
+    offsets = {r: 0 for r in range(R)}
+
+    def put(r, fqn, offs, sizes, n):
+        rel = f"__{r}_0.distcp"
+        storage[MetadataIndex(fqn, torch.Size(offs))] = StorageInfo(rel, offsets[r], n)
+        offsets[r] += n
+        return rel, offsets[r] - n
+
+    for t in range(tensors):
+        fqn = f"model.layers.{t}.w"
+        size = [R * rows, cols] if not grid else [2 * rows, (R // 2) * cols]
+        chunks = []
+        for r in range(R):
+            if grid:
+                offs, sizes = [(r % 2) * rows, (r // 2) * cols], [rows, cols]
+            else:
+                offs, sizes = [r * rows, 0], [rows, cols]
+            chunks.append(ChunkStorageMetadata(torch.Size(offs), torch.Size(sizes)))
+            rel, at = put(r, fqn, offs, sizes, rows * cols * 4 + 100)
+            parts[r].append([fqn, offs, sizes, rel, at, rows * cols * 4 + 100])
+        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size), chunks)
+    sdm["model.bias"] = TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size([cols]),
+                                              [ChunkStorageMetadata(torch.Size([0]), torch.Size([cols]))])
+    put(0, "model.bias", [0], [cols], 200)
+    sdm["optim.step"] = TensorStorageMetadata(TensorProperties(dtype=torch.int64), torch.Size([]),
+                                              [ChunkStorageMetadata(torch.Size([]), torch.Size([]))])
+    put(R - 1, "optim.step", [], [], 150)
+    sdm["optim.lr"] = BytesStorageMetadata()
+    storage[MetadataIndex("optim.lr")] = StorageInfo("__0_0.distcp", offsets[0], 90)
+    md = Metadata(state_dict_metadata=sdm, storage_data=storage)
+    return md, parts
+
+
+def header_of(md) -> index.Header:
+    return index.parse_header(index.header_bytes(md), url=URL)
+
+
+def parts_of(parts) -> dict[int, dict]:
+    return {r: index.parse_part(index.part_bytes(r, items), url=f"part{r}", rank=r) for r, items in parts.items()}
+
+
+def reads(md: Metadata, wanted) -> set:
+    """What DCP's own resharding planner reads for ``wanted`` against ``md``."""
+    out = set()
+    for fqn, boxes in wanted.items():
+        m = md.state_dict_metadata[fqn]
+        if isinstance(m, BytesStorageMetadata):
+            i = md.storage_data[MetadataIndex(fqn)]
+            out.add((fqn, None, (i.relative_path, i.offset, i.length)))
+            continue
+        local = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes]
+        for ri in create_read_items_for_chunk_list(fqn, m, local):
+            info = md.storage_data[ri.storage_index]
+            out.add((fqn, tuple(ri.storage_index.offset), tuple(ri.dest_offsets), tuple(ri.lengths),
+                     (info.relative_path, info.offset, info.length)))
+    return out
+
+
+def via_index(md, parts, wanted):
+    h = header_of(md)
+    needs, owners = index.select(h, wanted)
+    small = index.build_metadata(h, needs, {r: p for r, p in parts_of(parts).items() if r in owners}, wanted)
+    return small, owners
+
+
+def rank_wanted(R, r, *, rows=8, cols=3, tensors=3, grid=False, values=True):
+    w = {}
+    for t in range(tensors):
+        if grid:
+            w[f"model.layers.{t}.w"] = [((r % 2) * rows, (r // 2) * cols), (rows, cols)]
+        else:
+            w[f"model.layers.{t}.w"] = [((r * rows, 0), (rows, cols))]
+    if grid:
+        w = {k: [tuple(v)] for k, v in w.items()}
+    w["model.bias"] = [((0,), (cols,))]
+    w["optim.step"] = [((), ())]
+    if values:
+        w["optim.lr"] = None
+    return w
+
+
+@pytest.mark.parametrize("grid", [False, True])
+def test_a_rank_with_the_saved_layout_reads_what_dcp_would_from_its_own_part_only(grid):
+    R = 8
+    md, parts = job(R, grid=grid)
+    for r in range(R):
+        wanted = rank_wanted(R, r, grid=grid)
+        small, owners = via_index(md, parts, wanted)
+        assert owners == {r}
+        assert reads(small, wanted) == reads(md, wanted)
+        assert set(small.state_dict_metadata) == set(md.state_dict_metadata)  # every key: leftovers judged as before
+
+
+@pytest.mark.parametrize("new_R", [1, 3, 5, 16])
+def test_resharded_loads_read_what_dcp_would_and_only_the_parts_they_overlap(new_R):
+    R, rows, cols = 8, 8, 3
+    md, parts = job(R, rows=rows, cols=cols)
+    total = R * rows
+    for r in range(new_R):
+        lo, hi = total * r // new_R, total * (r + 1) // new_R
+        wanted = {f"model.layers.{t}.w": [((lo, 0), (hi - lo, cols))] for t in range(3)}
+        wanted["model.bias"] = [((0,), (cols,))]
+        small, owners = via_index(md, parts, wanted)
+        assert owners == {s for s in range(R) if s * rows < hi and lo < (s + 1) * rows}
+        assert reads(small, wanted) == reads(md, wanted)
+
+
+def test_a_column_shard_of_a_row_sharded_tensor_and_an_empty_shard():
+    md, parts = job(4)
+    wanted = {"model.layers.0.w": [((0, 1), (32, 1))], "model.layers.1.w": [((5, 0), (0, 3))]}
+    small, owners = via_index(md, parts, wanted)
+    assert owners == {0, 1, 2, 3}
+    assert reads(small, wanted) == reads(md, wanted)
+
+
+def test_each_layout_is_written_once_however_many_tensors_share_it():
+    md, _ = job(64, tensors=50)
+    doc = json.loads(index.header_bytes(md))
+    assert len(doc["layouts"]) == 1 and len(doc["tensors"]) == 52
+    assert len(index.header_bytes(md)) < 64 * 4 * 12 + 52 * 120 + 400
+
+
+def test_the_layout_cache_is_used_for_the_same_chunk_lists_and_not_for_new_ones():
+    md, _ = job(8)
+    cache: dict = {}
+    first = index.header_bytes(md, cache)
+    assert index.header_bytes(md, cache) == first
+    assert len(cache) == 3
+    # a new save whose chunks moved: new lists, recomputed
+    md2, _ = job(8, rows=4)
+    assert index.header_bytes(md2, cache) == index.header_bytes(md2)
+
+
+def _doc(md) -> dict:
+    return json.loads(index.header_bytes(md))
+
+
+def _bytes(doc) -> bytes:
+    return json.dumps(doc).encode()
+
+
+def _crafted():
+    md, _ = job(4)
+    base = _doc(md)
+
+    def edit(fn):
+        d = json.loads(json.dumps(base))
+        fn(d)
+        return d
+
+    lay = lambda d: d["layouts"][0]  # noqa: E731
+    return {
+        "overlapping chunks": edit(lambda d: lay(d)["boxes"].__setitem__(0, 1)),
+        "a chunk past its tensor": edit(lambda d: lay(d)["boxes"].__setitem__(-4, 30)),
+        "chunks not covering": edit(lambda d: lay(d)["boxes"].__setitem__(2, 7)),
+        "an owner past 2^24": edit(lambda d: lay(d)["owners"].__setitem__(0, 1 << 30)),
+        "boxes and owners disagree": edit(lambda d: lay(d)["owners"].pop()),
+        "a huge offset": edit(lambda d: lay(d)["boxes"].__setitem__(0, 1 << 70)),
+        "a negative size": edit(lambda d: d["tensors"][0].__setitem__(2, [-1, 3])),
+        "a float size": edit(lambda d: d["tensors"][0].__setitem__(2, [32.0, 3])),
+        "a dtype DCP does not write": edit(lambda d: d["tensors"][0].__setitem__(1, "qint8")),
+        "a dtype that is not a name": edit(lambda d: d["tensors"][0].__setitem__(1, ["float32"])),
+        "an item outside the shard files": edit(lambda d: d["tensors"][3].__setitem__(4, ["../../etc/passwd", 0, 10])),
+        "an item in a nested path": edit(lambda d: d["tensors"][3].__setitem__(4, ["sub/__0_0.distcp", 0, 10])),
+        "a value's item outside": edit(lambda d: d["values"][0].__setitem__(1, "/abs/__0_0.distcp")),
+        "a layout id past the list": edit(lambda d: d["tensors"][0].__setitem__(3, 9)),
+        "a key twice": edit(lambda d: d["tensors"].append(list(d["tensors"][0]))),
+        "a key as value and tensor": edit(lambda d: d["values"].append([d["tensors"][0][0], "__0_0.distcp", 0, 1])),
+        "an empty key": edit(lambda d: d["tensors"][0].__setitem__(0, "")),
+        "a long key": edit(lambda d: d["tensors"][0].__setitem__(0, "k" * 5000)),
+        "neither item nor layout": edit(lambda d: d["tensors"][3].__setitem__(4, None)),
+        "both item and layout": edit(lambda d: d["tensors"][0].__setitem__(4, ["__0_0.distcp", 0, 1])),
+        "dimension count of layout and tensor differ": edit(lambda d: d["tensors"][0].__setitem__(2, [32, 3, 1])),
+        "65 dimensions": edit(lambda d: d["tensors"][3].__setitem__(2, [1] * 65)),
+        "another format": edit(lambda d: d.__setitem__("format", "x")),
+        "another version": edit(lambda d: d.__setitem__("version", 2)),
+        "no layouts": edit(lambda d: d.pop("layouts")),
+        "tensors not a list": edit(lambda d: d.__setitem__("tensors", {})),
+        "an extra layout field": edit(lambda d: lay(d).__setitem__("x", 1)),
+        "zero ndim": edit(lambda d: lay(d).__setitem__("ndim", 0)),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_crafted()))
+def test_a_crafted_header_is_a_typed_error_naming_it(name):
+    with pytest.raises(CorruptCheckpoint, match="s3://b/run/step1/index/header.json"):
+        index.parse_header(_bytes(_crafted()[name]), url=URL)
+
+
+def test_the_honest_header_parses():
+    md, _ = job(4)
+    h = index.parse_header(_bytes(_doc(md)), url=URL)
+    assert len(h.keys()) == 6
+
+
+def _part(r, items, **over):
+    d = {"format": index.FORMAT, "version": index.VERSION, "rank": r, "items": items, **over}
+    return json.dumps(d).encode()
+
+
+def test_crafted_parts_are_typed_errors():
+    md, parts = job(4)
+    good = parts[1]
+    assert index.parse_part(_part(1, good), url="p", rank=1)
+    with pytest.raises(UnsafeCheckpoint, match="names rank '2', not 1"):
+        index.parse_part(_part(2, good), url="p", rank=1)
+    other = [list(good[0])]
+    other[0][3] = "__2_0.distcp"
+    with pytest.raises(UnsafeCheckpoint, match="a file of another rank"):
+        index.parse_part(_part(1, other), url="p", rank=1)
+    twice = [good[0], good[0]]
+    with pytest.raises(CorruptCheckpoint, match="listed twice"):
+        index.parse_part(_part(1, twice), url="p", rank=1)
+    for bad in ([good[0][:5]], [[*good[0][:4], -1, 5]], [[good[0][0], [1, 2], [1], *good[0][3:]]], "x",
+                [[good[0][0], good[0][1], good[0][2], "../__1_0.distcp", 0, 1]]):
+        with pytest.raises(CorruptCheckpoint):
+            index.parse_part(_part(1, bad), url="p", rank=1)
+
+
+def test_an_owner_part_that_lacks_a_chunk_the_header_gives_it_is_a_typed_error():
+    md, parts = job(4)
+    h = header_of(md)
+    wanted = rank_wanted(4, 2)
+    needs, owners = index.select(h, wanted)
+    p = parts_of(parts)
+    del p[2][("model.layers.1.w", (16, 0))]
+    with pytest.raises(CorruptCheckpoint, match="index part of rank 2 lacks the chunk"):
+        index.build_metadata(h, needs, p, wanted)
+    p = parts_of(parts)
+    p[2][("model.layers.1.w", (16, 0))] = ((4, 3), *p[2][("model.layers.1.w", (16, 0))][1:])  # other sizes
+    with pytest.raises(CorruptCheckpoint, match="lacks the chunk"):
+        index.build_metadata(h, needs, p, wanted)
+
+
+_HONEST = _bytes(_doc(job(4)[0]))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_mutated_headers_are_parsed_or_refused_with_a_typed_error(data):
+    b = bytearray(_HONEST)
+    for _ in range(data.draw(st.integers(1, 6))):
+        i = data.draw(st.integers(0, len(b) - 1))
+        b[i] = data.draw(st.sampled_from(b'0123456789-[]{},":.eEax '))
+    try:
+        h = index.parse_header(bytes(b), url=URL)
+    except CloudCkptError:
+        return
+    # what parses is usable: selecting for any rank's boxes does not fail untyped
+    for r in range(4):
+        try:
+            index.select(h, rank_wanted(4, r))
+        except CloudCkptError:
+            pass
+
+
+def test_select_and_build_stay_small_for_a_rank_of_a_large_job():
+    """R = 2,048: a rank selects its own chunk of each tensor and builds a Metadata of
+    one chunk per tensor, reading one part."""
+    R = 2048
+    md, parts = job(R, tensors=4, rows=2)
+    h = header_of(md)
+    r = random.Random(0).randrange(R)
+    wanted = rank_wanted(R, r, rows=2, tensors=4)
+    needs, owners = index.select(h, wanted)
+    assert owners == {r} and all(len(v) == 1 for v in needs.values())
+    small = index.build_metadata(h, needs, {r: parts_of({r: parts[r]})[r]}, wanted)
+    assert sum(len(m.chunks) for m in small.state_dict_metadata.values() if hasattr(m, "chunks")) == 4 + 2
