@@ -93,10 +93,11 @@ def _item_bytes(item) -> int:
     return n
 
 
-def _pieces(item, cap: int) -> list:
+def _pieces(item, cap: int | None) -> list:
     """``item`` cut along its first dimension into row ranges of at most about
-    ``cap`` bytes (one piece: ``item`` itself). Pieces are SHARD items: DCP's metadata
-    then holds the tensor as several chunks, as it does a sharded tensor's."""
+    ``cap`` bytes (one piece, ``item`` itself: ``cap`` None, or the item is smaller).
+    Pieces are SHARD items: DCP's metadata then holds the tensor as several chunks, as
+    it does a sharded tensor's."""
     import dataclasses
 
     import torch
@@ -105,7 +106,7 @@ def _pieces(item, cap: int) -> list:
 
     nbytes = _item_bytes(item)
     td = item.tensor_data
-    if td is None or nbytes <= cap or len(td.chunk.sizes) == 0 or td.chunk.sizes[0] < 2:
+    if td is None or cap is None or nbytes <= cap or len(td.chunk.sizes) == 0 or td.chunk.sizes[0] < 2:
         return [item]
     rows = td.chunk.sizes[0]
     n = min(rows, -(-nbytes // cap))
@@ -137,10 +138,12 @@ def balanced_dedup(all_plans: list, min_piece: int = MIN_PIECE_BYTES) -> list:
 
     holders: dict = {}
     first: dict = {}
+    uniform: dict = {}  # index -> every holder describes the same chunk of the same tensor
     for rank, plan in enumerate(all_plans):
         for item in plan.items:
             holders.setdefault(item.index, []).append(rank)
-            first.setdefault(item.index, item)
+            same = first.setdefault(item.index, item).tensor_data == item.tensor_data
+            uniform[item.index] = uniform.get(item.index, True) and same
     world = max(len(all_plans), 1)
     cap = max(min_piece, sum(_item_bytes(i) for i in first.values()) // (8 * world))
     load = [0] * len(all_plans)
@@ -151,7 +154,7 @@ def balanced_dedup(all_plans: list, min_piece: int = MIN_PIECE_BYTES) -> list:
             writer[index] = ranks[0]
             load[ranks[0]] += _item_bytes(first[index])
         else:
-            shared += [(piece, ranks) for piece in _pieces(first[index], cap)]
+            shared += [(piece, ranks) for piece in _pieces(first[index], cap if uniform[index] else None)]
     shared.sort(key=lambda p: (-_item_bytes(p[0]), p[0].index.fqn, tuple(p[0].index.offset or ())))
     for piece, ranks in shared:
         rank = min(ranks, key=lambda r: (load[r], r))
@@ -159,9 +162,17 @@ def balanced_dedup(all_plans: list, min_piece: int = MIN_PIECE_BYTES) -> list:
         load[rank] += _item_bytes(piece)
     # each plan keeps its own order, an item's pieces where the item was
     return [dataclasses.replace(plan, items=[p for item in plan.items for p in
-                                             ([item] if len(holders[item.index]) == 1 else _pieces(item, cap))
+                                             _own_pieces(item, len(holders[item.index]) > 1 and uniform[item.index],
+                                                         first[item.index], cap)
                                              if writer[p.index] == rank])
             for rank, plan in enumerate(all_plans)]
+
+
+def _own_pieces(item, cut: bool, first, cap: int) -> list:
+    """A plan's ``item`` as the pieces ``balanced_dedup`` cut (from the lowest holder's
+    identical item), or itself where it was not cut."""
+    pieces = _pieces(first, cap) if cut else [item]
+    return pieces if len(pieces) > 1 else [item]
 
 
 class _BalancedSavePlanner(DefaultSavePlanner):
@@ -182,19 +193,22 @@ class _BalancedSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item):
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
+        from .errors import ShapeMismatch
+
         td = write_item.tensor_data
-        if td is None:
+        chunks = getattr(self, "_local_chunks", {}).get(write_item.index.fqn, ())
+        if td is None or not chunks or td.chunk in chunks:
             return super().resolve_data(write_item)
-        for local in getattr(self, "_local_chunks", {}).get(write_item.index.fqn, ()):
-            if local.offsets == td.chunk.offsets and local.sizes == td.chunk.sizes:
-                break
-            if (local.offsets[1:] == td.chunk.offsets[1:] and local.sizes[1:] == td.chunk.sizes[1:]
-                    and local.offsets[0] <= td.chunk.offsets[0]
-                    and td.chunk.offsets[0] + td.chunk.sizes[0] <= local.offsets[0] + local.sizes[0]):
+        c = td.chunk
+        for local in chunks:
+            if (local.offsets[1:] == c.offsets[1:] and local.sizes[1:] == c.sizes[1:]
+                    and local.offsets[0] <= c.offsets[0] and c.offsets[0] + c.sizes[0] <= local.offsets[0] + local.sizes[0]):
                 tensor = self.lookup_object(MetadataIndex(write_item.index.fqn, local.offsets))
-                piece = tensor.narrow(0, td.chunk.offsets[0] - local.offsets[0], td.chunk.sizes[0])
-                return self.transform_object(write_item, piece)
-        return super().resolve_data(write_item)
+                return self.transform_object(write_item, tensor.narrow(0, c.offsets[0] - local.offsets[0], c.sizes[0]))
+        raise ShapeMismatch(f"save: {write_item.index.fqn!r}: the save plan gives this rank rows "
+                            f"{c.offsets[0]}..{c.offsets[0] + c.sizes[0]} at {list(c.offsets)} of it to write, but its "
+                            f"tensor here is {[list(x.sizes) for x in chunks]} at {[list(x.offsets) for x in chunks]}; "
+                            "a tensor under one key must have the same shape on every rank that holds it")
 
 
 def caching_save_planner(key: str, balanced: bool = True):

@@ -157,3 +157,39 @@ def _save_weights(rank, world_size, folder, work_dir):
     ck = Checkpointer(work_dir=work_dir)
     ck.save(f"{folder}/step1", bench.state_dict("ddp", rank, world_size, SHAPE, seed=0, kind="weights"), {"rank": rank})
     ck.close()
+
+
+def test_an_item_whose_holders_disagree_on_its_shape_is_written_whole_by_one_of_them():
+    """Not a replicated tensor (DCP keeps one rank's copy, as it does): never cut,
+    and the writer's own item describes it."""
+    per_rank = [{"buf": torch.zeros(1 << 18, 2 + r), "w": torch.zeros(1 << 19)} for r in range(4)]
+    plans = _plans(per_rank)
+    out = balanced_dedup(plans)
+    bufs = [(r, i) for r, p in enumerate(out) for i in p.items if i.index.fqn == "buf"]
+    assert len(bufs) == 1
+    rank, item = bufs[0]
+    assert item == next(i for i in plans[rank].items if i.index.fqn == "buf")
+    assert len([i for p in out for i in p.items if i.index.fqn == "w"]) == 2  # 2 MiB, identical everywhere: cut
+
+
+def test_a_piece_outside_the_ranks_tensor_is_refused_not_written():
+    """A plan that asks a rank for rows its tensor does not have (never made by
+    balanced_dedup, whose pieces come from identical items) stops the save, typed."""
+    import dataclasses
+
+    import pytest
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from cloudckpt._torch_compat import _pieces, caching_save_planner
+    from cloudckpt.errors import ShapeMismatch
+
+    planner = caching_save_planner("unit-test-piece")
+    planner.set_up_planner({"w": torch.arange(16.0).reshape(8, 2)}, is_coordinator=True)
+    planner.create_local_plan()
+    (item,) = planner.plan.items
+    first, second = _pieces(item, 32)
+    assert torch.equal(planner.resolve_data(second), torch.arange(8.0, 16.0).reshape(4, 2))
+    outside = dataclasses.replace(second, tensor_data=dataclasses.replace(
+        second.tensor_data, chunk=ChunkStorageMetadata(offsets=torch.Size([6, 0]), sizes=torch.Size([4, 2]))))
+    with pytest.raises(ShapeMismatch, match="rows 6..10"):
+        planner.resolve_data(outside)
