@@ -1,5 +1,6 @@
-"""Crafted manifest parts (format 2: ``manifest/rank{R}.json``, listed by the marker with
-its size and CRC32C) through every entry point.
+"""Crafted manifest parts (``manifest/rank{R}.json``, listed by the marker with its size
+and CRC32C: format 2 as a list of references, format 3 as columns) and crafted declared
+sizes through every entry point.
 
 Each case starts from an honest committed step (``tries.honest_step``: one rank, so one
 part) and crafts its part or the marker's reference to it: names outside the step, a
@@ -10,6 +11,14 @@ must refuse the step with a typed error naming it; the folder commands (``list``
 ``latest``, ``gc``, ``prune``, ``rm``) read markers only and handle the step, unless
 the crafted thing is in the marker itself. Class 9 (typed refusals) of the issue's
 table; a crash, bomb, hang or untyped error is a finding.
+
+The cases that edit the marker through ``corpus.Step.marker`` write it back as format 2
+(``marker.as_part_list``); the ``columns-*`` cases craft format 3's columns themselves
+(lengths that disagree, CRC32C strings that are not 8 hex digits each, rank runs that
+overlap, run past the world or claim a million parts the columns do not hold), and the
+``metadata-*`` cases declare a huge DCP ``.metadata``: over its ceiling for the step
+(refused before any read), and under it because the part declares 2**62 bytes (read
+only as far as the store holds it: never a bomb).
 """
 
 from __future__ import annotations
@@ -165,6 +174,70 @@ CASES: dict[str, tuple[str, object, set[str]]] = {
 }
 
 
+def _raw_marker(s: Step) -> dict:
+    """The marker as written (format 3: the parts as columns)."""
+    return json.loads(s.get(".metadata.json"))
+
+
+def _columns(**changes):
+    def apply(s: Step) -> None:
+        d = _raw_marker(s)
+        assert d["format_version"] == 3, "the honest step is written in format 3"
+        for k, v in changes.items():
+            if k == "world_size":
+                d[k] = v
+            else:
+                d["parts"][k] = v
+        s.put_marker(d)
+    return apply
+
+
+def _columns_part_crc_wrong(s: Step) -> None:
+    d = _raw_marker(s)
+    d["parts"]["crc32c"] = "%08x" % (int(d["parts"]["crc32c"], 16) ^ 1)
+    s.put_marker(d)
+
+
+def _metadata_declared(size: int, part_bytes: int | None = None):
+    def apply(s: Step) -> None:
+        d = _raw_marker(s)
+        next(o for o in d["objects"] if o["path"] == "model_and_optim/.metadata")["size"] = size
+        if part_bytes is not None:
+            d["parts"]["bytes"] = [part_bytes]
+        s.put_marker(d)
+    return apply
+
+
+# the entry points that read DCP's .metadata of one of our steps (load and resume plan from the DCP index)
+METADATA_READERS = {"lightning", "cli_inspect", "cli_verify", "cli_export", "cli_download"}
+
+CASES.update({
+    "columns-length-disagree": ("format 3: one part size more than the other columns hold",
+                                _columns(size=[1, 2]), MARKER_READERS),
+    "columns-crc-short": ("format 3: the CRC32C string one hex digit short", _columns(crc32c="0" * 7), MARKER_READERS),
+    "columns-crc-not-hex": ("format 3: the CRC32C string is not lowercase hex", _columns(crc32c="XYZW0000"),
+                            MARKER_READERS),
+    "columns-ranks-a-million": ("format 3: the rank runs claim 1,048,576 parts for one of each column",
+                                _columns(ranks=[[0, 1 << 20]], world_size=1 << 20), MARKER_READERS),
+    "columns-ranks-past-world": ("format 3: the part of rank 1 in a world of 1", _columns(ranks=[[1, 1]]),
+                                 MARKER_READERS),
+    "columns-ranks-overlap": ("format 3: rank runs that overlap", _columns(ranks=[[0, 1], [0, 1]]), MARKER_READERS),
+    "columns-200k-sizes": ("format 3: 200,000 part sizes (and counts, CRC32Cs) in a world of 1", _columns(
+        size=[1] * 200_000, objects=[1] * 200_000, bytes=[1] * 200_000, crc32c="0" * 1_600_000), MARKER_READERS),
+    "columns-bytes-20-digits": ("format 3: a part declares 10**19 bytes (more than an int64)",
+                                _columns(bytes=[10**19]), MARKER_READERS),
+    "columns-part-crc-wrong": ("format 3: the marker's CRC32C of the part is off by one bit", _columns_part_crc_wrong,
+                               PART_READERS),
+    "metadata-declared-1tib": ("the marker declares DCP's .metadata at 1 TiB in a step of a few KB: over the ceiling "
+                               "(1 GiB or the step's other bytes), refused before any read",
+                               _metadata_declared(1 << 40), METADATA_READERS),
+    "metadata-declared-64gib-backed": ("the part declares 2**62 bytes, so a .metadata declared at 64 GiB is under the "
+                                       "ceiling: read only as far as the store holds it, refused for its size",
+                                       _metadata_declared(64 << 30, part_bytes=1 << 62),
+                                       PART_READERS | METADATA_READERS),
+})
+
+
 def _declared_larger(s: Step) -> None:
     d = s.marker()
     d["parts"][0]["size"] += 1 << 20
@@ -184,7 +257,8 @@ def attack(tmp: str, root: str, case: str, entry: str) -> None:
         run_entry(entry, step=step, folder=root, tmp=tmp)
 
 
-S3_CASES = {"part-lists-another-ranks-file", "part-crc-mismatch", "part-declared-1tib", "part-missing"}
+S3_CASES = {"part-lists-another-ranks-file", "part-crc-mismatch", "part-declared-1tib", "part-missing",
+            "columns-ranks-a-million", "metadata-declared-1tib", "metadata-declared-64gib-backed"}
 
 TRIES: list[Try] = [
     Try(klass=9, case=name, what=what, entry=entry, target="tests.security.hostile_manifest:attack",
