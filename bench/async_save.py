@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cloudckpt.units import GiB, MiB
+from cloudckpt.units import GiB
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -118,7 +118,7 @@ def rank_main(rank: int, world_size: int, args: dict) -> dict:
         ck = Checkpointer(work_dir=os.path.join(work, "ckwork"))
         try:
             for rep in range(args["reps"]):
-                measure(name, lambda rep=rep: ck.save_async(f"{base}/step{rep + 1}", sd, {"step": rep + 1}),
+                measure(name, lambda rep=rep, ck=ck, base=base: ck.save_async(f"{base}/step{rep + 1}", sd, {"step": rep + 1}),
                         lambda f: f.result())
         finally:
             ck.close()  # releases the staging buffers

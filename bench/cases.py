@@ -17,6 +17,7 @@ the row's error, not the run's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -30,8 +31,19 @@ from pathlib import Path
 
 from bench.common import BUCKET, ROOT, same, short_error, size_label
 from bench.drivers import LocalCopies, Runner
-from bench.measure import (Results, cpu_delta, delete_prefix, dir_bytes, run_s5cmd, s5cmd_binary, s5cmd_download,
-                           server_cpu, settle, summarize, warm_up)
+from bench.measure import (
+    Results,
+    cpu_delta,
+    delete_prefix,
+    dir_bytes,
+    run_s5cmd,
+    s5cmd_binary,
+    s5cmd_download,
+    server_cpu,
+    settle,
+    summarize,
+    warm_up,
+)
 
 
 def case_save_load(args, runner: Runner, res: Results, s3, nbytes: int, tools: list[str], log, copies: LocalCopies) -> None:
@@ -152,18 +164,18 @@ def case_gcs(args, runner: Runner, res: Results, gcs, nbytes: int, log, copies: 
 
                 bucket = client.bucket(BUCKET)
                 prefix = f"tm/{label}/rep{rep}/"
-                out, up, up_cpu = _timed(gcs, lambda: tm.upload_many_from_filenames(
-                    bucket, files, source_directory=str(src), blob_name_prefix=prefix, max_workers=args.gcs_workers,
-                    worker_type=tm.THREAD))
+                out, up, up_cpu = _timed(gcs, functools.partial(
+                    tm.upload_many_from_filenames, bucket, files, source_directory=str(src), blob_name_prefix=prefix,
+                    max_workers=args.gcs_workers, worker_type=tm.THREAD))
                 bad = [r for r in out if isinstance(r, Exception)]
                 if bad:
                     res.fail("gcs_save", label, tool, "error", short_error(repr(bad[0])))
                     continue
                 dst = Path(tempfile.mkdtemp(prefix="cloudckpt-bench-gdl-", dir=args.tmp))
                 try:
-                    out, down, down_cpu = _timed(gcs, lambda: tm.download_many_to_path(
-                        bucket, files, destination_directory=str(dst), blob_name_prefix=prefix,
-                        max_workers=args.gcs_workers, worker_type=tm.THREAD))
+                    out, down, down_cpu = _timed(gcs, functools.partial(
+                        tm.download_many_to_path, bucket, files, destination_directory=str(dst),
+                        blob_name_prefix=prefix, max_workers=args.gcs_workers, worker_type=tm.THREAD))
                 finally:
                     shutil.rmtree(dst, ignore_errors=True)
                 res.add("gcs_save", label, tool, {"seconds": up, "bytes": src_fp["bytes"], **up_cpu})

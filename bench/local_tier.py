@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cloudckpt.units import GiB, MiB
+from cloudckpt.units import MiB
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -85,7 +85,7 @@ def rank_main(rank: int, world_size: int, args: dict) -> dict:
     for _ in range(args["reps"]):
         S.barrier()
         t0 = time.perf_counter()
-        for b, t in zip(bufs, S.local_tensors(sd)):
+        for b, t in zip(bufs, S.local_tensors(sd), strict=True):
             b.copy_(t)
         out["copy_s"].append(time.perf_counter() - t0)
     del bufs

@@ -16,8 +16,13 @@ import time
 def synthetic_metadata(layers: int = 600, ranks: int = 64) -> tuple[bytes, dict]:
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
-                                                       TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     item = 64 * 4096 * 4 + 1000
     sdm, sd, files = {}, {}, {}

@@ -32,18 +32,19 @@ import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
+from itertools import pairwise
 from pathlib import Path
 
-from bench.ranks import self_cpu
 from bench.common import BUCKET, MiB
 from bench.measure import s5cmd_binary, server_cpu
+from bench.ranks import self_cpu
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _ranges(size: int, step: int, skew: int = 0) -> list[tuple[int, int]]:
     cuts = [0] + list(range(skew or step, size, step)) + [size]
-    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+    return [(a, b) for a, b in pairwise(cuts) if b > a]
 
 
 def boto3_reads(client, keys, size, step, skew=0) -> int:

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import resource
 import threading
 import time
-
-import resource
 
 from bench import state as S
 

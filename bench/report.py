@@ -153,7 +153,7 @@ def chart(path: Path, rows: list[dict], sizes: list[str], disc_label: str | None
     by = {(r["case"], r["size"], r["tool"]): r for r in rows}
     panels = len(sizes) + (1 if disc_label else 0)
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.8), squeeze=False)
-    for ax, size in zip(axes[0], sizes):
+    for ax, size in zip(axes[0], sizes, strict=False):  # a last panel may follow: discovery
         present = [c for c in cases if any((c[0], size, t) in by and by[(c[0], size, t)].get("mb_per_s") for t in tools)]
         here = [t for t in tools if any(by.get((c, size, t), {}).get("mb_per_s") for c, _ in present)]
         width = 0.8 / max(1, len(here))

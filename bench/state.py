@@ -16,12 +16,11 @@ kernel's high-water mark (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0) so
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import torch
 
-from bench.common import GiB, MiB
+from bench.common import MiB
 
 
 def plan_layers(total_bytes: int, d: int | None = None) -> tuple[int, int]:

@@ -90,10 +90,9 @@ def run_s5cmd(args, s3, bucket, prefix, files) -> float:
 
 
 def run_boto3(args, s3, bucket, prefix, files) -> float:
+    import boto3
     from botocore.config import Config
     from s3transfer.manager import TransferConfig, TransferManager
-
-    import boto3
 
     client = boto3.client(
         "s3", endpoint_url=s3.endpoint_url, region_name=s3.region, aws_access_key_id=s3.access_key,

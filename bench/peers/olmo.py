@@ -59,11 +59,11 @@ def load(url, sd, ctx):
 
 
 def _latest(url: str, reps: int) -> dict:
-    import json
     import time
 
-    from bench.ranks import HttpCounter
     from olmo_core.train.checkpoint import Checkpointer
+
+    from bench.ranks import HttpCounter
 
     counter = HttpCounter.install()
     runs = []

@@ -21,7 +21,7 @@ pass the same object to every save and load.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch.distributed.checkpoint.state_dict import (

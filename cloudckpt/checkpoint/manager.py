@@ -27,6 +27,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -179,7 +180,8 @@ class CheckpointManager:
                 raise kind(f"{dir} fails its checks ({reason}); not falling back to an older step "
                            f"because {why}: restore the step, or resume from an older one with "
                            "load_step=N (cloudckpt list shows them)")
-            older = self.coord.on_coordinator("find older step", lambda: _newest_committed_below(self.save_location, step))
+            older = self.coord.on_coordinator("find older step",
+                                              functools.partial(_newest_committed_below, self.save_location, step))
             self.skipped_steps += (SkippedStep(step, dir, reason),)
             if older is None:
                 raise kind(f"{dir} fails its checks ({reason}) and no older committed step exists to "
@@ -226,7 +228,7 @@ class CheckpointManager:
                 latest = _committed_step(loc, load_step)
             else:
                 latest, skipped = discovery.newest_usable(loc, skip_refused=not self.config.strict_resume)
-                for step, dir, reason in skipped:
+                for _step, dir, reason in skipped:
                     log.error("resume: %s is committed but its marker is refused (%s); passing over it to an older "
                               "step. Set strict_resume=True to stop instead", dir, reason)
             step = layout.parse_step_dir(latest) if latest else -1

@@ -108,7 +108,7 @@ def gc(folder: Where, *, older_than: float = 3600.0, only_steps_above: int | Non
              if s not in protect and (keep_above is None or s <= keep_above)]
     with ThreadPoolExecutor(max_workers=32) as pool:
         committed = list(pool.map(lambda sd: store.exists(layout.marker_url(sd[1])), steps))
-    uncommitted = [sd for sd, is_committed in zip(steps, committed) if not is_committed]
+    uncommitted = [sd for sd, is_committed in zip(steps, committed, strict=True) if not is_committed]
     return _collect(loc, uncommitted, older_than=older_than, only_steps_above=only_steps_above, protect=protect,
                     keep_above=keep_above, dry_run=dry_run, now=now)
 

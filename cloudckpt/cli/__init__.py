@@ -197,7 +197,7 @@ def _main(argv: Sequence[str] | None) -> int:
     except BrokenPipeError:
         # the reader of our stdout went away (e.g. `| head`): not an error
         try:
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - main's caller gets its own stdout back
+            sys.stdout = open(os.devnull, "w")  # main's caller gets its own stdout back
         except OSError:
             pass
         return EXIT_OK

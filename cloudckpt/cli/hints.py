@@ -78,7 +78,7 @@ def _committed(args, folder: str, *, skip: int | None = None) -> tuple[list[int]
     newest = dirs[-HINT_DIRS:]
     with ThreadPoolExecutor(max_workers=16) as pool:
         has = list(pool.map(lambda d: where.store.exists(layout.marker_url(d[1])), newest))
-    return [s for (s, _), yes in zip(newest, has) if yes], len(dirs)
+    return [s for (s, _), yes in zip(newest, has, strict=True) if yes], len(dirs)
 
 
 def _steps_text(folder: str, steps: list[int], dirs: int, *, other: str = "") -> str:

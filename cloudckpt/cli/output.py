@@ -60,7 +60,7 @@ class EscapingStream(io.TextIOBase):
         return self.raw_stream.fileno()
 
     @property
-    def encoding(self):  # noqa: D401 - what print() and logging look at
+    def encoding(self):  # what print() and logging look at
         return getattr(self.raw_stream, "encoding", "utf-8")
 
     def writable(self) -> bool:

@@ -41,8 +41,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torchtitan.components.checkpointer import (DATALOADER, LR_SCHEDULER, MODEL, OPTIMIZER, BaseCheckpointManager,
-                                                CheckpointManager as _TitanManager, ModelWrapper)
+from torchtitan.components.checkpointer import (
+    DATALOADER,
+    LR_SCHEDULER,
+    MODEL,
+    OPTIMIZER,
+    BaseCheckpointManager,
+    ModelWrapper,
+)
+from torchtitan.components.checkpointer import CheckpointManager as _TitanManager
 
 from .. import CheckpointConfig, Checkpointer
 from ..checkpoint import layout
@@ -272,7 +279,7 @@ def _unflatten(sd: dict[str, Any], mapping: Any, url: str) -> dict[str, Any]:
                 type(p) is str or (type(p) is int and p >= 0) for p in path):
             raise bad(key, "is missing or not a tuple of names and list indices")
         cur: Any = nested
-        for part, after in zip(path, path[1:]):
+        for part, after in zip(path, path[1:], strict=False):
             slot(cur, part, key)
             nxt = cur.get(part) if type(cur) is dict else cur[part]
             if nxt is None:
@@ -302,7 +309,7 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 

@@ -40,7 +40,31 @@ _LAZY = {
     "plan_prune": "prune", "apply_prune": "prune", "PrunePlan": "prune", "PruneItem": "prune",
 }
 
-__all__ = ["Progress", *_LAZY]
+__all__ = [
+    "apply_prune",
+    "apply_remove",
+    "download",
+    "DownloadPlan",
+    "DownloadReport",
+    "find_runs",
+    "inspect_step",
+    "list_steps",
+    "plan_prune",
+    "plan_remove",
+    "prepare_download",
+    "Progress",
+    "PruneItem",
+    "PrunePlan",
+    "RemovePlan",
+    "run_download",
+    "RunRow",
+    "RunsListing",
+    "StepListing",
+    "StepReport",
+    "StepRow",
+    "verify_step",
+    "VerifyReport",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -32,11 +32,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+from ..checkpoint import discovery, layout
+from ..checkpoint.marker import ADOPTED_MANIFEST, Marker, ObjectEntry
 from ..errors import AlreadyExists, CorruptCheckpoint
 from ..storage import Location, Where
 from ..storage import url as urls
-from ..checkpoint import discovery, layout
-from ..checkpoint.marker import ADOPTED_MANIFEST, Marker, ObjectEntry
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def adopt(dir: Where, *, dry_run: bool = True, jobs: int = 8,
             return ObjectEntry(o.path, o.size, sums[o.path])
         ranges = items.get(o.path, [])
         crc, chunk_crcs = _stream_crc(store, urls.join(dir, o.path), o.size, ranges, on_bytes)
-        return ObjectEntry(o.path, o.size, crc, tuple((off, n, c) for (off, n), c in zip(ranges, chunk_crcs)))
+        return ObjectEntry(o.path, o.size, crc, tuple((off, n, c) for (off, n), c in zip(ranges, chunk_crcs, strict=True)))
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         objects = tuple(pool.map(one, marker.objects))

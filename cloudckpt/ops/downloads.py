@@ -124,8 +124,8 @@ def prepare_download(step: Where, dest: str, *, jobs: int = 8) -> DownloadPlan:
     items = [DownloadItem(o, loc.join(o.path).url, _local_path(root, o.path, loc.url)) for o in marker.objects]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         present = list(pool.map(lambda i: _matches(i.path, i.entry), items))
-    return DownloadPlan(loc, marker, raw, dest, root, tuple(i for i, ok in zip(items, present) if not ok),
-                        tuple(i.entry.path for i, ok in zip(items, present) if ok))
+    return DownloadPlan(loc, marker, raw, dest, root, tuple(i for i, ok in zip(items, present, strict=True) if not ok),
+                        tuple(i.entry.path for i, ok in zip(items, present, strict=True) if ok))
 
 
 def _fetch(plan: DownloadPlan, jobs: int, progress: Progress | None) -> list[dict]:

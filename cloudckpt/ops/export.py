@@ -43,11 +43,11 @@ import torch
 
 from ..checkpoint import layout, step_files
 from ..config import default_work_dir
+from ..dcp.items import decode_item_tensor
 from ..errors import AlreadyExists, ConfigError, CorruptCheckpoint, MissingKeys
 from ..storage import Location, StorageOptions, Where
 from ..storage import url as urls
 from ..transfer import TransferConfig, TransferEngine, crc32c_bytes
-from ..dcp.items import decode_item_tensor
 from ..units import MiB
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ class _TensorReader:
                 return part
             if full is None:
                 full = torch.empty(e.shape, dtype=e.src_dtype)
-            index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+            index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
             full[index].copy_(part.reshape(tuple(chunk.sizes)))
             del part
         if full is None:  # a tensor with no chunks has no elements

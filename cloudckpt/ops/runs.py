@@ -94,7 +94,7 @@ def find_runs(prefix: Where, *, max_depth: int = 3, max_folders: int = 500) -> R
             children = list(pool.map(_children, level))
             listed += len(level)
             nxt = []
-            for folder, subs in zip(level, children):
+            for folder, subs in zip(level, children, strict=True):
                 steps = sorted((s, u) for u in subs if (s := layout.step_of_name(urls.basename(u))) is not None)
                 if steps:
                     found.append((folder, [(s, urls.join(folder.url, f"step{s}")) for s, _ in steps]))
@@ -110,8 +110,8 @@ def find_runs(prefix: Where, *, max_depth: int = 3, max_folders: int = 500) -> R
         dirs = [(i, d) for i, (_, steps) in enumerate(found) for _, d in steps]
         has = list(pool.map(lambda d: root.store.exists(layout.marker_url(d[1])), dirs))
         counts = [0] * len(runs)
-        for (i, _), yes in zip(dirs, has):
+        for (i, _), yes in zip(dirs, has, strict=True):
             counts[i] += yes
-        runs = [dataclasses.replace(r, committed=n) for r, n in zip(runs, counts)]
+        runs = [dataclasses.replace(r, committed=n) for r, n in zip(runs, counts, strict=True)]
     runs.sort(key=lambda r: r.url)
     return RunsListing(root.url, runs, listed, max_depth, max_folders, sorted(deeper), truncated)

@@ -101,12 +101,12 @@ def list_steps(folder: Where, *, include_uncommitted: bool = False, ephemeral: b
         probes = list(pool.map(lambda sd: probe_marker(loc.at(sd[1])), steps))
     contents: dict[str, tuple[int, int, float | None]] = {}
     if include_uncommitted:
-        loose = [dir for (_, dir), (m, problem) in zip(steps, probes) if m is None and not problem] + junk
+        loose = [dir for (_, dir), (m, problem) in zip(steps, probes, strict=True) if m is None and not problem] + junk
         with ThreadPoolExecutor(max_workers=MARKER_READ_THREADS) as pool:
-            contents = dict(zip(loose, pool.map(lambda d: _contents(loc.at(d)), loose)))
+            contents = dict(zip(loose, pool.map(lambda d: _contents(loc.at(d)), loose), strict=True))
     rows: list[StepRow] = []
     warnings: list[str] = []
-    for (step, dir), (m, problem) in zip(steps, probes):
+    for (step, dir), (m, problem) in zip(steps, probes, strict=True):
         if m is None:
             if problem:
                 warnings.append(f"{dir} is not counted: {problem}")

@@ -399,21 +399,20 @@ class ObjectStoreConformance:
 
     # ------------------------------------------------------------ conditional create
     def test_conditional_create_raced_by_two_writers_has_exactly_one_winner(self, backend):
+        def write(u: str, payload: bytes, barrier: threading.Barrier, outcome: dict[int, str], i: int) -> None:
+            barrier.wait()
+            try:
+                backend.store.put_bytes(u, payload, if_absent=True)
+                outcome[i] = "won"
+            except AlreadyExists:
+                outcome[i] = "lost"
+
         for round_ in range(5):
             u = backend.url(f"race/marker-{round_}.json")
             barrier = threading.Barrier(2)
             outcome: dict[int, str] = {}
             data = {i: f'{{"writer": {i}, "round": {round_}}}'.encode() * 50 for i in (0, 1)}
-
-            def write(i: int) -> None:
-                barrier.wait()
-                try:
-                    backend.store.put_bytes(u, data[i], if_absent=True)
-                    outcome[i] = "won"
-                except AlreadyExists:
-                    outcome[i] = "lost"
-
-            threads = [threading.Thread(target=write, args=(i,)) for i in (0, 1)]
+            threads = [threading.Thread(target=write, args=(u, data[i], barrier, outcome, i)) for i in (0, 1)]
             for t in threads:
                 t.start()
             for t in threads:

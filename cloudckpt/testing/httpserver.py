@@ -32,14 +32,14 @@ class _Handler(SimpleHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: "_Server"
 
-    def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format, *args) -> None:  # `format`: the base class's name
         pass  # quiet: tests read server.requests instead
 
     def log_request(self, code="-", size="-") -> None:
         with self.server.lock:
             self.server.requests.append(Request(self.command, self.path, self.headers.get("Range"), int(code)))
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:  # http.server's naming
         m = _RANGE.match(self.headers.get("Range", "").strip())
         path = self.translate_path(self.path)
         if not self.server.ranges or not m or not os.path.isfile(path):

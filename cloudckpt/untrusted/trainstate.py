@@ -132,7 +132,7 @@ class _Unpickler(PlainUnpickler):
         t = type(inst)
         if t is _PendingDtype and not inst.built:
             if not (type(state) is tuple and len(state) == len(_DTYPE_STATE)
-                    and all(type(a) is type(b) and a == b for a, b in zip(state, _DTYPE_STATE))):
+                    and all(type(a) is type(b) and a == b for a, b in zip(state, _DTYPE_STATE, strict=True))):
                 raise Refused("a numpy dtype other than little-endian uint32")
             inst.built = True
         elif t is _PendingArray and inst.array is None:
@@ -181,7 +181,7 @@ class _Unpickler(PlainUnpickler):
         if numel == 0:
             fits = offset <= elements
         else:
-            fits = numel <= elements and offset + sum((d - 1) * s for d, s in zip(size, stride)) < elements
+            fits = numel <= elements and offset + sum((d - 1) * s for d, s in zip(size, stride, strict=True)) < elements
         if not fits:
             raise Refused(f"a tensor of {len(size)} dimensions that does not fit in its storage of {st.nbytes} bytes "
                            "(only the bytes present in the archive are loaded)")

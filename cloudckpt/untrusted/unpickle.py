@@ -56,12 +56,14 @@ import gc
 import io
 import pathlib
 import pickle
+from itertools import pairwise
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_md
 
-from .._torch_compat import MEM_FORMAT_ENCODING, StorageInfo as _StorageInfo, get_layout
+from .._torch_compat import MEM_FORMAT_ENCODING, get_layout
+from .._torch_compat import StorageInfo as _StorageInfo
 from ..errors import CloudCkptError, CorruptCheckpoint, UnsafeCheckpoint
 from .limits import MAX_DIM, MAX_KEY_DEPTH, MAX_PLAIN_DEPTH, MAX_SAME_HASH, MAX_TENSOR_DIMS
 from .names import check_name
@@ -261,14 +263,14 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         d = _need(self.stack[-1], (dict, collections.OrderedDict), "SETITEMS")
         keys = items[::2]
         self._keys(keys, d)
-        d.update(zip(keys, items[1::2]))
+        d.update(zip(keys, items[1::2], strict=False))  # an odd count (no pickler writes one): the last key is dropped
 
     def load_dict(self) -> None:
         items = self.pop_mark()
         d: dict = {}
         keys = items[::2]
         self._keys(keys, d)
-        d.update(zip(keys, items[1::2]))
+        d.update(zip(keys, items[1::2], strict=False))  # as in load_setitems
         self.append(d)
 
     def load_additems(self) -> None:
@@ -496,7 +498,7 @@ def _check_items(sd: dict, url: str, files: dict[str, int] | None, b: _Budget, b
         items[(fqn, key.offset)] = length  # MetadataIndex ignores index: one item per (fqn, offset)
     for rel, ranges in per_file.items():
         ranges.sort()
-        for (o1, n1), (o2, _) in zip(ranges, ranges[1:]):
+        for (o1, n1), (o2, _) in pairwise(ranges):
             if o1 + n1 > o2:
                 raise bad(f"items overlap in {rel!r} (bytes [{o1}, {o1 + n1}) and one starting at {o2})")
     return items
@@ -535,7 +537,7 @@ def _check_tensor(fqn: str, sm: Any, items: dict, b: _Budget, bad) -> None:
             raise bad(f"a chunk of {_q(fqn)} does not have the tensor's {nd} dimensions")
         if not (_dims_ok(off) and _dims_ok(sz)):
             raise bad(f"a chunk of {_q(fqn)} has offsets or sizes outside [0, 2^63)")
-        if any(o + s > d for o, s, d in zip(off, sz, size)):
+        if any(o + s > d for o, s, d in zip(off, sz, size, strict=True)):
             raise bad(f"a chunk of {_q(fqn)} (offsets {list(off)}, sizes {list(sz)}) lies outside its size {list(size)}")
         if off in starts:
             raise bad(f"two chunks of {_q(fqn)} start at offsets {list(off)}")

@@ -13,7 +13,7 @@ apart from every other record. Zip64 sizes and offsets are read (archives over
 from __future__ import annotations
 
 import struct
-
+from itertools import pairwise
 
 _EOCD = struct.Struct("<4sHHHHIIH")  # end of central directory (22 bytes)
 _EOCD64_LOCATOR = struct.Struct("<4sIQI")  # zip64 end of central directory locator (20 bytes)
@@ -108,7 +108,7 @@ def records(data: memoryview | bytes) -> dict[str, tuple[int, int]]:
         out[name] = (start, usize)
         spans.append((offset, start + usize))
     spans.sort()
-    for (_, end), (begin, _) in zip(spans, spans[1:]):
+    for (_, end), (begin, _) in pairwise(spans):
         if begin < end:
             raise bad("two records overlap")
     return out
