@@ -227,15 +227,17 @@ def read_dcp_folder(src: str) -> dict[str, Any]:
     UnsafeCheckpoint / CorruptCheckpoint, storage errors."""
     from ..ops.export import read_dcp_state
     from ..storage import Location
-    from ..untrusted import MAX_METADATA_BYTES, loads_metadata, read_capped
+    from ..untrusted import loads_metadata
+    from ..untrusted.limits import read_metadata
 
     folder = Location.of(urls.resolve_local(src))
     prefix = folder.url.rstrip("/") + "/"
     files = {e.url[len(prefix):]: e.size for e in folder.store.list(prefix) if not e.is_prefix}
-    if files.pop(".metadata", None) is None:
+    listed = files.pop(".metadata", None)
+    if listed is None:
         raise ConfigError(f"{src}: no DCP .metadata; not a torchtitan checkpoint folder")
     meta_url = prefix + ".metadata"
-    md = loads_metadata(read_capped(folder.store, meta_url, limit=MAX_METADATA_BYTES, what="DCP metadata"),
+    md = loads_metadata(read_metadata(folder.store, meta_url, size=listed, described=sum(files.values())),
                         url=meta_url, files=files)
     return _unflatten(read_dcp_state(folder, md), md.planner_data, meta_url)
 
