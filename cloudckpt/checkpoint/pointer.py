@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-
 from typing import Any
 
 from ..errors import AlreadyExists, CloudCkptError, CorruptCheckpoint, NotFound, PreconditionFailed
@@ -94,7 +93,8 @@ def advance(folder: Where, step: int, *, pending: bool, attempts: int = 8) -> bo
     url, store = pointer_url(loc.url), loc.store
     if not store.conditional_replace:
         return False
-    body = json.dumps({"step": int(step), "pending": pending, "dir": f"step{int(step)}", "updated_unix": time.time()}).encode()
+    body = json.dumps({"step": int(step), "pending": pending, "dir": f"step{int(step)}",
+                       "updated_unix": time.time()}).encode()
     for _ in range(attempts):
         try:
             data, version = store.get_bytes_versioned(url, limit=MAX_POINTER_BYTES)

@@ -69,7 +69,8 @@ class StorageOptions:
 
         if self.addressing_style not in (None, "path", "virtual", "auto"):
             raise ConfigError(
-                f"storage option addressing_style={self.addressing_style!r} is not allowed: use 'path', 'virtual' or 'auto'"
+                f"storage option addressing_style={self.addressing_style!r} is not allowed: use 'path', 'virtual' "
+                "or 'auto'"
             )
         for name in ("multipart_threshold", "part_size", "max_pool_connections", "max_attempts"):
             v = getattr(self, name)
@@ -78,7 +79,8 @@ class StorageOptions:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"storage option {name}={v!r} is not allowed: use a positive integer")
         if self.part_size is not None and self.part_size < 5 * MiB:
-            raise ConfigError(f"storage option part_size={self.part_size} is too small: S3 needs at least 5 MiB (5242880)")
+            raise ConfigError(f"storage option part_size={self.part_size} is too small: S3 needs at least 5 MiB "
+                              "(5242880)")
         for name in ("connect_timeout", "read_timeout", "operation_timeout"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
@@ -409,7 +411,7 @@ class ObjectStore(ABC):
         """Incomplete multipart uploads under ``prefix`` (empty where the backend has none)."""
         return []
 
-    def abort_multipart_upload(self, upload: PendingUpload) -> None:
+    def abort_multipart_upload(self, upload: PendingUpload) -> None:  # noqa: B027 - optional: nothing by default
         """Abort one incomplete multipart upload."""
 
     def check_bucket(self, url: str) -> None:
@@ -481,13 +483,15 @@ class ObjectStore(ABC):
         d = urls.depth(prefix)
         if not force and (d == 0 or d < self.options.min_delete_depth):
             raise UnsafeDelete(
-                f"refusing to delete everything under {prefix!r}: it is {'a bucket root' if d == 0 else f'only {d} level(s) deep'} "
+                f"refusing to delete everything under {prefix!r}: it is "
+                f"{'a bucket root' if d == 0 else f'only {d} level(s) deep'} "
                 f"(min_delete_depth={self.options.min_delete_depth}); pass force=True if you really mean it",
                 url=prefix,
             )
         return self.delete_many(o.url for o in self.walk(prefix))
 
-    def abort_multipart_uploads(self, prefix: str, *, older_than: float | None = None, now: float | None = None) -> list[PendingUpload]:
+    def abort_multipart_uploads(self, prefix: str, *, older_than: float | None = None,
+                                now: float | None = None) -> list[PendingUpload]:
         """Abort incomplete multipart uploads under ``prefix`` initiated more than
         ``older_than`` seconds ago (all when None). Returns the aborted ones."""
         import time
@@ -501,12 +505,12 @@ class ObjectStore(ABC):
             done.append(up)
         return done
 
-    def connect(self) -> None:
+    def connect(self) -> None:  # noqa: B027 - optional: nothing by default
         """Build the backend's client now instead of on first use. Sends no request to
         the store (finding credentials may, as it would on first use: e.g. Google's
         default credentials on a GCE VM). Building boto3's S3 client takes ~0.15-0.3 s
         of CPU: the checkpointer has ranks do it while they would otherwise wait for
         rank 0. Default: nothing."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: nothing by default
         """Release connections. The store stays usable (clients are re-created lazily)."""

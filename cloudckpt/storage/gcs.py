@@ -86,7 +86,8 @@ _ADC_HINT = (
 )
 _HINTS = {AccessDenied: f"check the credentials ({_ADC_HINT}) and that they may use this bucket and prefix"}
 # The library's own retry predicate (408, 429, 5xx, resets, timeouts); kept if it moves.
-_should_retry: Callable[[BaseException], bool] = getattr(gcs_retry, "_should_retry", None) or gcs_retry.DEFAULT_RETRY._predicate
+_should_retry: Callable[[BaseException], bool] = (getattr(gcs_retry, "_should_retry", None)
+                                                  or gcs_retry.DEFAULT_RETRY._predicate)
 
 
 def _split(url: str) -> tuple[str, str]:
@@ -181,12 +182,14 @@ def translate(e: BaseException, url: str, op: str, *, bucket_exists: Callable[[]
                 missing = not bucket_exists()
             if missing:
                 bucket = parse_url(url).bucket
-                return BucketNotFound(f"{op} {url}: bucket {bucket!r} does not exist; create it or fix the URL", url=url)
+                return BucketNotFound(f"{op} {url}: bucket {bucket!r} does not exist; create it or fix the URL",
+                                      url=url)
         if status == 400 and "name" in _server_message(e).lower():
             return InvalidURL(f"{op} {url}: the store rejected the name: {_server_message(e)}", url=url)
         return status_error(status, url, op, hints=_HINTS, message=_server_message(e))
     if isinstance(e, _CONNECTION_ERRORS):
-        return Transient(f"{op} {url}: connection problem ({type(e).__name__}); check the endpoint and network", url=url)
+        return Transient(f"{op} {url}: connection problem ({type(e).__name__}); check the endpoint and network",
+                         url=url)
     return e
 
 
@@ -325,7 +328,8 @@ class GCSStore(ObjectStore):
     def put_bytes(self, url: str, data: bytes, *, if_absent: bool = False) -> None:
         retried = []
         try:
-            self._upload(io.BytesIO(data), url, len(data), if_absent=if_absent, retry=self._retry(lambda: retried.append(1)))
+            self._upload(io.BytesIO(data), url, len(data), if_absent=if_absent,
+                         retry=self._retry(lambda: retried.append(1)))
         except Exception as e:  # noqa: BLE001 - translated below
             err = self._translate(e, url, "put")
             if if_absent and isinstance(err, PreconditionFailed):
@@ -454,7 +458,8 @@ class GCSStore(ObjectStore):
         except Exception as e:  # noqa: BLE001 - translated below
             err = translate(e, prefix, "list", endpoint=self._endpoint, deadline=self.options.operation_timeout)
             if type(err) is NotFound:  # listing an existing bucket never answers 404
-                err = BucketNotFound(f"list {prefix}: bucket {bucket!r} does not exist; create it or fix the URL", url=prefix)
+                err = BucketNotFound(f"list {prefix}: bucket {bucket!r} does not exist; create it or fix the URL",
+                                     url=prefix)
             raise err from None
 
     def delete(self, url: str) -> None:

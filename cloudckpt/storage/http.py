@@ -187,7 +187,8 @@ class HTTPStore(ReadOnlyStore):
             spent = time.monotonic() - started
             delay = min(5.0, 0.1 * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
             if attempt >= o.max_attempts or spent + delay >= o.operation_timeout:
-                raise self._gave_up(url, op, attempt, last, err, throttled, deadline=spent + delay >= o.operation_timeout)
+                raise self._gave_up(url, op, attempt, last, err, throttled,
+                                    deadline=spent + delay >= o.operation_timeout)
             self._notify_retry("throttled" if throttled else "transient")
             time.sleep(delay)
 
@@ -204,9 +205,10 @@ class HTTPStore(ReadOnlyStore):
         except ValueError:
             same = False
         if not same:
-            raise RedirectRefused(f"{op} {_shown(url)}: the server redirects (HTTP {r.status_code}) to {shown}, another "
-                                  f"origin than {_origin(url)}; cloudckpt follows redirects within the origin of the "
-                                  "URL it was given only: pass the URL the checkpoint is published at", url=_shown(url))
+            raise RedirectRefused(f"{op} {_shown(url)}: the server redirects (HTTP {r.status_code}) to {shown}, "
+                                  f"another origin than {_origin(url)}; cloudckpt follows redirects within the origin "
+                                  "of the URL it was given only: pass the URL the checkpoint is published at",
+                                  url=_shown(url))
         if hops > MAX_REDIRECTS:
             raise StorageError(f"{op} {_shown(url)}: more than {MAX_REDIRECTS} redirects (the last to {shown}); "
                                "pass the URL the checkpoint is published at", url=_shown(url))
@@ -308,7 +310,7 @@ class HTTPStore(ReadOnlyStore):
         from .http_cache import cached_file
 
         path = cached_file(self, url)
-        f = open(path, "rb")  # noqa: SIM115 - closed by the reader
+        f = open(path, "rb")
         try:
             f.seek(start)
         except BaseException:
@@ -352,7 +354,8 @@ class HTTPStore(ReadOnlyStore):
             pass  # no or unreadable Last-Modified: the age is unknown
         return ObjectInfo(url, size, mtime)
 
-    def download_fileobj(self, url: str, fileobj: BinaryIO, *, progress: Progress = None, size: int | None = None) -> int:
+    def download_fileobj(self, url: str, fileobj: BinaryIO, *, progress: Progress = None,
+                         size: int | None = None) -> int:
         """Write the object to ``fileobj``; returns the bytes written. ``size``: the
         length the caller expects (the manifest's): an answer that announces or holds
         more raises ObjectTooLarge after at most ``size`` bytes were written (a shorter
@@ -434,8 +437,8 @@ class _Body(RangeReader):
         spent = self._waited
         if spent > self._min_after and self._got < (spent - self._min_after) * MIN_RATE:
             self.close()
-            raise Timeout(f"get {_shown(self._url)}: the answer arrives too slowly ({self._got} bytes in {spent:.0f} s of "
-                          f"waiting; after the first {self._min_after:g} s (operation_timeout) a body must average "
+            raise Timeout(f"get {_shown(self._url)}: the answer arrives too slowly ({self._got} bytes in {spent:.0f} s "
+                          f"of waiting; after the first {self._min_after:g} s (operation_timeout) a body must average "
                           f"{MIN_RATE // 1024} KiB/s); check the server and the network", url=_shown(self._url))
 
     def _read_up_to(self, want: int) -> bytes:
@@ -465,7 +468,8 @@ class _Body(RangeReader):
                     self.close()
                     raise ObjectTooLarge(f"get {_shown(self._url)}: the answer holds more than "
                                          f"{self._ceiling or MAX_UNSIZED_BYTES} bytes, the ceiling for a read whose "
-                                         "size the caller does not state; refusing to read further", url=_shown(self._url))
+                                         "size the caller does not state; refusing to read further",
+                                         url=_shown(self._url))
             else:
                 data = self._read_up_to(want)
         except StorageError:

@@ -37,7 +37,7 @@ from ..errors import (
     Transient,
     UnsafeCheckpoint,
 )
-from .base import MiB, ListEntry, ObjectInfo, ObjectStore, Progress, RangeReader
+from .base import ListEntry, MiB, ObjectInfo, ObjectStore, Progress, RangeReader
 from .url import parse_url
 
 _CHUNK = 8 * MiB
@@ -126,7 +126,8 @@ class LocalStore(ObjectStore):
         if isinstance(e, PermissionError):
             return AccessDenied(f"{what}: permission denied on {url}; check the folder's owner and mode", url=url)
         if e.errno == errno.ENOSPC:
-            return StorageError(f"{what}: no space left on the device holding {url}; free space or use another folder", url=url)
+            return StorageError(f"{what}: no space left on the device holding {url}; free space or use another folder",
+                                url=url)
         return Transient(f"{what} {url}: {e}", url=url)
 
     def _parent(self, url: str, what: str, *, create: bool = False) -> tuple[int, str, str]:
@@ -177,7 +178,8 @@ class LocalStore(ObjectStore):
     def put_bytes(self, url: str, data: bytes, *, if_absent: bool = False) -> None:
         self._write(url, lambda f: f.write(data), if_absent=if_absent)
 
-    def upload_fileobj(self, fileobj: BinaryIO, url: str, *, size: int, if_absent: bool = False, progress: Progress = None) -> None:
+    def upload_fileobj(self, fileobj: BinaryIO, url: str, *, size: int, if_absent: bool = False,
+                       progress: Progress = None) -> None:
         def fill(f):
             while True:
                 chunk = fileobj.read(_CHUNK)

@@ -135,7 +135,8 @@ def translate(e: BaseException, url: str, op: str) -> BaseException:
             url=url,
         )
     if isinstance(e, bex.ProfileNotFound):
-        return AccessDenied(f"{op} {url}: AWS profile not found ({e.kwargs.get('profile')}); check AWS_PROFILE / the profile option", url=url)
+        return AccessDenied(f"{op} {url}: AWS profile not found ({e.kwargs.get('profile')}); check AWS_PROFILE / the "
+                            "profile option", url=url)
     if isinstance(e, (bex.EndpointConnectionError, bex.ConnectionClosedError, bex.ReadTimeoutError,
                       bex.ConnectTimeoutError, bex.ResponseStreamingError, bex.IncompleteReadError,
                       ConnectionError, TimeoutError)):
@@ -244,7 +245,8 @@ class S3Store(ObjectStore):
         endpoint = _endpoint_of_url(request_url)
         return _DeadlineSpent(
             f"no successful answer{' from ' + endpoint if endpoint else ''} within operation_timeout="
-            f"{o.operation_timeout:g}s ({attempts} attempt(s), the last: {last}; read_timeout {o.attempt_timeouts[1]:g}s); "
+            f"{o.operation_timeout:g}s ({attempts} attempt(s), the last: {last}; "
+            f"read_timeout {o.attempt_timeouts[1]:g}s); "
             "check the endpoint (AWS_ENDPOINT_URL / endpoint_url) and network, or raise operation_timeout (--timeout)",
             throttled=throttled,
         )
@@ -274,9 +276,11 @@ class S3Store(ObjectStore):
                 try:
                     self._client = session.client("s3", endpoint_url=o.endpoint_url, region_name=o.region, config=cfg)
                 except ValueError:  # botocore's "Invalid endpoint" (e.g. AWS_ENDPOINT_URL without a scheme)
-                    endpoint = o.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
-                    raise ConfigError(f"the S3 endpoint {redact_endpoint(endpoint)!r} (endpoint_url / AWS_ENDPOINT_URL) is "
-                                      "not a URL: write it as http://host:port or https://host") from None
+                    endpoint = (o.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
+                                or os.environ.get("AWS_ENDPOINT_URL", ""))
+                    raise ConfigError(f"the S3 endpoint {redact_endpoint(endpoint)!r} (endpoint_url / "
+                                      "AWS_ENDPOINT_URL) is not a URL: write it as http://host:port or "
+                                      "https://host") from None
                 except bex.BotoCoreError as e:
                     raise translate(e, o.endpoint_url or "s3://", "connect") from None
                 events = self._client.meta.events
@@ -305,7 +309,8 @@ class S3Store(ObjectStore):
                         io_chunksize=256 * 1024,
                         max_io_queue_size=16,
                         # file-object uploads buffer parts: at most ~256 MiB of them (4 at 64 MiB)
-                        max_in_memory_upload_chunks=max(2, min(o.max_pool_connections // 2, 256 * MiB // self.part_size)),
+                        max_in_memory_upload_chunks=max(2, min(o.max_pool_connections // 2,
+                                                               256 * MiB // self.part_size)),
                         max_in_memory_download_chunks=max(4, o.max_pool_connections // 2),
                     ),
                 )
@@ -384,7 +389,8 @@ class S3Store(ObjectStore):
                 raise PreconditionFailed(f"put {url}: the object changed or was deleted", url=url) from None
             raise err from None
 
-    def upload_fileobj(self, fileobj: BinaryIO, url: str, *, size: int, if_absent: bool = False, progress: Progress = None) -> None:
+    def upload_fileobj(self, fileobj: BinaryIO, url: str, *, size: int, if_absent: bool = False,
+                       progress: Progress = None) -> None:
         bucket, key = _split(url)
         if if_absent:
             # s3transfer cannot send If-None-Match; a conditional create is one PUT (<= 5 GiB)
@@ -407,7 +413,8 @@ class S3Store(ObjectStore):
         try:
             # by file name, s3transfer opens each part lazily and reads it while sending:
             # no part buffers in memory (a file object would be read into 16 MiB chunks)
-            fut = self.manager.upload(os.fspath(local_path), bucket, key, subscribers=[_Count(progress)] if progress else None)
+            fut = self.manager.upload(os.fspath(local_path), bucket, key,
+                                      subscribers=[_Count(progress)] if progress else None)
             fut.result()
         except Exception as e:  # noqa: BLE001 - translated below
             raise translate(e, url, "upload") from None
@@ -490,14 +497,15 @@ class S3Store(ObjectStore):
         gone = 0
         for bucket, keys in by_bucket.items():
             try:
-                r = self.client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
+                r = self.client.delete_objects(Bucket=bucket,
+                                               Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
             except Exception as e:  # noqa: BLE001 - translated below
                 raise translate(e, f"s3://{bucket}/{keys[0]}", f"delete ({len(keys)} keys in one request)") from None
             errors = [x for x in r.get("Errors", ()) if x.get("Code") != "NoSuchKey"]
             for x in errors:
                 url = f"s3://{bucket}/{x.get('Key')}"
-                failed.add(url, translate(bex.ClientError({"Error": {"Code": x.get("Code"), "Message": x.get("Message", "")}},
-                                                          "DeleteObjects"), url, "delete"))
+                answer = {"Error": {"Code": x.get("Code"), "Message": x.get("Message", "")}}
+                failed.add(url, translate(bex.ClientError(answer, "DeleteObjects"), url, "delete"))
             gone += len(keys) - len(errors)
         return gone
 

@@ -86,7 +86,8 @@ def parse_url(url: str) -> ParsedURL:
     scheme = scheme_of(url)
     if scheme == "file":
         path = url[len("file://"):] if url.startswith("file://") else url
-        return ParsedURL("file", "", os.path.abspath(os.path.expanduser(path)) + ("/" if path.endswith("/") and path != "/" else ""))
+        slash = "/" if path.endswith("/") and path != "/" else ""
+        return ParsedURL("file", "", os.path.abspath(os.path.expanduser(path)) + slash)
     if scheme in ("http", "https"):
         raise InvalidURL(http_url_message(url), url=url)
     rest = _SCHEME_RE.match(url).group(2)  # type: ignore[union-attr]

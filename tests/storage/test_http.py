@@ -5,7 +5,6 @@ typed errors."""
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import subprocess
@@ -24,9 +23,10 @@ from cloudckpt import AppState, Checkpointer
 from cloudckpt.checkpoint import layout
 from cloudckpt.cli import main as cli_main
 from cloudckpt.errors import CorruptCheckpoint, NotACheckpoint, ReadOnlyLocation, StorageError, Timeout
-from cloudckpt.storage import StorageOptions, clear_cache, open_store
-from cloudckpt.testing.hung import SilentServer
+from cloudckpt.storage import PendingUpload, StorageOptions, clear_cache, open_store
+from cloudckpt.storage.readonly import ReadOnlyStore
 from cloudckpt.testing.httpserver import FileServer
+from cloudckpt.testing.hung import SilentServer
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP = "run/step3"
@@ -70,7 +70,7 @@ def _cached_copies(d: Path) -> list[Path]:
 
 def _assert_restored(saved, model, optim, train_state) -> None:
     _, m0, o0, ts0 = saved
-    for p0, p1 in zip(m0.parameters(), model.parameters()):
+    for p0, p1 in zip(m0.parameters(), model.parameters(), strict=True):
         assert torch.equal(p0, p1)
         for k in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(o0.state[p0][k], optim.state[p1][k]), k
@@ -82,7 +82,7 @@ def _assert_restored(saved, model, optim, train_state) -> None:
 
 
 @pytest.mark.parametrize("ranges", [True, False], ids=["range-server", "no-range-server"])
-def test_a_step_loads_over_http_bit_exactly_with_one_get_per_object(saved, ranges, cache_dir):
+def test_a_step_loads_over_http_bit_exactly_with_one_get_per_object_it_reads(saved, ranges, cache_dir):
     root = saved[0]
     with FileServer(root, ranges=ranges) as srv:
         model, optim = _model_and_optim(1)  # other weights: the load must replace them
@@ -90,8 +90,10 @@ def test_a_step_loads_over_http_bit_exactly_with_one_get_per_object(saved, range
         reqs = srv.requests
     _assert_restored(saved, model, optim, ts)
     gets = [r for r in reqs if r.method == "GET"]
-    files = [p for p in (root / STEP).rglob("*") if p.is_file()]  # marker, manifest part, .metadata, shards, train
-    assert len(gets) == len({r.path for r in gets}) == len(files)  # every object once, nothing twice
+    files = {"/" + p.relative_to(root).as_posix() for p in (root / STEP).rglob("*") if p.is_file()}
+    # every object once, nothing twice; DCP's .metadata is not read: the step's DCP index (index/header.json) plans
+    assert len(gets) == len({r.path for r in gets}) and f"/{STEP}/index/header.json" in files
+    assert {r.path for r in gets} == files - {f"/{STEP}/{layout.DCP_METADATA}"}
     assert all(r.range for r in gets)  # every read says how much it wants
     assert {r.status for r in gets} == ({206} if ranges else {200})
     assert not _cached_copies(cache_dir)  # reads from byte 0 need no cached copy
@@ -165,7 +167,7 @@ class _LyingHandler(BaseHTTPRequestHandler):
     def log_message(self, *a) -> None:
         pass
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         mode = self.server.mode
         if mode == "wrong-start":  # always the object's head, whatever was asked
             self.send_response(206)
@@ -257,24 +259,33 @@ def test_saving_to_https_is_a_read_only_error_naming_the_url():
 
 
 def test_every_write_delete_and_listing_is_a_read_only_error():
-    url = "http://127.0.0.1:9/run/step4/x"
+    """The http(s) store is a ReadOnlyStore: every write, delete, conditional replace and
+    listing raises its ReadOnlyLocation, naming the URL without credentials."""
+    url = "http://user:pw@127.0.0.1:9/run/step4/x"  # nothing listens: no request is sent
     store = open_store(url)
+    assert isinstance(store, ReadOnlyStore) and not store.conditional_replace
     calls = [
+        lambda: store.check_bucket(url),
         lambda: store.put_bytes(url, b"x"), lambda: store.put_bytes(url, b"x", if_absent=True),
-        lambda: store.upload_file(__file__, url), lambda: store.get_bytes_versioned(url),
-        lambda: store.put_bytes_if_match(url, b"x", "v"), lambda: store.delete(url),
-        lambda: store.delete_many([url]), lambda: store.delete_prefix("http://127.0.0.1:9/run/step4"),
+        lambda: store.upload_fileobj(None, url, size=0), lambda: store.upload_file(__file__, url),
+        lambda: store.get_bytes_versioned(url), lambda: store.put_bytes_if_match(url, b"x", "v"),
+        lambda: store.delete(url), lambda: store.delete_many([url]),
+        lambda: store.delete_prefix("http://127.0.0.1:9/run/step4"),
+        lambda: store.abort_multipart_upload(PendingUpload(url, "id")),
         lambda: list(store.list("http://127.0.0.1:9/run/")), lambda: list(store.walk("http://127.0.0.1:9/run/")),
     ]
     for call in calls:
-        with pytest.raises(ReadOnlyLocation, match="http://127.0.0.1:9/run"):
+        with pytest.raises(ReadOnlyLocation, match="http://127.0.0.1:9/run") as ei:
             call()
+        assert ":pw@" not in str(ei.value) and "endpoint_url" in str(ei.value)
+    assert store.delete_many([]) == 0 and store.list_multipart_uploads("http://127.0.0.1:9/run/") == []
 
 
 def test_listing_a_run_folder_says_to_pass_the_step_url(saved, capsys):
     with FileServer(saved[0]) as srv:
         folder = f"{srv.url}/run"
-        for call in (lambda: Checkpointer.latest_checkpoint(folder), lambda: list(Checkpointer.find_checkpoints(folder))):
+        for call in (lambda: Checkpointer.latest_checkpoint(folder),
+                     lambda: list(Checkpointer.find_checkpoints(folder))):
             with pytest.raises(ReadOnlyLocation, match=re.escape(f"pass its step folder, e.g. {folder}/step1000")):
                 call()
         assert cli_main(["latest", folder]) == 2
@@ -290,7 +301,8 @@ def test_a_step_without_a_cloudckpt_manifest_says_to_load_it_from_where_it_was_s
     shutil.copytree(saved[0], root)
     (root / STEP / layout.MARKER).write_text('{"ephemeral": false, "version": "3.0.0"}')  # OLMo-core's marker
     with FileServer(root) as srv:
-        with pytest.raises(ReadOnlyLocation, match="cannot be loaded from http\\(s\\)://: load it from where it was saved"):
+        says = "cannot be loaded from http\\(s\\)://: load it from where it was saved"
+        with pytest.raises(ReadOnlyLocation, match=says):
             Checkpointer().load(f"{srv.url}/{STEP}", AppState(*_model_and_optim(1)))
 
 

@@ -114,7 +114,8 @@ def test_keys_a_delete_refuses_are_one_typed_error_naming_them_escaped(s3_bucket
     def partial(**kw):  # the store refuses one key of the batch (an object lock, a policy on one key...)
         kw["Delete"]["Objects"] = [o for o in kw["Delete"]["Objects"] if o["Key"] not in refused]
         r = real(**kw)
-        r.setdefault("Errors", []).extend({"Key": k, "Code": "InvalidObjectState", "Message": "locked"} for k in refused)
+        r.setdefault("Errors", []).extend({"Key": k, "Code": "InvalidObjectState", "Message": "locked"}
+                                          for k in refused)
         return r
 
     monkeypatch.setattr(store.client, "delete_objects", partial)
