@@ -57,7 +57,8 @@ def _phase(outs: list, i: int, events: list) -> dict:
     return {"requests": len(mine), "slowdowns": sum(e.fault == "slowdown" for e in mine),
             "sdk_retries": sum(s["sdk_retries"] for s in stats), "retries": sum(s["retries"] for s in stats),
             "throttled": sum(s["throttled"] for s in stats), "paced_requests": sum(s["paced_requests"] for s in stats),
-            "exact": all(o[i]["exact"] for o in outs)}
+            "exact": all(o[i]["exact"] for o in outs),
+            "refused": sorted(f"{e.method} {e.target.split('?')[0].split('/step', 1)[-1]}" for e in mine if e.fault)}
 
 
 WORLD = 8
