@@ -149,9 +149,11 @@ def upload_requests(size: int, store) -> int:
 
 
 def download_requests(size: Optional[int], store) -> int:
-    """A HEAD, then one GET, or ranged GETs of the store's part size (an unknown size
-    counts one GET)."""
-    return 1 + (1 if size is None or size <= store.multipart_threshold else parts(size, store))
+    """One GET, or ranged GETs of the store's part size above its multipart threshold;
+    an unknown size costs a HEAD first (and counts one GET)."""
+    if size is None:
+        return 2
+    return 1 if size <= store.multipart_threshold else parts(size, store)
 
 
 def range_requests(size: Optional[int], store) -> int:
