@@ -302,6 +302,36 @@ def summarize(ranks: list[dict], world_size: int) -> list[dict]:
     return rows
 
 
+def plans_only(shape: dict, world_sizes=(4, 8, 16)) -> list[dict]:
+    """Without ranks: DDP's local plans (every rank holds every item) for ``world_sizes``
+    ranks, deduplicated by DCP 2.13 and by ``balanced_dedup``; the largest rank's bytes
+    over the mean for each."""
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+
+    from cloudckpt._torch_compat import _item_bytes, balanced_dedup
+
+    def max_over_mean(plans) -> float:
+        written = [sum(_item_bytes(i) for i in p.items) for p in plans]
+        return round(max(written) * len(written) / sum(written), 3)
+
+    rows = []
+    for kind in KINDS:
+        flat = full_state(shape, 0, kind)
+        for world in world_sizes:
+            plans = [create_default_local_save_plan(flat, r == 0) for r in range(world)]
+            rows.append({"layout": "ddp", "kind": kind, "ranks": world, "stock": max_over_mean(dedup_save_plans(plans)),
+                         "balanced": max_over_mean(balanced_dedup(plans))})
+    return rows
+
+
+def plans_markdown(rows: list[dict]) -> str:
+    lines = ["DDP without ranks (the planners alone on every rank's plan; `--plans`): largest rank's bytes / mean", "",
+             "| state | ranks | DCP 2.13 | cloudckpt |", "|---|---:|---:|---:|"]
+    lines += [f"| {r['kind']} | {r['ranks']} | {r['stock']:.2f} | {r['balanced']:.2f} |" for r in rows]
+    return "\n".join(lines + [""])
+
+
 def markdown(meta: dict, rows: list[dict]) -> str:
     def mib(n):
         return f"{n / MiB:.2f}"
@@ -331,6 +361,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="model shape (default small; smoke test)")
     ap.add_argument("--reps", type=int, default=None, help="saves per layout and mode (default 3; smoke 2)")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--plans", action="store_true", help="only the planners on DDP plans of 4, 8, 16 ranks (no ranks, no store)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args(argv)
     from bench.common import git_state, loadavg
@@ -338,6 +369,10 @@ def main(argv=None) -> int:
     from cloudckpt.testing.servers import SeaweedFS
 
     shape = a.shape or ("test" if a.smoke else "small")
+    plan_rows = plans_only(SHAPES[shape])
+    if a.plans:
+        print(plans_markdown(plan_rows))
+        return 0
     reps = a.reps or (2 if a.smoke else 3)
     world = 4
     command = " ".join([".venv/bin/python -m bench.balanced_save"] + (sys.argv[1:] if argv is None else list(argv)))
@@ -366,8 +401,8 @@ def main(argv=None) -> int:
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = "balanced_save_smoke" if a.smoke else "balanced_save"
-    (out_dir / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows, "per_rank": ranks}, indent=1) + "\n")
-    md = markdown(meta, rows)
+    (out_dir / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows, "plans_only": plan_rows, "per_rank": ranks}, indent=1) + "\n")
+    md = markdown(meta, rows) + "\n" + plans_markdown(plan_rows)
     (out_dir / f"{stem}.md").write_text(md)
     print(md)
     return 0 if not mismatches else 1
