@@ -44,7 +44,8 @@ def save_and_load(rank, world_size, folder, work_dir, phases):
         t1 = time.monotonic()
         exact = ts == {"step": step, "rank": rank} and all(
             torch.equal(sd[k][n], want[k][n]) for k in want for n in want[k])
-        out.append({"t0": t0, "t1": t1, "exact": exact, "stats": vars(ck.engine.stats())})
+        out.append({"t0": t0, "t1": t1, "exact": exact, "stats": vars(ck.engine.stats()),
+                    "engine_world_size": ck.engine.world_size})
         ck.close()
     return out
 
@@ -82,6 +83,7 @@ def test_eight_ranks_paced_under_the_stores_rate_finish_with_fewer_slowdowns_tha
     paced, unpaced = _phase(outs, 0, events), _phase(outs, 1, events)
     print(f"\n8 ranks, SlowDown above {LIMIT} requests/s: paced at {PACED}/s {paced}; unpaced {unpaced}")
     assert paced["exact"] and unpaced["exact"], "no failure: every rank loads its state back bit-exactly"
+    assert {p["engine_world_size"] for o in outs for p in o} == {WORLD}, "the engine gets the job's world size"
     assert unpaced["slowdowns"] >= 1 and unpaced["sdk_retries"] + unpaced["retries"] >= 1, unpaced
     assert paced["slowdowns"] < unpaced["slowdowns"], (paced, unpaced)
     # bounded: the paced engines keep their requests under the limit; what the proxy refused
