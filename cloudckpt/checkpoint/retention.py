@@ -44,7 +44,8 @@ class Policy:
     include_foreign: bool = False  # count (and delete) steps other tools wrote like ours
 
 
-def steps_to_prune(committed: list[tuple[int, bool]], policy: Policy, *, protect: frozenset[int] = frozenset()) -> list[int]:
+def steps_to_prune(committed: list[tuple[int, bool]], policy: Policy, *,
+                   protect: frozenset[int] = frozenset()) -> list[int]:
     """Which committed steps the policy deletes. ``committed`` is ``(step, ephemeral)``.
     Never the newest committed step, never a step in ``protect`` (being written)."""
     if not committed:
@@ -93,11 +94,13 @@ class GcReport:
     young: list[str] = field(default_factory=list)  # uncommitted folders left: newest object younger than older_than
 
 
-def gc(folder: Where, *, older_than: float = 3600.0, only_steps_above: int | None = None, protect: frozenset[int] = frozenset(),
-       keep_above: int | None = None, dry_run: bool = False, now: float | None = None) -> GcReport:
+def gc(folder: Where, *, older_than: float = 3600.0, only_steps_above: int | None = None,
+       protect: frozenset[int] = frozenset(), keep_above: int | None = None, dry_run: bool = False,
+       now: float | None = None) -> GcReport:
     """Delete uncommitted step folders (no marker, ours or another tool's) whose newest
-    object is older than ``older_than`` seconds (or, with ``only_steps_above``, every uncommitted folder above that step,
-    whatever its age: leftovers of a crashed attempt of the run being resumed), and
+    object is older than ``older_than`` seconds (or, with ``only_steps_above``, every
+    uncommitted folder above that step, whatever its age: leftovers of a crashed attempt
+    of the run being resumed), and
     multipart uploads under ``folder`` initiated more than ``older_than`` seconds ago.
     ``keep_above``: uncommitted folders above this step are never removed (a running
     job's saves in progress: they are above its newest committed step)."""

@@ -101,7 +101,8 @@ def cmd_list(args) -> int:
     for r in rows:
         when = [utc(r["created_unix"]), "-" if r["age_seconds"] is None else age(r["age_seconds"])]
         if r["status"] != "committed":
-            lines.append(["-" if r["step"] is None else r["step"], r["status"], "-", "-" if r["size_bytes"] is None else size(r["size_bytes"]),
+            lines.append(["-" if r["step"] is None else r["step"], r["status"], "-",
+                          "-" if r["size_bytes"] is None else size(r["size_bytes"]),
                           "-" if r["object_count"] is None else r["object_count"], "-", *when, r["url"]])
         else:
             lines.append([r["step"], "ephemeral" if r["ephemeral"] else "persistent", r["format"],

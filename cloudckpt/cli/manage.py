@@ -42,7 +42,8 @@ def cmd_prune(args) -> int:
     if args.yes:
         ops.apply_prune(plan, on_deleted=None if args.json else (lambda i: print(f"deleted {i.url}")))
     elif plan.prune and not args.json:
-        print(f"dry run: nothing was deleted; run again with --yes to delete the {len(plan.prune)} step(s) marked delete")
+        print(f"dry run: nothing was deleted; run again with --yes to delete the {len(plan.prune)} "
+              "step(s) marked delete")
     if args.json:
         emit(args, plan.to_json(dry_run=not args.yes))
     return EXIT_OK

@@ -53,12 +53,12 @@ def cmd_inspect(args) -> int:
     else:
         tensors = rep.tensors
         total = sum(t["size_bytes"] for t in tensors)
-        print(f"tensors ({layout.DCP_METADATA}): {len(tensors)} tensors, {sum(t['numel'] for t in tensors):,} elements, "
-              f"{size(total)}")
+        numel = sum(t["numel"] for t in tensors)
+        print(f"tensors ({layout.DCP_METADATA}): {len(tensors)} tensors, {numel:,} elements, {size(total)}")
         if tensors:
             table(["KEY", "DTYPE", "SHAPE", "SIZE", "CHUNKS"],
-                  [[t["key"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", size(t["size_bytes"]), t["chunks"]]
-                   for t in tensors], right=(3,))
+                  [[t["key"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", size(t["size_bytes"]),
+                    t["chunks"]] for t in tensors], right=(3,))
         if rep.non_tensor_keys:
             print(f"non-tensor entries: {', '.join(rep.non_tensor_keys)}")
     print()
@@ -72,7 +72,8 @@ def cmd_inspect(args) -> int:
             table(["KEY", "TYPE", "VALUE"], [[k["key"], k["type"], k["summary"]] for k in train["keys"]])
     if args.objects:
         print()
-        table(["OBJECT", "SIZE", "CRC32C"], [[o.path, size(o.size), o.crc32c or "-"] for o in marker.objects], right=(1,))
+        table(["OBJECT", "SIZE", "CRC32C"], [[o.path, size(o.size), o.crc32c or "-"] for o in marker.objects],
+              right=(1,))
     return EXIT_OK
 
 

@@ -50,7 +50,8 @@ class AcceleratorCheckpointer:
         self.accelerator = accelerator
         self.manager: CheckpointManager = build_manager(save_folder, config, options)
         self.state = AppState(model, _each(optimizer), _each(scheduler))
-        models = list(model.values()) if isinstance(model, dict) else list(model) if isinstance(model, (list, tuple)) else [model]
+        models = (list(model.values()) if isinstance(model, dict)
+                  else list(model) if isinstance(model, (list, tuple)) else [model])
         self._config = config_json(accelerator.unwrap_model(models[0])) if len(models) == 1 else None
 
     def load_state(self, **load_options: Any) -> Any:

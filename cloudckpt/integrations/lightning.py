@@ -122,7 +122,8 @@ def join_checkpoint(rest: dict, tensors: dict) -> dict:
             try:
                 return tensors[top][name]
             except KeyError:
-                raise CorruptCheckpoint(f"the train state refers to tensor {top}.{name}, which the DCP state lacks") from None
+                raise CorruptCheckpoint(f"the train state refers to tensor {top}.{name}, "
+                                        "which the DCP state lacks") from None
         if isinstance(obj, dict):
             return type(obj)((k, fill(v)) for k, v in obj.items())
         if isinstance(obj, (list, tuple)):
@@ -156,7 +157,8 @@ def _ephemeral(storage_options: Any) -> bool:
     if storage_options is None:
         return False
     if not isinstance(storage_options, dict) or set(storage_options) - {"ephemeral"}:
-        raise TypeError(f"cloudckpt's CheckpointIO accepts storage_options=None or {{'ephemeral': bool}}, got {storage_options!r}")
+        raise TypeError("cloudckpt's CheckpointIO accepts storage_options=None or {'ephemeral': bool}, "
+                        f"got {storage_options!r}")
     return bool(storage_options.get("ephemeral", False))
 
 
@@ -234,7 +236,8 @@ class CloudCheckpointIO(CheckpointIO):
                  **checkpointer_options: Any):
         super().__init__()
         if "distributed" in checkpointer_options:
-            raise TypeError("CloudCheckpointIO always saves from one process (distributed=False); do not pass distributed")
+            raise TypeError("CloudCheckpointIO always saves from one process (distributed=False); "
+                            "do not pass distributed")
         self.storage_options = storage_options
         self._options = dict(checkpointer_options, storage_options=storage_options, save_overwrite=save_overwrite,
                              distributed=False)

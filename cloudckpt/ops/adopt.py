@@ -78,7 +78,8 @@ def adopt(dir: Where, *, dry_run: bool = True, jobs: int = 8,
             return ObjectEntry(o.path, o.size, sums[o.path])
         ranges = items.get(o.path, [])
         crc, chunk_crcs = _stream_crc(store, urls.join(dir, o.path), o.size, ranges, on_bytes)
-        return ObjectEntry(o.path, o.size, crc, tuple((off, n, c) for (off, n), c in zip(ranges, chunk_crcs, strict=True)))
+        ranged = tuple((off, n, c) for (off, n), c in zip(ranges, chunk_crcs, strict=True))
+        return ObjectEntry(o.path, o.size, crc, ranged)
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         objects = tuple(pool.map(one, marker.objects))

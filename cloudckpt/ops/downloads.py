@@ -146,8 +146,9 @@ def _fetch(plan: DownloadPlan, jobs: int, progress: Progress | None) -> list[dic
                     except NotFound as e:
                         if type(e) is not NotFound:
                             raise
-                        raise CorruptCheckpoint(f"{e.url or e} is listed in the marker of {plan.step.url} but missing; the "
-                                                "checkpoint is damaged (run `cloudckpt verify`, or download an older step)") from None
+                        raise CorruptCheckpoint(
+                            f"{e.url or e} is listed in the marker of {plan.step.url} but missing; the checkpoint "
+                            "is damaged (run `cloudckpt verify`, or download an older step)") from None
                     except ObjectTooLarge:  # stopped at the manifest's size: nothing past it was written
                         o = item.entry
                         bad.append({"path": o.path, "url": item.url, "size": None, "expected_size": o.size,

@@ -182,10 +182,12 @@ class _TensorReader:
         info = self.metadata.storage_data[MetadataIndex(fqn, offsets)]
         url = urls.join(self.model_url, info.relative_path)
         if getattr(info, "transform_descriptors", None):
-            raise CorruptCheckpoint(f"{url}: the item of {fqn!r} uses stream transforms, which cloudckpt does not support")
+            raise CorruptCheckpoint(f"{url}: the item of {fqn!r} uses stream transforms, "
+                                    "which cloudckpt does not support")
         data = self._read_range(url, info.offset, info.length)
         if len(data) != info.length:
-            raise CorruptCheckpoint(f"{url}: expected {info.length} bytes at offset {info.offset}, got {len(data)}; it is truncated")
+            raise CorruptCheckpoint(f"{url}: expected {info.length} bytes at offset {info.offset}, "
+                                    f"got {len(data)}; it is truncated")
         want = self.checksums.get(info.relative_path, {}).get((info.offset, info.length))
         if self.verify and want is not None and crc32c_bytes(data) != want:
             raise CorruptCheckpoint(f"{url}: CRC32C mismatch in bytes [{info.offset}, {info.offset + info.length}) of "
@@ -202,8 +204,8 @@ class _TensorReader:
             part = decode_item_tensor(data, url=url, fqn=repr(e.fqn))
             del data
             if part.dtype != e.src_dtype or part.numel() != math.prod(chunk.sizes):
-                raise CorruptCheckpoint(f"{url}: the item of {e.fqn!r} at offsets {list(chunk.offsets)} does not hold a "
-                                        f"{e.src_dtype} tensor of {list(chunk.sizes)}")
+                raise CorruptCheckpoint(f"{url}: the item of {e.fqn!r} at offsets {list(chunk.offsets)} "
+                                        f"does not hold a {e.src_dtype} tensor of {list(chunk.sizes)}")
             if tuple(chunk.sizes) == e.shape and len(e.chunks) == 1:
                 return part
             if full is None:
@@ -253,7 +255,8 @@ def _header(entries: list[_Entry], meta: dict[str, str]) -> bytes:
     header: dict[str, Any] = {"__metadata__": meta}
     off = 0
     for e in entries:
-        header[e.name] = {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [off, off + e.nbytes]}
+        header[e.name] = {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape),
+                          "data_offsets": [off, off + e.nbytes]}
         off += e.nbytes
     body = json.dumps(header, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)  # the data starts 8-byte aligned, as the safetensors library writes it
@@ -278,7 +281,8 @@ def _write_safetensors(f: BinaryIO, entries: list[_Entry], reader: _TensorReader
     for e in entries:
         t = _cast(reader.read(e), e.dtype)
         if _write_tensor(f, t) != e.nbytes:
-            raise CorruptCheckpoint(f"{e.fqn!r}: read {tuple(t.shape)} {t.dtype}, the metadata says {e.shape} {e.dtype}")
+            raise CorruptCheckpoint(f"{e.fqn!r}: read {tuple(t.shape)} {t.dtype}, "
+                                    f"the metadata says {e.shape} {e.dtype}")
         del t
 
 
@@ -340,7 +344,8 @@ def export_weights(
     marker, metadata = step_files.read_dcp_metadata(step, verify=verify_checksums)
     entries, skipped = _plan(metadata, key_prefix, out_dtype, safetensors=fmt == "safetensors")
     if skipped:
-        log.warning("export skips %d non-tensor value(s) under %r: %s", len(skipped), key_prefix, ", ".join(skipped[:10]))
+        log.warning("export skips %d non-tensor value(s) under %r: %s", len(skipped), key_prefix,
+                    ", ".join(skipped[:10]))
     meta = {"format": "pt", "cloudckpt_step": str(marker.step)}
 
     local = urls.is_plain_path(dest_url) or urls.scheme_of(dest_url) == "file"
@@ -351,16 +356,19 @@ def export_weights(
         final = None
         tmp_dir = work_dir or default_work_dir()
     os.makedirs(tmp_dir, exist_ok=True)
-    tmp = os.path.join(tmp_dir, f".export-{uuid.uuid4().hex}.part")  # open(..., "xb"): the umask applies, as for any file
+    # open(..., "xb"): the umask applies, as for any file
+    tmp = os.path.join(tmp_dir, f".export-{uuid.uuid4().hex}.part")
     config = transfer or TransferConfig()
     engine = TransferEngine(config, storage_options=dest.options, progress=progress)
-    pool = ThreadPoolExecutor(max_workers=max(1, min(config.max_concurrency, 16)), thread_name_prefix="cloudckpt-export")
+    pool = ThreadPoolExecutor(max_workers=max(1, min(config.max_concurrency, 16)),
+                              thread_name_prefix="cloudckpt-export")
     try:
         if read_progress is not None:
             read_progress.start(_stored_bytes(metadata, entries))
         reader = _TensorReader(step.join(layout.MODEL_DIR).url, step.store, metadata, pool,
                                checksums=step_files.item_checksums(marker), verify=verify_checksums,
-                               piece_size=piece_size, on_bytes=read_progress.update if read_progress is not None else None)
+                               piece_size=piece_size,
+                               on_bytes=read_progress.update if read_progress is not None else None)
         with open(tmp, "xb") as f:
             if fmt == "safetensors":
                 _write_safetensors(f, entries, reader, meta)

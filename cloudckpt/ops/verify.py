@@ -113,7 +113,8 @@ def _check_object(store, url: str, entry: ObjectEntry, *, size_only: bool,
                 "detail": f"size {size} bytes, the marker says {entry.size}", "size": size, "expected_size": entry.size}
     if crc is not None and entry.crc32c and crc != entry.crc32c:
         return {"path": entry.path, "url": url, "problem": "crc32c",
-                "detail": f"CRC32C {crc}, the marker says {entry.crc32c}", "crc32c": crc, "expected_crc32c": entry.crc32c}
+                "detail": f"CRC32C {crc}, the marker says {entry.crc32c}", "crc32c": crc,
+                "expected_crc32c": entry.crc32c}
     return None
 
 
@@ -135,7 +136,8 @@ def check_contents(step: Location, marker: Marker) -> list[dict]:
     return bad
 
 
-def verify_step(step: Where, *, size_only: bool = False, jobs: int = 16, progress: Progress | None = None) -> VerifyReport:
+def verify_step(step: Where, *, size_only: bool = False, jobs: int = 16,
+                progress: Progress | None = None) -> VerifyReport:
     """Check every object of the committed step ``step`` (``jobs`` at once; with
     ``size_only`` one HEAD each, no download), then parse what a load parses.
     ``progress`` gets the bytes streamed. Raises NotACheckpoint (no marker),

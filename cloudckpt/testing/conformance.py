@@ -115,7 +115,8 @@ RANGES = [
     ((10, 5), slice(10, 5)),  # end before start: empty
 ]
 
-ODD_KEYS = ["unicode/ünïcødé 名前 ✓.bin", "spaces/with  two spaces/and one.txt", "chars/plus+percent%20amp&eq=hash#.bin"]
+ODD_KEYS = ["unicode/ünïcødé 名前 ✓.bin", "spaces/with  two spaces/and one.txt",
+            "chars/plus+percent%20amp&eq=hash#.bin"]
 
 
 class ObjectStoreConformance:
@@ -659,7 +660,8 @@ class ObjectStoreConformance:
                 a.prepare()
         assert a.lock_url in str(ei.value)
         if gets is not None:
-            assert all(end - start <= 64 * 1024 + 1 for start, end in gets), f"reads stay under the lock ceiling: {gets}"
+            assert all(end - start <= 64 * 1024 + 1 for start, end in gets), \
+                f"reads stay under the lock ceiling: {gets}"
 
     def test_commit_protocol_abort_removes_the_attempt_and_a_lost_commit_answer_is_our_own(self, backend):
         from ..errors import CheckpointExists

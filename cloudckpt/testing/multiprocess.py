@@ -49,7 +49,8 @@ def run_ranks(world_size: int, fn, *args, env: dict | None = None, timeout: floa
     with tempfile.TemporaryDirectory(prefix="cloudckpt-mp-") as tmp:
         init_file = os.path.join(tmp, "init")
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, tmp, env, fn, args)) for r in range(world_size)]
+        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, tmp, env, fn, args))
+                 for r in range(world_size)]
         for p in procs:
             p.start()
         for p in procs:
@@ -65,7 +66,8 @@ def run_ranks(world_size: int, fn, *args, env: dict | None = None, timeout: floa
                 with open(os.path.join(tmp, f"rank{r}.pkl"), "rb") as f:
                     status, value = pickle.load(f)
             except FileNotFoundError:
-                status, value = "error", ("hung past the timeout" if r in hung else f"died with exit code {procs[r].exitcode}")
+                status, value = "error", ("hung past the timeout" if r in hung
+                                          else f"died with exit code {procs[r].exitcode}")
             if status == "ok":
                 results.append(value)
             else:

@@ -80,8 +80,8 @@ class _Server:
         self.tmp = self.tmp or tempfile.mkdtemp(prefix=f"cloudckpt-{self.name}-")
         self._log = open(os.path.join(self.tmp, "server.log"), "wb")
         self.proc = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.tmp
-        )
+            argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            cwd=self.tmp)
 
     def log_tail(self, n: int = 40) -> str:
         if not self.tmp:

@@ -527,7 +527,8 @@ class PlainUnpickler:
         return b""
 
     def r_encode(self, args):
-        if len(args) != 2 or type(args[0]) is not str or args[1] not in ("latin1", "latin-1") or type(args[1]) is not str:
+        if (len(args) != 2 or type(args[0]) is not str or args[1] not in ("latin1", "latin-1")
+                or type(args[1]) is not str):
             raise Refused("_codecs.encode other than of a latin-1 string (protocol 2 bytes)")
         try:
             return args[0].encode("latin-1")
@@ -592,7 +593,8 @@ _U8 = struct.Struct("<Q")
 _F8 = struct.Struct(">d")
 
 for _name, _fn in {
-    "MARK": PlainUnpickler.op_mark, "POP": PlainUnpickler.op_pop, "POP_MARK": PlainUnpickler.op_pop_mark, "DUP": PlainUnpickler.op_dup,
+    "MARK": PlainUnpickler.op_mark, "POP": PlainUnpickler.op_pop, "POP_MARK": PlainUnpickler.op_pop_mark,
+    "DUP": PlainUnpickler.op_dup,
     "PROTO": PlainUnpickler.op_proto, "FRAME": PlainUnpickler.op_frame, "NONE": PlainUnpickler.op_none,
     "NEWTRUE": PlainUnpickler.op_true, "NEWFALSE": PlainUnpickler.op_false, "BININT": PlainUnpickler.op_binint,
     "BININT1": PlainUnpickler.op_binint1, "BININT2": PlainUnpickler.op_binint2, "LONG1": PlainUnpickler.op_long1,
@@ -601,9 +603,11 @@ for _name, _fn in {
     "TUPLE2": PlainUnpickler.op_tuple2, "TUPLE3": PlainUnpickler.op_tuple3, "EMPTY_LIST": PlainUnpickler.op_empty_list,
     "LIST": PlainUnpickler.op_list, "APPEND": PlainUnpickler.op_append, "APPENDS": PlainUnpickler.op_appends,
     "EMPTY_DICT": PlainUnpickler.op_empty_dict, "DICT": PlainUnpickler.op_dict, "SETITEM": PlainUnpickler.op_setitem,
-    "SETITEMS": PlainUnpickler.op_setitems, "EMPTY_SET": PlainUnpickler.op_empty_set, "ADDITEMS": PlainUnpickler.op_additems,
-    "FROZENSET": PlainUnpickler.op_frozenset, "BINGET": PlainUnpickler.op_binget, "LONG_BINGET": PlainUnpickler.op_long_binget,
-    "BINPUT": PlainUnpickler.op_binput, "LONG_BINPUT": PlainUnpickler.op_long_binput, "MEMOIZE": PlainUnpickler.op_memoize,
+    "SETITEMS": PlainUnpickler.op_setitems, "EMPTY_SET": PlainUnpickler.op_empty_set,
+    "ADDITEMS": PlainUnpickler.op_additems, "FROZENSET": PlainUnpickler.op_frozenset,
+    "BINGET": PlainUnpickler.op_binget, "LONG_BINGET": PlainUnpickler.op_long_binget,
+    "BINPUT": PlainUnpickler.op_binput, "LONG_BINPUT": PlainUnpickler.op_long_binput,
+    "MEMOIZE": PlainUnpickler.op_memoize,
     "GLOBAL": PlainUnpickler.op_global, "STACK_GLOBAL": PlainUnpickler.op_stack_global,
     "BINPERSID": PlainUnpickler.op_binpersid, "REDUCE": PlainUnpickler.op_reduce, "BUILD": PlainUnpickler.op_build,
     **{name: functools.partial(PlainUnpickler._sized, width=width, make=make) for name, width, make in (

@@ -335,5 +335,6 @@ def _load(mv: memoryview, meta: bool) -> Any:
         st = storages[key] = _Storage(untyped, dtype, typed, r_size)
         return st
 
-    up = _Unpickler(mv[start:start + size], storage_of, max_nodes=4 * size + 100_000, view_bytes=4 * stored + (16 << 20))
+    up = _Unpickler(mv[start:start + size], storage_of, max_nodes=4 * size + 100_000,
+                    view_bytes=4 * stored + (16 << 20))
     return up.load()

@@ -538,7 +538,8 @@ def _check_tensor(fqn: str, sm: Any, items: dict, b: _Budget, bad) -> None:
         if not (_dims_ok(off) and _dims_ok(sz)):
             raise bad(f"a chunk of {_q(fqn)} has offsets or sizes outside [0, 2^63)")
         if any(o + s > d for o, s, d in zip(off, sz, size, strict=True)):
-            raise bad(f"a chunk of {_q(fqn)} (offsets {list(off)}, sizes {list(sz)}) lies outside its size {list(size)}")
+            raise bad(f"a chunk of {_q(fqn)} (offsets {list(off)}, sizes {list(sz)}) "
+                      f"lies outside its size {list(size)}")
         if off in starts:
             raise bad(f"two chunks of {_q(fqn)} start at offsets {list(off)}")
         starts.add(off)
@@ -547,7 +548,8 @@ def _check_tensor(fqn: str, sm: Any, items: dict, b: _Budget, bad) -> None:
         if length is None:
             raise bad(f"the chunk of {_q(fqn)} at offsets {list(off)} has no storage item")
         if n * itemsize > length:
-            raise bad(f"the chunk of {_q(fqn)} at offsets {list(off)} claims {n * itemsize} bytes, its item holds {length}")
+            raise bad(f"the chunk of {_q(fqn)} at offsets {list(off)} claims {n * itemsize} bytes, "
+                      f"its item holds {length}")
         covered += n
         if n:
             boxes.append((off, sz))

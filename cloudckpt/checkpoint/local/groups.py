@@ -52,8 +52,9 @@ class Replication:
                               f"that holds it; use {m} (one node) or a multiple of it (a rack)")
         nodes = w // j
         if f > nodes:
-            raise ConfigError(f"replication_factor={f} is larger than the number of failure domains (nodes, or racks: {nodes} = world "
-                              f"size {w} / replication_jump {j}): a part cannot have {f} copies on different nodes; use <= {nodes}")
+            raise ConfigError(f"replication_factor={f} is larger than the number of failure domains (nodes, or "
+                              f"racks: {nodes} = world size {w} / replication_jump {j}): a part cannot have {f} "
+                              f"copies on different nodes; use <= {nodes}")
         if w % (j * f):
             raise ConfigError(f"the world size {w} is not divisible by replication_jump x replication_factor "
                               f"({j} x {f}): use a factor that divides the number of nodes ({nodes})")

@@ -114,7 +114,8 @@ def own_leftover(name: str, rank: int, peers: tuple[int, ...]) -> bool:
     return name.startswith(f".tmp-write{int(rank)}-") or any(name.startswith(f".tmp-recv{int(p)}-") for p in peers)
 
 
-def remove_own_leftovers(root: str, step: int, rank: int, peers: tuple[int, ...], *, replicated: bool = False) -> list[str]:
+def remove_own_leftovers(root: str, step: int, rank: int, peers: tuple[int, ...], *,
+                         replicated: bool = False) -> list[str]:
     """Remove from ``step``'s folder the temporary folders ``rank`` makes (left by a
     killed process: this one has none in flight for the step), and with ``replicated``
     its ``.replicated-rank{R}`` record (the step is being written again: it is not

@@ -92,8 +92,9 @@ class LocalTier:
                 os.close(root.new_file(probe))
                 os.unlink(probe, dir_fd=root.fd)
         except OSError as e:
-            raise ConfigError(f"local_dir={local_dir!r} is not usable on rank {self.rank} ({self.root}: {e.strerror or e}): "
-                              "use a writable node-local folder such as /dev/shm/ckpt or a local NVMe path") from None
+            raise ConfigError(f"local_dir={local_dir!r} is not usable on rank {self.rank} "
+                              f"({self.root}: {e.strerror or e}): use a writable node-local folder such as "
+                              "/dev/shm/ckpt or a local NVMe path") from None
 
     def _claim(self, local_dir: str, save_folder: str) -> None:
         """Record the run (its ``save_folder``) the node's folder serves; refuse a folder
@@ -111,13 +112,14 @@ class LocalTier:
             except CorruptCheckpoint as e:
                 if parts.steps_on_disk(self.root):
                     raise ConfigError(
-                        f"local_dir={local_dir!r} ({self.root}) holds local steps, and its run file, which says which run "
-                        f"they belong to, cannot be used ({e}): remove the folder (or use another local_dir) unless "
-                        "you know they are this run's steps; then remove only the run file") from None
+                        f"local_dir={local_dir!r} ({self.root}) holds local steps, and its run file, which says "
+                        f"which run they belong to, cannot be used ({e}): remove the folder (or use another "
+                        "local_dir) unless you know they are this run's steps; then remove only the run file") from None
                 owner = None
             if owner not in (None, save_folder) and parts.steps_on_disk(self.root):
                 raise ConfigError(
-                    f"local_dir={local_dir!r} ({self.root}) holds local steps of another run (save_folder {ascii(owner)[1:-1][:500]}); "
+                    f"local_dir={local_dir!r} ({self.root}) holds local steps of another run "
+                    f"(save_folder {ascii(owner)[1:-1][:500]}); "
                     f"resuming {save_folder} from them would load the wrong state: use another local_dir for this run, "
                     "or remove the folder if that run is over")
             if owner != save_folder:
@@ -175,7 +177,8 @@ class LocalTier:
 
     def _replicate_and_prune(self, step: int) -> None:
         try:
-            stats = self.coord.all_ranks("copy local step", lambda: exchange.replicate(self.coord, self.rep, self.root, step))
+            stats = self.coord.all_ranks("copy local step",
+                                         lambda: exchange.replicate(self.coord, self.rep, self.root, step))
             parts.mark_replicated(self.root, step, self.rank)
             self.last_replication = dict(stats[self.rank], step=step)
         except Exception as e:  # noqa: BLE001 - the step stays incomplete; the next one tries again
@@ -267,8 +270,9 @@ class LocalTier:
                     held[r] = p
         owner = {o.path: r for r, m in found.markers.items() for o in m.objects}
         any_marker = next(iter(found.markers.values()))
+        objects = sorted((o for m in found.markers.values() for o in m.objects), key=lambda o: o.path)
         combined = Marker(step=found.step, ephemeral=any_marker.ephemeral, world_size=self.rep.world_size,
-                          objects=tuple(sorted((o for m in found.markers.values() for o in m.objects), key=lambda o: o.path)),
+                          objects=tuple(objects),
                           torch_version=any_marker.torch_version, save_id=any_marker.save_id)
         # private, in the node folder (a link planted as the step's folder on this node changes nothing)
         view = parts.new_view(self.root, f"view{self.rank}")
@@ -284,7 +288,8 @@ class LocalTier:
             linked = {o.path for p in held.values() for o in p.marker.objects}
 
             def fetch(ranges: dict[str, list[tuple[int, int]]]) -> None:
-                needs = [(owner[r], r, off, n) for r, rs in ranges.items() if r in owner and r not in linked for off, n in rs]
+                needs = [(owner[r], r, off, n) for r, rs in ranges.items() if r in owner and r not in linked
+                         for off, n in rs]
                 stats["fetched_bytes"] += exchange.fetch(self.coord, needs, found.holders, held, found.markers, view)
 
             whole = [layout.train_state_name(self.rank)] + ([layout.DCP_METADATA] if self.rank == 0 else [])
