@@ -27,6 +27,7 @@ from .tries import honest_state, zero_state  # the honest step every case starts
 
 MODEL = "model_and_optim"
 META = f"{MODEL}/.metadata"
+INDEX_HEADER = "index/header.json"  # the DCP index (cloudckpt/dcp/index.py)
 TRAIN = "train/rank0.pt"
 
 
@@ -53,9 +54,21 @@ class Step:
 
     def put(self, rel: str, data: bytes, *, listed_as: str | None = None) -> None:
         """Write ``data`` at ``rel`` and make the manifest entry ``listed_as`` (default
-        ``rel``) match it: size and CRC32C, no item chunks."""
+        ``rel``) match it: size and CRC32C, no item chunks. A crafted DCP ``.metadata``
+        comes without the step's DCP index (an attacker who writes one removes the index
+        too): loads then plan from ``.metadata``, as for a step written by another tool."""
         self.store.put_bytes(self.join(self.url, rel), data)
         self.relist(listed_as or rel, len(data), crc(data))
+        if (listed_as or rel) == META:
+            self.unlist(INDEX_HEADER)
+
+    def unlist(self, rel: str) -> None:
+        """Remove ``rel``'s manifest entry (the object stays)."""
+        def edit(objects: list) -> bool:
+            objects[:] = [o for o in objects if o["path"] != rel]
+            return True
+
+        self._edit_entry(rel, edit)
 
     def relist(self, rel: str, size: int, crc32c: str | None) -> None:
         def edit(objects: list) -> bool:
