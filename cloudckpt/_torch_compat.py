@@ -148,31 +148,26 @@ def balanced_dedup(all_plans: list, min_piece: int = MIN_PIECE_BYTES) -> list:
     cap = max(min_piece, sum(_item_bytes(i) for i in first.values()) // (8 * world))
     load = [0] * len(all_plans)
     writer: dict = {}  # item or piece index -> the rank that writes it
+    cut: dict = {}  # index of a shared item -> its pieces, where it was cut
     shared = []
     for index, ranks in holders.items():
         if len(ranks) == 1:
             writer[index] = ranks[0]
             load[ranks[0]] += _item_bytes(first[index])
-        else:
-            shared += [(piece, ranks) for piece in _pieces(first[index], cap if uniform[index] else None)]
+            continue
+        pieces = _pieces(first[index], cap if uniform[index] else None)
+        if len(pieces) > 1:
+            cut[index] = pieces
+        shared += [(piece, ranks) for piece in pieces]
     shared.sort(key=lambda p: (-_item_bytes(p[0]), p[0].index.fqn, tuple(p[0].index.offset or ())))
     for piece, ranks in shared:
         rank = min(ranks, key=lambda r: (load[r], r))
         writer[piece.index] = rank
         load[rank] += _item_bytes(piece)
-    # each plan keeps its own order, an item's pieces where the item was
-    return [dataclasses.replace(plan, items=[p for item in plan.items for p in
-                                             _own_pieces(item, len(holders[item.index]) > 1 and uniform[item.index],
-                                                         first[item.index], cap)
+    # each plan keeps its own order and its own items, a cut item's pieces where it was
+    return [dataclasses.replace(plan, items=[p for item in plan.items for p in cut.get(item.index, (item,))
                                              if writer[p.index] == rank])
             for rank, plan in enumerate(all_plans)]
-
-
-def _own_pieces(item, cut: bool, first, cap: int) -> list:
-    """A plan's ``item`` as the pieces ``balanced_dedup`` cut (from the lowest holder's
-    identical item), or itself where it was not cut."""
-    pieces = _pieces(first, cap) if cut else [item]
-    return pieces if len(pieces) > 1 else [item]
 
 
 class _BalancedSavePlanner(DefaultSavePlanner):
