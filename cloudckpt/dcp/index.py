@@ -12,7 +12,10 @@ stock DCP and other tools read the step as before):
     non-tensor value's item. Each distinct chunk layout (the chunks' offsets and sizes
     and the rank that wrote each) is written once, however many tensors share it: a
     transformer's sharded tensors have a handful of shapes, so the header grows with
-    ``T + layouts x R``, not ``T x R``.
+    ``T + layouts x R``, not ``T x R``. A layout that only one tensor uses (a tensor of
+    a shape of its own, or a replicated tensor the balanced save cut into pieces) also
+    carries its chunks' items, so loading it reads no part: a data-parallel load would
+    otherwise read the parts of every rank that wrote a piece.
 ``index/rank{R}.json`` (rank R, listed in its manifest part)
     the items of rank R's chunks of sharded tensors: key, chunk offsets and sizes, file,
     offset, length.
@@ -128,6 +131,7 @@ def header_bytes(metadata: Metadata, cache: dict | None = None) -> bytes:
     storage = metadata.storage_data
     cache = {} if cache is None else cache
     layouts: dict[tuple, int] = {}
+    users: dict[int, list] = {}  # layout id -> the tensors that use it
     tensors, values = [], []
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
@@ -156,11 +160,20 @@ def header_bytes(metadata: Metadata, cache: dict | None = None) -> bytes:
             key = (len(size), tuple(flat), tuple(owners))
             cache[fqn] = (chunks, len(chunks), key)
         lid = layouts.setdefault(key, len(layouts))
+        users.setdefault(lid, []).append((fqn, chunks))
         tensors.append([fqn, dtype, size, lid, None])
+    docs = [{"ndim": nd, "boxes": list(flat), "owners": list(owners)} for (nd, flat, owners) in layouts]
+    for lid, used in users.items():
+        if len(used) == 1:  # a layout of one tensor (its own shape, or a replicated tensor cut in pieces)
+            fqn, chunks = used[0]
+            items = []
+            for c in chunks:
+                info = storage[MetadataIndex(fqn, c.offsets)]
+                items.append([info.relative_path, int(info.offset), int(info.length)])
+            docs[lid]["items"] = items
     doc = {
         "format": FORMAT, "version": VERSION, "dcp_version": getattr(metadata, "version", None),
-        "layouts": [{"ndim": nd, "boxes": list(flat), "owners": list(owners)} for (nd, flat, owners) in layouts],
-        "tensors": tensors, "values": values,
+        "layouts": docs, "tensors": tensors, "values": values,
     }
     return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -174,6 +187,7 @@ class Layout:
     lo: np.ndarray
     hi: np.ndarray
     owners: np.ndarray
+    items: list | None = None  # a layout of one tensor: each chunk's item (no part to read)
 
 
 @dataclass(frozen=True)
@@ -250,6 +264,7 @@ def parse_header(data: bytes, *, url: str) -> Header:
         layouts = [_layout(x) for x in raw_layouts]
         tensors: dict[str, Tensor] = {}
         checked: set[tuple[int, tuple]] = set()
+        itemized: set[int] = set()  # layouts with items, each used by one tensor
         for t in raw_tensors:
             if type(t) is not list or len(t) != 5:
                 raise ValueError(f"a tensor entry {_shown(t)} is not [key, dtype, size, layout, item]")
@@ -271,6 +286,10 @@ def parse_header(data: bytes, *, url: str) -> Header:
             if (lid, size) not in checked:
                 _check_layout(layouts[lid], size, fqn)
                 checked.add((lid, size))
+            if layouts[lid].items is not None:
+                if lid in itemized:
+                    raise ValueError(f"a layout with its items is used by {_shown(fqn)} and another tensor")
+                itemized.add(lid)
             tensors[fqn] = Tensor(dtype, size, lid, None)
         values: dict[str, tuple[str, int, int]] = {}
         for v in raw_values:
@@ -286,8 +305,8 @@ def parse_header(data: bytes, *, url: str) -> Header:
 
 
 def _layout(x: Any) -> Layout:
-    if type(x) is not dict or set(x) != {"ndim", "boxes", "owners"}:
-        raise ValueError("a layout is not {ndim, boxes, owners}")
+    if type(x) is not dict or not {"ndim", "boxes", "owners"} <= set(x) <= {"ndim", "boxes", "owners", "items"}:
+        raise ValueError("a layout is not {ndim, boxes, owners[, items]}")
     nd = _int(x["ndim"], 1, MAX_TENSOR_DIMS)
     boxes, owners = x["boxes"], x["owners"]
     if type(boxes) is not list or type(owners) is not list or not owners or len(boxes) != 2 * nd * len(owners):
@@ -300,7 +319,14 @@ def _layout(x: Any) -> Layout:
     lo, sz = arr[:, 0, :], arr[:, 1, :]
     if np.any(sz > np.uint64(MAX_DIM) - lo):
         raise ValueError("a layout's chunk ends past 2^63")
-    return Layout(lo.astype(np.int64), (lo + sz).astype(np.int64), np.array(owners, dtype=np.int64))
+    items = None
+    if "items" in x:
+        if type(x["items"]) is not list or len(x["items"]) != len(owners):
+            raise ValueError("a layout's items and owners do not agree in number")
+        items = [_item(i) for i in x["items"]]
+        if any(_owner(rel) != o for (rel, _, _), o in zip(items, owners)):
+            raise ValueError("a layout's item lies in a file of another rank than the chunk's owner")
+    return Layout(lo.astype(np.int64), (lo + sz).astype(np.int64), np.array(owners, dtype=np.int64), items)
 
 
 def _check_layout(lay: Layout, size: tuple[int, ...], fqn: str) -> None:
@@ -397,7 +423,8 @@ def select(header: Header, wanted: Wanted) -> tuple[dict[str, list[int]], set[in
         if picked:
             ks = sorted(picked)
             needs[fqn] = ks
-            owners.update(lay.owners[ks].tolist())
+            if lay.items is None:
+                owners.update(lay.owners[ks].tolist())
     return needs, owners
 
 
@@ -419,7 +446,7 @@ def build_metadata(header: Header, needs: dict[str, list[int]], parts: dict[int,
             for k in needs.get(fqn, ()):
                 lo, hi, owner = lay.lo[k].tolist(), lay.hi[k].tolist(), int(lay.owners[k])
                 sizes = tuple(h - o for h, o in zip(hi, lo))
-                got = parts[owner].get((fqn, tuple(lo)))
+                got = (sizes, *lay.items[k]) if lay.items is not None else parts[owner].get((fqn, tuple(lo)))
                 if got is None or got[0] != sizes:
                     raise _bad(header.url, f"the index part of rank {owner} lacks the chunk of {_shown(fqn)} at "
                                            f"offsets {lo} of sizes {list(sizes)} that the header gives it")

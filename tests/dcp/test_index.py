@@ -153,6 +153,7 @@ def test_each_layout_is_written_once_however_many_tensors_share_it():
     md, _ = job(64, tensors=50)
     doc = json.loads(index.header_bytes(md))
     assert len(doc["layouts"]) == 1 and len(doc["tensors"]) == 52
+    assert "items" not in doc["layouts"][0]  # shared: its items are in the writers' parts
     assert len(index.header_bytes(md)) < 64 * 4 * 12 + 52 * 120 + 400
 
 
@@ -165,6 +166,19 @@ def test_the_layout_cache_is_used_for_the_same_chunk_lists_and_not_for_new_ones(
     # a new save whose chunks moved: new lists, recomputed
     md2, _ = job(8, rows=4)
     assert index.header_bytes(md2, cache) == index.header_bytes(md2)
+
+
+def test_a_layout_of_one_tensor_carries_its_items_and_its_loads_read_no_part():
+    md, parts = job(8, tensors=1)
+    doc = json.loads(index.header_bytes(md))
+    assert len(doc["layouts"][0]["items"]) == 8
+    for r in range(8):
+        wanted = rank_wanted(8, r, tensors=1)
+        h = header_of(md)
+        needs, owners = index.select(h, wanted)
+        assert owners == set() and needs
+        small = index.build_metadata(h, needs, {}, wanted)
+        assert reads(small, wanted) == reads(md, wanted)
 
 
 def _doc(md) -> dict:
@@ -215,6 +229,22 @@ def _crafted():
         "an extra layout field": edit(lambda d: lay(d).__setitem__("x", 1)),
         "zero ndim": edit(lambda d: lay(d).__setitem__("ndim", 0)),
     }
+
+
+def test_crafted_layout_items_are_typed_errors():
+    md, _ = job(4, tensors=1)
+    base = _doc(md)
+    for name, fn in {
+        "items of another rank's file": lambda d: d["layouts"][0]["items"][0].__setitem__(0, "__3_0.distcp"),
+        "fewer items than chunks": lambda d: d["layouts"][0]["items"].pop(),
+        "an item outside": lambda d: d["layouts"][0]["items"][1].__setitem__(0, "../__1_0.distcp"),
+        "used by two tensors": lambda d: d["tensors"].append(["model.other", "float32", d["tensors"][0][2], 0, None]),
+    }.items():
+        d = json.loads(json.dumps(base))
+        fn(d)
+        with pytest.raises(CorruptCheckpoint, match="s3://b"):
+            index.parse_header(_bytes(d), url=URL)
+        assert name
 
 
 @pytest.mark.parametrize("name", sorted(_crafted()))
