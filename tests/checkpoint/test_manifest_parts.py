@@ -273,9 +273,12 @@ def test_a_newest_marker_over_the_readers_cap_is_a_loud_error_never_an_older_ste
     with Checkpointer(work_dir=str(tmp_path / "w")) as ck:
         ck.save(layout.step_dir(folder, 1), checks.step_state(1, 0, numel=64), {"step": 1})
         ck.save(layout.step_dir(folder, 10), checks.step_state(2, 0, numel=64), {"step": 10})
-    size2 = os.path.getsize(os.path.join(layout.step_dir(folder, 10), layout.MARKER))
-    monkeypatch.setattr(discovery, "MAX_MARKER_BYTES", size2 - 1)  # step 10's marker (one digit longer) is over the cap
-    assert os.path.getsize(os.path.join(layout.step_dir(folder, 1), layout.MARKER)) < size2, "step 1's fits"
+    marker10 = os.path.join(layout.step_dir(folder, 10), layout.MARKER)
+    with open(marker10, "ab") as f:
+        f.write(b" " * 64)  # the same JSON, 64 bytes longer (the two markers' sizes differ by a digit or two at most)
+    size1 = os.path.getsize(os.path.join(layout.step_dir(folder, 1), layout.MARKER))
+    monkeypatch.setattr(discovery, "MAX_MARKER_BYTES", size1 + 32)  # step 1's fits, step 10's is over the cap
+    assert os.path.getsize(marker10) > size1 + 32
     with pytest.raises(UnsafeCheckpoint, match="load_step") as ei:
         Checkpointer.latest_checkpoint(folder)
     assert layout.step_dir(folder, 10) in str(ei.value)
