@@ -55,6 +55,25 @@ class SkippedStep:
 
 
 class CheckpointManager:
+    """The trainer's checkpoint loop: resume, save intervals, retention and gc, SIGTERM,
+    exact resume of data loaders and RNGs, the node-local tier. Build it with
+    ``CheckpointConfig(...).build()`` on every rank at the same point (it creates its
+    ``Checkpointer``, whose gloo group is collective).
+
+    Args:
+        config (CheckpointConfig): the validated configuration.
+
+    Attributes:
+        checkpointer: the ``Checkpointer`` it saves and loads with.
+        resumed_step: the step ``resume()`` loaded (None before it, or with nothing to load).
+        resumed_from: where that step came from: ``"local"`` (node-local tier) or ``"bucket"``.
+        skipped_steps: ``SkippedStep(step, dir, reason)`` for each newer bucket step
+            ``resume()`` passed over because it failed its checks.
+        steps_above_resumed: committed steps above the resumed one (``load_step`` resumed
+            an older step); ``maybe_save`` does not save over them unless ``save_overwrite``.
+        last_saved_step: the newest step this manager saved.
+    """
+
     def __init__(self, config):
         self.config = config
         self.checkpointer = _checkpointer(config)
@@ -108,9 +127,27 @@ class CheckpointManager:
         """Load the newest committed step into ``state_dict``; return the train state
         (or None when the folder has no committed step). Collective.
 
-        ``load_step`` (default: the config's ``load_step``) loads that committed step
-        instead of the newest; a step that is not committed raises NotACheckpoint
-        naming the nearest committed ones. ``load_kwargs`` go to ``Checkpointer.load``."""
+        A newer step that fails its checks is logged, recorded in ``skipped_steps`` and
+        passed over for the previous committed one, unless ``strict_resume``.
+
+        Args:
+            state_dict: the model/optimizer state to load into, in place (resharded as needed).
+            load_step: load this committed step instead of the newest (default: the
+                config's ``load_step``).
+            **load_kwargs: passed to ``Checkpointer.load`` (``strict``,
+                ``exclude_from_loading``, ``allow_partial``...).
+
+        Returns:
+            This rank's train state, or None when there is no committed step.
+
+        Raises:
+            NotACheckpoint: ``load_step`` is not a committed step (the message names the
+                nearest committed ones).
+            CorruptCheckpoint: the step fails its checks and ``load_step`` was asked for,
+                ``strict_resume`` is set, or no older committed step exists.
+            CheckpointError: any other error of ``Checkpointer.load`` (``MissingKeys``,
+                ``KeysNotLoaded``, ``ShapeMismatch``...); storage errors.
+        """
         folder = self.config.save_folder
         load_step = self.config.load_step if load_step is None else load_step
         found = None
@@ -256,8 +293,29 @@ class CheckpointManager:
         return None
 
     def maybe_save(self, step: int, state_dict: dict, train_state: Any = None, *, force: bool = False) -> Any:
-        """Save if ``step`` is due (or ``force``). Returns the Marker (sync), a Future
-        (async) or None when not due. Collective."""
+        """Save if ``step`` is due (or ``force``). Collective.
+
+        A step above the resumed one that is already committed is not saved over
+        (a warning) unless ``save_overwrite``. After the save commits, rank 0 prunes and
+        garbage-collects in the background.
+
+        Args:
+            step: the training step; the config's intervals decide whether it is due
+                (persistent, ephemeral, local).
+            state_dict: the model/optimizer state (DCP).
+            train_state: this rank's picklable extras (plain data), with the RNG states
+                and data loaders added when ``exact_resume``.
+            force: save a persistent step even when it is not due.
+
+        Returns:
+            The ``Marker`` (sync), a ``Future`` of it (``async_save``), or None when not due.
+
+        Raises:
+            SaveFailed: a rank failed (nothing was committed); with ``async_save``, an
+                earlier save's failure is raised by a later call, ``wait`` or ``close``.
+            CheckpointExists: the step is committed and ``save_overwrite`` is off.
+            SaveInProgress: another save holds the step's lock.
+        """
         for loader in self._loaders.values():
             loaders.release(loader)  # the first step after a resume has run
         kind = self.due(step) or ("persistent" if force else None)
@@ -266,11 +324,13 @@ class CheckpointManager:
                 log.warning("step %d is already committed in %s (it was above the resumed step): not saving over it",
                             step, self.config.save_folder)
             kind = None
-        local = self.local is not None and bool(self.config.local_save_interval) and step % self.config.local_save_interval == 0
+        every = self.config.local_save_interval
+        local = self.local is not None and bool(every) and step % every == 0
         if kind is None and not local:
             return None
         if self.local is not None:
-            return self.save_local(step, state_dict, train_state, persist=kind is not None, ephemeral=kind == "ephemeral")
+            return self.save_local(step, state_dict, train_state, persist=kind is not None,
+                                   ephemeral=kind == "ephemeral")
         return self.save(step, state_dict, train_state, ephemeral=kind == "ephemeral")
 
     def _with_rng(self, train_state: Any) -> Any:
@@ -340,7 +400,8 @@ class CheckpointManager:
             # a save that starts after ``protect`` was taken is above the newest committed step
             self.maintenance.run(protect=protect, keep_above=newest)
         except CloudCkptError as e:
-            log.warning("background prune/gc of %s failed (will retry after the next save): %s", self.config.save_folder, e)
+            log.warning("background prune/gc of %s failed (will retry after the next save): %s",
+                        self.config.save_folder, e)
 
     # ------------------------------------------------------------ lifecycle
     def wait(self) -> None:
@@ -387,14 +448,16 @@ class CheckpointManager:
     def _on_sigterm(self, signum, frame) -> None:
         pending = self.checkpointer.in_flight() + (self.local.in_flight() if self.local is not None else [])
         if self.config.sigterm == "finish" and pending:
-            log.warning("SIGTERM: finishing %d in-flight save(s) (up to %.0fs)", len(pending), self.config.sigterm_timeout)
+            log.warning("SIGTERM: finishing %d in-flight save(s) (up to %.0fs)", len(pending),
+                        self.config.sigterm_timeout)
             for f in pending:
                 try:
                     f.result(timeout=self.config.sigterm_timeout)
                 except Exception as e:  # noqa: BLE001 - exiting anyway; the save is not committed
                     log.warning("SIGTERM: in-flight save did not commit (%s); it stays invisible", e)
         elif pending:
-            log.warning("SIGTERM: abandoning %d in-flight save(s); they are not committed and stay invisible", len(pending))
+            log.warning("SIGTERM: abandoning %d in-flight save(s); they are not committed and stay invisible",
+                        len(pending))
         prev = self._prev_handler
         self._restore_sigterm()
         if callable(prev):

@@ -550,15 +550,20 @@ def attack(tmp: str, root: str, case: str, entry: str) -> None:
 
     from cloudckpt.storage import open_store
 
-    from .tries import honest_step, run_entry
+    from .tries import cached, honest_step, run_entry
     from cloudckpt.storage import url as urls
 
     step = honest_step(root)
     s = Step(open_store(step), step, urls.join)
-    md = stock.loads(s.get(META))  # our own honest metadata: safe to unpickle
-    _PENDING.clear()
-    data = CASES[case][2](md, s)
-    for rel, shard in _PENDING.items():
+
+    def make() -> bytes:
+        md = stock.loads(s.get(META))  # our own honest metadata: safe to unpickle
+        _PENDING.clear()
+        return stock.dumps((CASES[case][2](md, s), dict(_PENDING)))
+
+    # built once per sandbox: every try starts from the same honest step, so the crafted bytes are the same
+    data, pending = stock.loads(cached(f"metadata-{case}", make))  # our own pickle of bytes: safe
+    for rel, shard in pending.items():
         s.put(f"{MODEL}/{rel}", shard)
     s.put(META, data)
     with outside_untouched(tmp):
@@ -601,11 +606,23 @@ def honest_import(tmp: str, root: str) -> dict:
     return {"imported": True}
 
 
+# Cases whose refusal costs seconds of parsing in each try (a budget reached, a structure
+# 10^6 deep walked): through one entry point of each reader of ``.metadata`` instead of
+# all eight: Lightning for the library (Checkpointer.load_with parses the whole
+# ``.metadata``; a plain load of our steps plans from the DCP index), inspect for the CLI
+# (inspect, verify and export parse it in step_files), the torchtitan import (its own
+# reader). Every entry point meets each class through the cheaper cases.
+PARSER_BUDGET = {"md-set-reduce-memo", "md-size-reduce-64", "md-chunks-1e6-one-item",
+                 "md-dtype-deep-list", "md-offset-deep-list", "md-value-list-deep"}
+ONE_PER_READER = ["lightning", "cli_inspect", "torchtitan_import"]
+
+
 def _entries(name: str) -> list[str]:
     """The planner-data cases concern the torchtitan import alone (DCP's own load never
-    reads planner data back); every other case goes through every reader."""
+    reads planner data back); the costly parser cases go through one entry point per
+    reader (:data:`PARSER_BUDGET`); every other case goes through every reader."""
     refusing = CASES[name][3]
-    return sorted(TITAN) if refusing == TITAN else READERS
+    return sorted(TITAN) if refusing == TITAN else ONE_PER_READER if name in PARSER_BUDGET else READERS
 
 
 TRIES: list[Try] = [

@@ -86,24 +86,70 @@ def rezip(data: bytes, *, compress: set[str] = frozenset(), replace: dict[str, b
                    byteorder=order)
 
 
+def _gf2_times(mat: list[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (zlib's
+    crc32_combine, which Python's zlib does not expose)."""
+    if len2 <= 0:
+        return crc1
+    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
+    even = [_gf2_times(odd, odd[n]) for n in range(32)]  # two zero bits
+    odd = [_gf2_times(even, even[n]) for n in range(32)]  # four zero bits
+    while True:
+        even = [_gf2_times(odd, odd[n]) for n in range(32)]
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = [_gf2_times(even, even[n]) for n in range(32)]
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+def _crc32_repeated(data: bytes, times: int) -> int:
+    """CRC-32 of ``data * times`` without building it (doubling with crc32_combine)."""
+    crc, have = 0, 0  # the CRC of data * have (0 for empty)
+    unit, unit_len = zlib.crc32(data), len(data)  # the CRC of data * 2**k, its length
+    while times:
+        if times & 1:
+            crc, have = _crc32_combine(crc, unit, unit_len), have + unit_len
+        times >>= 1
+        if times:
+            unit, unit_len = _crc32_combine(unit, unit, unit_len), 2 * unit_len
+    return crc
+
+
 def inflating_archive(inflated: int) -> bytes:
     """An archive whose data.pkl is a deflated record that inflates to ``inflated`` bytes
     (a valid pickle: PROTO, then ``N0`` pairs, then ``N.``), built without holding the
-    inflated bytes."""
+    inflated bytes. Each 1 MiB piece of ``N0`` pairs ends with a full flush, so its
+    compressed bytes are the same every time: they are compressed once and repeated
+    (a stream that inflates exactly as one compressed piece by piece)."""
     head, tail, body = b"\x80\x02", b"N.", b"N0" * (1 << 19)
     comp = zlib.compressobj(1, zlib.DEFLATED, -15)
-    crc, parts, left = 0, [], inflated - len(head) - len(tail)
-    for piece in (head,):
-        parts.append(comp.compress(piece))
-        crc = zlib.crc32(piece, crc)
-    while left > 0:
-        piece = body[:min(left, len(body))]
-        parts.append(comp.compress(piece))
-        crc = zlib.crc32(piece, crc)
-        left -= len(piece)
-    parts.append(comp.compress(tail))
-    crc = zlib.crc32(tail, crc)
-    parts.append(comp.flush())
+    parts = [comp.compress(head) + comp.flush(zlib.Z_FULL_FLUSH)]
+    crc = zlib.crc32(head)
+    left = inflated - len(head) - len(tail)
+    whole, rest = divmod(left, len(body))
+    block = comp.compress(body) + comp.flush(zlib.Z_FULL_FLUSH)
+    parts += [block] * whole
+    crc = _crc32_combine(crc, _crc32_repeated(body, whole), whole * len(body))
+    parts.append(comp.compress(body[:rest]) + comp.compress(tail) + comp.flush())
+    crc = zlib.crc32(tail, zlib.crc32(body[:rest], crc))
     raw = b"".join(parts)
     name = b"archive/data.pkl"
     zip64 = inflated >= 0xFFFFFFFF
@@ -445,6 +491,14 @@ def _replace_byte_item(step, data: bytes) -> None:
     step.put(META, pickle.dumps(md, protocol=4))
 
 
+def crafted(case: str) -> bytes:
+    """The bytes of ``case``, built once per sandbox (the 1.25 GiB deflate bomb takes
+    seconds to compress; every entry point that reads it gets the same bytes)."""
+    from .tries import cached
+
+    return cached(f"trainstate-{case}", CASES[case][2])
+
+
 def attack(tmp: str, root: str, case: str, entry: str, where: str) -> None:
     from cloudckpt.storage import open_store
     from cloudckpt.storage import url as urls
@@ -452,7 +506,7 @@ def attack(tmp: str, root: str, case: str, entry: str, where: str) -> None:
     from .corpus import TRAIN, Step
     from .tries import honest_step, outside_untouched, run_entry
 
-    data = CASES[case][2]()
+    data = crafted(case)
     step = honest_step(root)
     st = Step(open_store(step), step, urls.join)
     if where == "train":
@@ -468,7 +522,7 @@ def parse(tmp: str, root: str, case: str, where: str = "train") -> None:
     points reach (``test_trainstate_parser.py`` runs every case this way)."""
     from cloudckpt.untrusted import load_plain
 
-    load_plain(CASES[case][2](), url=f"{root}/step1/train/rank0.pt", what="train state")
+    load_plain(crafted(case), url=f"{root}/step1/train/rank0.pt", what="train state")
 
 
 FULL = ("np-object-short-state", "torch-tensor-n", "np-reconstruct-unbuilt", "deep-lists", "deep-tuple-key",

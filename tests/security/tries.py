@@ -303,6 +303,27 @@ def _process_cache() -> str:
     return _CACHE[0]
 
 
+def cached(name: str, make) -> bytes:
+    """``make()`` (bytes), built once per sandbox (or process) and read back from the
+    cache folder afterwards: a crafted object that costs seconds to build (a deflate
+    bomb, 30,000 storage keys) is built by the first try that needs it, not by each of
+    the entry points that read it. ``make`` must return the same bytes every time it
+    is called in one sandbox (it may depend on :func:`honest_step`'s objects, which
+    are built once per sandbox too)."""
+    path = os.path.join(os.environ.get(CACHE_ENV) or _process_cache(), "crafted-" + hashlib.sha256(
+        name.encode()).hexdigest()[:24])
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        pass
+    data = make()
+    with open(f"{path}.{os.getpid()}", "wb") as f:
+        f.write(data)
+    os.rename(f"{path}.{os.getpid()}", path)
+    return data
+
+
 def honest_step(root: str, step: int = 1) -> str:
     """Put an honest committed ``step{step}`` of :func:`honest_state` (train state
     ``{"step": step}``) and the ``latest`` pointer under the save folder ``root`` (local
@@ -336,4 +357,4 @@ def honest_step(root: str, step: int = 1) -> str:
 
 __all__ = ["Try", "CLASSES", "ENTRY_POINTS", "OK", "REFUSED", "plant", "snapshot", "outside_untouched", "cli",
            "CliRefused", "NotUsed", "OutsideTouched", "TerminalInjection", "honest_state", "zero_state",
-           "honest_step", "run_entry"]
+           "honest_step", "run_entry", "cached"]
