@@ -79,6 +79,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner  # noqa: E402 - with
 # An item held by several ranks whose bytes exceed both this and 1/8 of a rank's mean
 # share is written in pieces (rows), so no one rank writes a large replicated tensor.
 MIN_PIECE_BYTES = 1 << 20
+SMALL_SHARED_BYTES = 4096  # a shared item this small is written by its lowest holder (balanced_dedup)
 
 
 def _item_bytes(item) -> int:
@@ -124,7 +125,8 @@ def _pieces(item, cap: int | None) -> list:
 def balanced_dedup(all_plans: list, min_piece: int = MIN_PIECE_BYTES) -> list:
     """One writer per item held by several ranks (DDP's tensors, HSDP's shards held by
     every replica group, a replicated scalar), the writing shared by bytes. Items held
-    by one rank are its own; a shared tensor larger than ``min_piece`` and than 1/8 of
+    by one rank are its own; a shared item of at most SMALL_SHARED_BYTES goes to its
+    lowest holder; a shared tensor larger than ``min_piece`` and than 1/8 of
     a rank's mean share is cut into row pieces of about that size; then the shared
     items and pieces, largest first (ties by name and offset), each go to the least
     loaded of their holders (ties: the lowest rank). Depends only on the plans'
@@ -161,7 +163,11 @@ def balanced_dedup(all_plans: list, min_piece: int = MIN_PIECE_BYTES) -> list:
         shared += [(piece, ranks) for piece in pieces]
     shared.sort(key=lambda p: (-_item_bytes(p[0]), p[0].index.fqn, tuple(p[0].index.offset or ())))
     for piece, ranks in shared:
-        rank = min(ranks, key=lambda r: (load[r], r))
+        # a tiny shared item (an optimizer's step, a scalar) goes to its lowest holder: a
+        # loading rank then finds them all in one rank's files and manifest part, not in
+        # the parts of hundreds of ranks (what it costs in balance: bytes)
+        small = _item_bytes(piece) <= SMALL_SHARED_BYTES
+        rank = min(ranks) if small else min(ranks, key=lambda r: (load[r], r))
         writer[piece.index] = rank
         load[rank] += _item_bytes(piece)
     # each plan keeps its own order and its own items, a cut item's pieces where it was
