@@ -27,6 +27,13 @@ def test_mkdocs_build_strict(tmp_path):
     assert (site / "search" / "search_index.js").is_file()
     css = (site / "stylesheets" / "extra.css").read_text()
     assert "nowrap" in css and "stylesheets/extra.css" in (site / "configuration.html").read_text()
+    # the API reference is rendered from the docstrings (mkdocstrings), not an empty page
+    api = (site / "api.html").read_text()
+    for name in ("cloudckpt.Checkpointer", "allow_partial", "before_read", "cloudckpt.CheckpointManager",
+                 "register_data_loader", "cloudckpt.CheckpointConfig", "cloudckpt.storage.ObjectStore", "open_range",
+                 "CorruptCheckpoint"):
+        assert name in api, f"api.html lacks {name}"
+    assert ":class:`" not in api and ":func:`" not in api, "a reStructuredText role printed literally"
 
 
 def test_every_python_sample_in_the_docs_is_included_from_a_tested_file():
