@@ -5,7 +5,8 @@ Precedence (stated once): defaults < the dict / YAML file you pass < environment
 variables ``CLOUDCKPT_<FIELD>`` (e.g. ``CLOUDCKPT_SAVE_FOLDER``,
 ``CLOUDCKPT_ASYNC_SAVE=true``), so an operator can redirect a job without editing
 its config. They apply however the config is built: ``from_dict``, ``from_yaml`` and
-keyword arguments to the class alike (each applied variable is logged at INFO). Every error names the field, the bad value and what is allowed.
+keyword arguments to the class alike (each applied variable is logged at INFO). Every
+error names the field, the bad value and what is allowed.
 
 Unknown ``CLOUDCKPT_*`` variables are an error too, with a did-you-mean: a misspelt
 variable would otherwise be ignored while the job runs with the default. The few
@@ -57,7 +58,8 @@ def parse_size(value: Any, name: str) -> int:
         return int(value)
     m = _SIZE_RE.match(str(value))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"{name}={value!r} is not a size: use bytes (an integer) or a string like '64MiB' or '200MB/s'")
+        raise ConfigError(f"{name}={value!r} is not a size: use bytes (an integer) or a string like '64MiB' "
+                          "or '200MB/s'")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -80,7 +82,8 @@ _NESTED = {"storage": (StorageOptions, FLAT_STORAGE), "transfer": (TransferConfi
 class CheckpointConfig:
     """Every field with its default. Intervals are in training steps.
 
-    - ``save_folder``: where steps go: a local path, ``file://``, ``s3://bucket/prefix`` or ``gs://bucket/prefix`` (required).
+    - ``save_folder``: where steps go: a local path, ``file://``, ``s3://bucket/prefix`` or
+      ``gs://bucket/prefix`` (required).
     - ``work_dir``: local scratch for staging files before upload (default: :func:`default_work_dir`).
     - ``save_interval``: persistent checkpoint every N steps (None: never).
     - ``ephemeral_save_interval``: ephemeral checkpoint every N steps (None: never); a step due for both is persistent.
@@ -222,7 +225,8 @@ class CheckpointConfig:
         return cls(**coerced, _env={})
 
     @classmethod
-    def from_yaml(cls, path: str, *, section: str | None = None, env: Mapping[str, str] | None = None) -> "CheckpointConfig":
+    def from_yaml(cls, path: str, *, section: str | None = None,
+                  env: Mapping[str, str] | None = None) -> "CheckpointConfig":
         """Build from a YAML file (optionally one top-level ``section`` of it)."""
         import yaml
 
@@ -285,7 +289,8 @@ class CheckpointConfig:
             )
         if p.scheme != "file" and not p.key.strip("/"):
             raise ConfigError(
-                f"save_folder={self.save_folder!r} is a bucket root: use a prefix such as {self.save_folder.rstrip('/')}/run-1, "
+                f"save_folder={self.save_folder!r} is a bucket root: use a prefix such as "
+                f"{self.save_folder.rstrip('/')}/run-1, "
                 "so pruning and gc can never touch the rest of the bucket"
             )
         from .checkpoint.layout import step_of_name
@@ -303,23 +308,25 @@ class CheckpointConfig:
         if self.keep_last_local < 1:
             raise ConfigError(f"keep_last_local={self.keep_last_local} would delete the newest local step: use >= 1")
         if self.local_save_interval is not None and self.local_dir is None:
-            raise ConfigError(f"local_save_interval={self.local_save_interval} needs local_dir (a node-local folder such "
-                              "as /dev/shm/ckpt) to write local steps to")
+            raise ConfigError(f"local_save_interval={self.local_save_interval} needs local_dir (a node-local "
+                              "folder such as /dev/shm/ckpt) to write local steps to")
         if self.local_dir is not None and "://" in self.local_dir:
-            raise ConfigError(f"local_dir={self.local_dir!r} must be a node-local path (e.g. /dev/shm/ckpt), not a URL: "
-                              "the bucket is save_folder")
+            raise ConfigError(f"local_dir={self.local_dir!r} must be a node-local path (e.g. /dev/shm/ckpt), "
+                              "not a URL: the bucket is save_folder")
         if self.load_step is not None and self.load_step < 0:
-            raise ConfigError(f"load_step={self.load_step} is not allowed: use a step number >= 0, or None for the newest")
+            raise ConfigError(f"load_step={self.load_step} is not allowed: use a step number >= 0, "
+                              "or None for the newest")
         for name in ("save_interval", "ephemeral_save_interval", "max_checkpoints", "keep_every"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"{name}={v} is not allowed: use a positive integer, or None to turn it off")
         if self.max_checkpoints is not None and self.max_checkpoints < 1:
-            raise ConfigError(f"max_checkpoints={self.max_checkpoints} would delete the newest checkpoint: use >= 1 or None")
+            raise ConfigError(f"max_checkpoints={self.max_checkpoints} would delete the newest checkpoint: "
+                              "use >= 1 or None")
         if self.keep_last_ephemeral < 1:
             raise ConfigError(
-                f"keep_last_ephemeral={self.keep_last_ephemeral} would delete the newest ephemeral checkpoint, which may be the "
-                "newest checkpoint: use >= 1"
+                f"keep_last_ephemeral={self.keep_last_ephemeral} would delete the newest ephemeral checkpoint, "
+                "which may be the newest checkpoint: use >= 1"
             )
         for name in ("max_in_flight", "max_concurrency", "thread_count"):
             if getattr(self, name) < 1:
@@ -328,11 +335,13 @@ class CheckpointConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} is not allowed: use a non-negative number of seconds")
         if self.bandwidth_limit is not None and self.bandwidth_limit <= 0:
-            raise ConfigError(f"bandwidth_limit={self.bandwidth_limit} is not allowed: use bytes per second > 0, or None")
+            raise ConfigError(f"bandwidth_limit={self.bandwidth_limit} is not allowed: use bytes per second > 0, "
+                              "or None")
         if self.sigterm not in ("finish", "abandon"):
             raise ConfigError(f"sigterm={self.sigterm!r} is not allowed: use 'finish' or 'abandon'")
         if not self.collective_timeout > 0:
-            raise ConfigError(f"collective_timeout={self.collective_timeout} is not allowed: use a number of seconds > 0")
+            raise ConfigError(f"collective_timeout={self.collective_timeout} is not allowed: "
+                              "use a number of seconds > 0")
 
     # ------------------------------------------------------------ derived
     def storage_options(self) -> StorageOptions:
@@ -360,7 +369,8 @@ def _build_nested(name: str, cls: type, values: Mapping[str, Any], shown=None) -
     hints = get_type_hints(cls)
     unknown = sorted(set(values) - set(hints))
     if unknown:
-        raise ConfigError(f"unknown {name} option(s) {[shown(k) for k in unknown]}; allowed: {', '.join(sorted(hints))}")
+        raise ConfigError(f"unknown {name} option(s) {[shown(k) for k in unknown]}; "
+                          f"allowed: {', '.join(sorted(hints))}")
     try:
         return cls(**{k: _coerce(shown(k), v, hints[k]) for k, v in values.items()})
     except TypeError as e:

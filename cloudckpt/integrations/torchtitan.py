@@ -166,7 +166,8 @@ class CloudCheckpointManager(BaseCheckpointManager):
 
     def _newest_step(self) -> int:
         try:
-            return layout.parse_step_dir(self.checkpointer.latest_checkpoint(self.folder, storage_options=self.checkpointer.storage_options))
+            latest = self.checkpointer.latest_checkpoint(self.folder, storage_options=self.checkpointer.storage_options)
+            return layout.parse_step_dir(latest)
         except NotACheckpoint:
             return -1
 
