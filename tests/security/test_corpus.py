@@ -22,16 +22,15 @@ from cloudckpt.storage import open_store
 from cloudckpt.storage import url as urls
 
 from . import corpus
-from .sandbox import BOMB, CRASH, HANG, OK, REFUSED, UNTYPED, Sandbox
+from .sandbox import BOMB, CRASH, HANG, OK, REFUSED, UNTYPED
 from .tries import plant, snapshot
 
 FINDINGS = (CRASH, BOMB, HANG, UNTYPED)
 
 
-@pytest.fixture(scope="module")
-def sandbox(seaweed):
-    with Sandbox(env=seaweed.env(), warm_up="tests.security.tries:warm_up") as sb:
-        yield sb
+@pytest.fixture
+def sandbox(hostile_sandbox):
+    return hostile_sandbox  # one zygote per test process (conftest.py)
 
 
 def _build(case: corpus.Case, root: str, outside: str, work: str) -> tuple[str, str, corpus.Ctx]:

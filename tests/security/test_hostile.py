@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from . import corpus
-from .sandbox import BOMB, CRASH, HANG, OK, REFUSED, UNTYPED, Sandbox
+from .sandbox import BOMB, CRASH, HANG, OK, REFUSED, UNTYPED
 from .tries import CLASSES, ENTRY_POINTS, PLANTED, Try, plant
 
 HERE = Path(__file__).parent
@@ -102,10 +102,9 @@ def warm_up() -> None:
     honest_round()
 
 
-@pytest.fixture(scope="module")
-def sandbox(seaweed):
-    with Sandbox(env=seaweed.env(), warm_up=f"{__name__}:warm_up") as sb:
-        yield sb
+@pytest.fixture
+def sandbox(hostile_sandbox):
+    return hostile_sandbox  # one zygote per test process (conftest.py)
 
 
 @pytest.fixture(scope="module")

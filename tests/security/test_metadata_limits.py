@@ -21,7 +21,7 @@ from cloudckpt.untrusted import loads_metadata, validate_metadata
 from cloudckpt.untrusted.limits import MAX_KEY_DEPTH, MAX_SAME_HASH, MAX_TENSOR_DIMS
 
 from . import hostile_metadata as hm
-from .sandbox import REFUSED, Sandbox
+from .sandbox import REFUSED
 
 
 # ----------------------------------------------------------------- building metadata
@@ -254,10 +254,9 @@ def many_chunks_one_item(**_) -> None:
     loads_metadata(pickle.dumps(md, protocol=4), url="x", files=files)
 
 
-@pytest.fixture(scope="module")
-def sandbox():
-    with Sandbox() as sb:
-        yield sb
+@pytest.fixture
+def sandbox(hostile_sandbox):
+    return hostile_sandbox  # one zygote per test process (conftest.py)
 
 
 @pytest.mark.parametrize("target", ["deep_key", "deep_set_member", "deep_index_fqn", "flood", "size_bomb",

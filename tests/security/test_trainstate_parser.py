@@ -29,7 +29,7 @@ from cloudckpt.untrusted import load_plain, plainpickle, trainstate, zipread
 from cloudckpt.untrusted.plain import load_tensor
 
 from . import hostile_trainstate as h
-from .sandbox import REFUSED, Sandbox
+from .sandbox import REFUSED
 
 EXAMPLES = int(os.environ.get("CLOUDCKPT_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -183,10 +183,9 @@ def test_a_crafted_train_state_is_refused_with_a_typed_error_naming_the_url(case
     assert str(ei.value).startswith(f"{URL}: refused to load the train state: ")
 
 
-@pytest.fixture(scope="module")
-def sandbox():
-    with Sandbox() as sb:
-        yield sb
+@pytest.fixture
+def sandbox(hostile_sandbox):
+    return hostile_sandbox  # one zygote per test process (conftest.py)
 
 
 @pytest.mark.parametrize("case", list(h.CASES))
