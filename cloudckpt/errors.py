@@ -187,3 +187,11 @@ class CollectiveError(CloudCkptError):
 
     def __reduce__(self):
         return (type(self), (self.step, self.failures))
+
+
+class ExchangeFailed(CollectiveError):
+    """A load's read-once exchange (each shared byte range read from the bucket by one
+    rank and sent to the others) failed: ``failures`` maps the rank that failed or
+    vanished (a peer that did not send or receive within the collective timeout, or
+    whose connection closed) to what was seen. Nothing more is put in place; load again
+    once the rank is back (a restart of the job)."""

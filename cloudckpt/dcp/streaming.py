@@ -17,18 +17,25 @@ from ..storage import url as urls
 from .resumable import ResumableStream, coalesce, missing
 
 
-def read_streamed(reader, per_file: dict[str, list], planner: LoadPlanner) -> None:
+def read_streamed(reader, per_file: dict[str, list], planner: LoadPlanner, *, max_gap: int | None = None,
+                  hold=None) -> None:
     """Load ``per_file`` (``{relative path: [(offset, length, ReadItem)]}``) through
-    streams of ``reader`` (a StreamingReader: its budget, its ``_stream``, its checks);
-    adds what was read to ``reader.bytes_read`` and ``reader.direct_items``."""
+    streams of ``reader`` (a StreamingReader: its budget, its ``_stream``, its checks),
+    started in the order of ``per_file``; adds what was read to ``reader.bytes_read``
+    and ``reader.direct_items``. ``max_gap``: instead of the reader's. ``hold``: the
+    read-once exchange's sender (exchange.py): ``hold.keep(rel, offset, length, data,
+    release)`` after an item is in place, True when its bytes stay held (in the
+    budget) until ``release()``; ``hold.urgent(rel, offset, length)``: the item may take
+    budget even when none is left."""
     planned = sum(length for reqs in per_file.values() for _, length, _ in reqs)
     max_inflight, stream_size = reader.budget(planned)
     tally = _Tally(max_inflight)
     streams = []
     for rel, reqs in per_file.items():
         url = urls.join(reader.remote_dir, rel)
-        for start, end, parts in coalesce(reqs, max_gap=reader.max_gap, max_range=stream_size):
-            streams.append(_ItemStream(reader, planner, tally, url, rel, start, end, parts))
+        for start, end, parts in coalesce(reqs, max_gap=reader.max_gap if max_gap is None else max_gap,
+                                          max_range=stream_size):
+            streams.append(_ItemStream(reader, planner, tally, url, rel, start, end, parts, hold))
     futures: list[Future] = []
     try:
         for st in streams:
@@ -60,15 +67,16 @@ class _Tally:
         self.bytes = 0
         self.direct = 0
 
-    def reserve(self, n: int, alive: Callable[[int], None]) -> None:
-        """Wait until ``n`` more bytes fit the budget (always, when nothing is held),
-        calling ``alive(0)`` every second meanwhile (the engine's stall watchdog: a
-        stream waiting for room is not stalled; an abandoned attempt's call raises)."""
+    def reserve(self, n: int, alive: Callable[[int], None], urgent: Callable[[], bool] | None = None) -> None:
+        """Wait until ``n`` more bytes fit the budget (always, when nothing is held, or
+        once ``urgent()``), calling ``alive(0)`` every second meanwhile (the engine's
+        stall watchdog: a stream waiting for room is not stalled; an abandoned attempt's
+        call raises)."""
         while True:
             with self._cv:
                 if self._closed:
                     raise _Stopped()
-                if not self._held or self._held + n <= self._budget:
+                if not self._held or self._held + n <= self._budget or (urgent is not None and urgent()):
                     self._held += n
                     return
                 self._cv.wait(1.0)
@@ -86,9 +94,11 @@ class _Tally:
                 raise _Stopped()
             self._busy += 1
 
-    def placed(self, n: int, direct: bool) -> None:
+    def placed(self, n: int, direct: bool, *, keep: bool = False) -> None:
+        """An item is in place; its bytes go back to the budget (``keep``: later, by ``release``)."""
         with self._cv:
-            self._held -= n
+            if not keep:
+                self._held -= n
             self.items += 1
             self.bytes += n
             self.direct += direct
@@ -133,9 +143,10 @@ class _ItemStream(ResumableStream):
     yet; a superseded attempt takes nothing more, so every item is put in place once."""
 
     def __init__(self, reader, planner: LoadPlanner, tally: _Tally, url: str, rel: str,
-                 start: int, end: int, parts: list):
+                 start: int, end: int, parts: list, hold=None):
         super().__init__(url, start, end, threading.Lock())
         self.reader, self.planner, self.tally = reader, planner, tally
+        self.hold = hold
         self.rel = rel
         self.parts = parts
         self._next = 0  # index of the first item not taken
@@ -150,7 +161,7 @@ class _ItemStream(ResumableStream):
         # read: reserve all of it up front; a streamed one holds one item at a time
         held = sum(n for _, n, _ in self.parts[at:]) if not self.reader.streamed else 0
         if held:
-            self.tally.reserve(held, progress)
+            self.tally.reserve(held, progress, self._urgent(at))
         done = 0
         try:
             with open_from(pos) as body:
@@ -166,7 +177,7 @@ class _ItemStream(ResumableStream):
                         self.read(body, pos, off - pos, progress)  # bytes between items: not needed
                         pos = off
                     if not held:
-                        self.tally.reserve(length, progress)
+                        self.tally.reserve(length, progress, self._urgent(i))
                         held = length
                     data = self.read(body, off, length, progress)
                     self.reader._check(self.rel, off, length, data, self.url)
@@ -177,16 +188,25 @@ class _ItemStream(ResumableStream):
                         self._next = i + 1
                     try:
                         direct = self.reader._consume(req, self.planner, memoryview(data), self.url)
+                        # the exchange sends it on: its bytes stay held until sent
+                        kept = self.hold is not None and self.hold.keep(self.rel, off, length, data,
+                                                                        lambda n=length: self.tally.release(n))
                     finally:
                         self.tally.unclaim()
                     del data
                     held -= length
-                    self.tally.placed(length, direct)  # gives back its bytes
+                    self.tally.placed(length, direct, keep=kept)  # gives back its bytes (unless kept)
                     pos = off + length
                     done += length
         finally:
             if held:
                 self.tally.release(held)  # what this attempt reserved and did not place
+
+    def _urgent(self, i: int) -> Callable[[], bool] | None:
+        if self.hold is None:
+            return None
+        off, length, _ = self.parts[i]
+        return lambda: self.hold.urgent(self.rel, off, length)
 
     def finished(self, fut: Future) -> None:
         """Done callback of the stream's Future: its error goes to the thread waiting in ``read_data``."""

@@ -1,0 +1,169 @@
+"""The read-once exchange at load (issue 33): 4 real gloo ranks, SeaweedFS, and a
+store that counts the bytes and requests each rank's GETs carry (bench/exchange.py's
+CountingS3: the S3 backend subclassed and registered in the ranks).
+
+- DDP-style (every rank holds the same replicated state) and 2x2 HSDP-style (ranks
+  {0, 2} hold shard 0, {1, 3} shard 1, plus a replicated step): bit-exact load; the
+  bucket serves the step's data bytes once (with the exchange) where it served them
+  once per replica without; each rank's share of the reading within 2x of the others'.
+- A rank killed during the exchange: every other rank fails with ExchangeFailed
+  naming it, within the collective timeout; a restart loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from bench.exchange import counting, flat, snapshot, state
+from cloudckpt.storage import open_store
+from cloudckpt.testing.multiprocess import RankFailed, run_ranks
+
+WORLD = 4
+ITEMS = 48  # tensors of 128 KiB: enough items that the reading spreads evenly
+NUMEL = 128 * 256
+TIMEOUT = 20.0  # the collective timeout of the ranks
+
+
+def _state(layout: str, rank: int, zero: bool = False) -> dict:
+    return state(layout, rank, ITEMS, NUMEL, zero)
+
+
+def save_and_load(rank, world, root, work, layouts, exchange_on, out_dir):
+    """Save each layout, then load it (counting the bucket's bytes); report per layout."""
+    from cloudckpt import Checkpointer
+    from cloudckpt.dcp import exchange
+
+    counting()
+    exchange.ENABLED = exchange_on
+    ck = Checkpointer(work_dir=work, collective_timeout=TIMEOUT)
+    report = {}
+    for layout in layouts:
+        step = f"{root}/{layout}/step1"
+        ck.save(step, _state(layout, rank), {"rank": rank})
+        target = _state(layout, rank, zero=True)
+        ck.coord.all_gather(None)  # every rank saved: count the load alone
+        before = snapshot()
+        t0 = time.monotonic()
+        ck.load(step, target)
+        seconds = time.monotonic() - t0
+        after = snapshot()
+        want = flat(_state(layout, rank))
+        got = flat(target)
+        report[layout] = {
+            "bitexact": want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want),
+            "bucket": {k: after[k] - before[k] for k in after},
+            "seconds": seconds,
+            "bytes_read": ck.last_load_info["bytes_read"],
+            "census_s": getattr(exchange.for_coordinator(ck.coord), "last_census_seconds", None),
+        }
+    return report
+
+
+def kill_in_exchange(rank, world, root, work, victim, out_dir):
+    """Load the saved DDP step; ``victim`` dies once the census is done (inside the exchange)."""
+    from cloudckpt import Checkpointer
+    from cloudckpt.dcp import exchange
+
+    if rank == victim:
+        census = exchange.Exchange.census
+
+        def census_then_die(self, needed):
+            census(self, needed)
+            os._exit(9)
+
+        exchange.Exchange.census = census_then_die
+    ck = Checkpointer(work_dir=work, collective_timeout=TIMEOUT)
+    t0 = time.monotonic()
+    try:
+        ck.load(f"{root}/ddp/step1", _state("ddp", rank, zero=True))
+        outcome = {"raised": None}
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        outcome = {"raised": type(e).__name__, "message": str(e)[:2000]}
+    ex = exchange.for_coordinator(ck.coord)
+    err = ex.last_error
+    outcome.update(seconds=time.monotonic() - t0,
+                   exchange_error=None if err is None else {"type": type(err).__name__,
+                                                            "failures": {str(k): v for k, v in err.failures.items()}})
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+    os._exit(0)  # the world lost a rank: skip tearing it down
+
+
+def _env() -> dict:
+    from tests.checkpoint.test_checkpointer import _env as env
+
+    return env()
+
+
+@pytest.fixture(scope="module")
+def saved(seaweed, tmp_path_factory):
+    """One run: DDP and HSDP saved and loaded without the exchange, then (a new run)
+    loaded with it; returns both runs' reports and the bucket."""
+    for k, v in seaweed.env().items():
+        os.environ[k] = v
+    root = seaweed.create_bucket(f"exchange-{os.getpid()}") + "/run"
+    tmp = tmp_path_factory.mktemp("exchange")
+    without = run_ranks(WORLD, save_and_load, root + "/plain", str(tmp / "w1"), ["ddp", "hsdp"], False, str(tmp),
+                        env=_env(), timeout=120)
+    with_ = run_ranks(WORLD, save_and_load, root, str(tmp / "w2"), ["ddp", "hsdp"], True, str(tmp),
+                      env=_env(), timeout=120)
+    return root, without, with_, tmp
+
+
+def _data_bytes(step: str) -> int:
+    store = open_store(step)
+    return sum(e.size for e in store.list(step + "/", delimiter=None) if e.url.endswith(".distcp"))
+
+
+@pytest.mark.parametrize("layout", ["ddp", "hsdp"])
+def test_each_stored_byte_leaves_the_bucket_once(saved, layout):
+    root, without, with_, _ = saved
+    data = _data_bytes(f"{root}/{layout}/step1")
+    assert data > 0
+    for r in range(WORLD):
+        assert with_[r][layout]["bitexact"], r
+        assert without[r][layout]["bitexact"], r
+    read = [with_[r][layout]["bucket"]["data_bytes"] for r in range(WORLD)]
+    plain = sum(without[r][layout]["bucket"]["data_bytes"] for r in range(WORLD))
+    # without the exchange each replica reads its copy: 4x (DDP) or 2x (HSDP) the data
+    assert plain >= (4 if layout == "ddp" else 2) * data * 0.99, (plain, data)
+    assert sum(read) == data, (read, data)  # each stored byte once
+    assert max(read) <= 2 * min(read), read  # the reading is spread over the ranks
+
+
+def test_a_rank_killed_in_the_exchange_fails_every_rank_naming_it_and_a_restart_loads(saved):
+    root, _, _, tmp = saved
+    out = tmp / "kill"
+    out.mkdir()
+    victim = 2
+    with pytest.raises(RankFailed) as info:
+        run_ranks(WORLD, kill_in_exchange, root, str(tmp / "w3"), victim, str(out), env=_env(),
+                  timeout=3 * TIMEOUT + 30)
+    assert set(info.value.failures) >= {victim}
+    for r in range(WORLD):
+        if r == victim:
+            assert not (out / f"rank{r}.json").exists()
+            continue
+        o = json.loads((out / f"rank{r}.json").read_text())
+        assert o["raised"] is not None, (r, o)
+        err = o["exchange_error"]
+        assert err is not None and err["type"] == "ExchangeFailed" and set(err["failures"]) == {str(victim)}, (r, o)
+        assert o["seconds"] < 2 * TIMEOUT + 10, (r, o)
+    # a restart loads
+    again = run_ranks(WORLD, save_and_load_only, root, str(tmp / "w4"), env=_env(), timeout=120)
+    assert all(again), again
+
+
+def save_and_load_only(rank, world, root, work):
+    from cloudckpt import Checkpointer
+
+    ck = Checkpointer(work_dir=work, collective_timeout=TIMEOUT)
+    target = _state("ddp", rank, zero=True)
+    ck.load(f"{root}/ddp/step1", target)
+    want, got = flat(_state("ddp", rank)), flat(target)
+    return all(torch.equal(want[k], got[k]) for k in want)
