@@ -262,6 +262,45 @@ class Coordinator:
         raises RuntimeError."""
         work.wait(timeout=datetime.timedelta(seconds=self.timeout if seconds is None else max(seconds, 0.001)))
 
+    # ------------------------------------------------------------ flat in the world size
+    # What these send does not grow with the number of ranks: one all_reduce of a few
+    # integers (and, only when some rank failed, one broadcast from the lowest such rank).
+    def agree(self, step: str, fn: Callable[[], T]) -> T:
+        """Every rank runs ``fn`` and returns its own value; if any rank failed, every
+        rank raises the error of the lowest failing rank (its own type where it can be
+        carried, else CollectiveError naming that rank; the failing rank raises its own).
+        Unlike :meth:`all_ranks`, no rank receives the others' values or outcomes."""
+        import torch
+
+        mine = _run(fn)
+        if self.group is None:
+            if not mine.ok:
+                raise mine.error
+            return mine.value
+        flag = torch.tensor([0 if mine.ok else self.world_size - self.rank], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if int(flag.item()) == 0:
+            return mine.value
+        src = self.world_size - int(flag.item())
+        box = [_portable(_Outcome(False, None, mine.error, mine.error_text)) if self.rank == src else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src), group=self.group)
+        if not mine.ok:
+            raise mine.error
+        o = box[0]
+        if o.error is not None:
+            raise o.error
+        raise CollectiveError(step, {src: o.error_text})
+
+    def any_rank(self, flags: "list[bool] | Any") -> list[bool]:
+        """Element-wise OR of every rank's ``flags`` (same length on every rank): one
+        all_reduce of ``len(flags)`` bytes."""
+        import torch
+
+        t = torch.tensor([bool(x) for x in flags], dtype=torch.uint8)
+        if self.group is not None and len(t):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [bool(x) for x in t.tolist()]
+
 
 def init_process_group(rank: int, world_size: int, *, init_method: str, timeout: float = 120.0) -> None:
     """Initialise a gloo world (used by the test/bench launcher and the examples)."""
