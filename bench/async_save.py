@@ -118,7 +118,8 @@ def rank_main(rank: int, world_size: int, args: dict) -> dict:
         ck = Checkpointer(work_dir=os.path.join(work, "ckwork"))
         try:
             for rep in range(args["reps"]):
-                measure(name, lambda rep=rep, ck=ck, base=base: ck.save_async(f"{base}/step{rep + 1}", sd, {"step": rep + 1}),
+                measure(name,
+                        lambda rep=rep, ck=ck, base=base: ck.save_async(f"{base}/step{rep + 1}", sd, {"step": rep + 1}),
                         lambda f: f.result())
         finally:
             ck.close()  # releases the staging buffers
@@ -174,26 +175,30 @@ def summarize(ranks: list[dict]) -> dict:
 def markdown(meta: dict, rows: dict) -> str:
     S = meta["S_per_rank"]
     out = [f"Command: `{meta['command']}`  ",
-           f"When: {meta['when']}; {meta['ranks']} ranks, S = {S / GiB:.2f} GiB per rank ({meta['bytes'] / GiB:.2f} GiB state); "
+           f"When: {meta['when']}; {meta['ranks']} ranks, S = {S / GiB:.2f} GiB per rank "
+           f"({meta['bytes'] / GiB:.2f} GiB state); "
            f"{meta['reps']} saves per tool (\"steady\" = median of saves 2..N, slowest rank each); load average before "
            f"{meta['load_before']}, after {meta['load_after']} on {meta['cpus']} cores.", "",
            "| what | blocked s (first save) | blocked s (steady) | blocked / copy (steady) | save total s | "
            "peak RSS above baseline / S (first; steady) | training step slowdown during the save |",
            "|---|---:|---:|---:|---:|---:|---:|"]
     names = {"copy": "plain CPU copy (clone of every tensor)", "cloudckpt_local": "cloudckpt save_async -> local dir",
-             "cloudckpt_s3": "cloudckpt save_async -> S3 (SeaweedFS)", "dcp_async_local": "DCP async_save -> local dir (FileSystemWriter)"}
+             "cloudckpt_s3": "cloudckpt save_async -> S3 (SeaweedFS)",
+             "dcp_async_local": "DCP async_save -> local dir (FileSystemWriter)"}
     for k, r in rows.items():
         if k == "copy":
             out.append(f"| {names[k]} | - | {r['blocked_s']:.3f} | 1.00 | - | - | - |")
             continue
         slow = "-" if r["step_slowdown"] is None else f"{r['step_slowdown']:.2f}x"
-        out.append(f"| {names.get(k, k)} | {r['first_blocked_s']:.3f} | {r['blocked_s']:.3f} | {r['ratio_to_copy']:.2f} | "
+        out.append(f"| {names.get(k, k)} | {r['first_blocked_s']:.3f} | {r['blocked_s']:.3f} | "
+                   f"{r['ratio_to_copy']:.2f} | "
                    f"{r['total_s']:.2f} | {r['first_peak_over_S']:.2f}; {r['peak_over_S']:.2f} | {slow} |")
     out += ["", "| target | measured | met |", "|---|---:|---|"]
     for k in ("cloudckpt_local", "cloudckpt_s3"):
         if k in rows:
             r = rows[k]
-            out.append(f"| {names[k]}: blocked <= 1.5x copy (steady; first) | {r['ratio_to_copy']:.2f}; {r['first_ratio_to_copy']:.2f} | "
+            out.append(f"| {names[k]}: blocked <= 1.5x copy (steady; first) | {r['ratio_to_copy']:.2f}; "
+                       f"{r['first_ratio_to_copy']:.2f} | "
                        f"{_yes(r['ratio_to_copy'] <= 1.5, meta)}; {_yes(r['first_ratio_to_copy'] <= 1.5, meta)} |")
             worst = max(r["first_peak_over_S"], r["peak_over_S"])
             out.append(f"| {names[k]}: peak RSS above baseline <= 1.25x S (worst of first, steady) | {worst:.2f} | "
@@ -235,7 +240,8 @@ def main(argv=None) -> int:
             s3.create_bucket("async")
             env.update(s3.env())
             args["s3_url"] = "s3://async/run"
-        print(f"async bench: {nbytes / GiB:.2f} GiB state, {a.ranks} ranks, {reps} saves each, load {load_before}", flush=True)
+        print(f"async bench: {nbytes / GiB:.2f} GiB state, {a.ranks} ranks, {reps} saves each, load {load_before}",
+              flush=True)
         ranks = run_ranks(a.ranks, rank_main, args, env=env, timeout=3600)
     finally:
         if s3 is not None:

@@ -46,7 +46,8 @@ from bench.measure import (
 )
 
 
-def case_save_load(args, runner: Runner, res: Results, s3, nbytes: int, tools: list[str], log, copies: LocalCopies) -> None:
+def case_save_load(args, runner: Runner, res: Results, s3, nbytes: int, tools: list[str], log,
+                   copies: LocalCopies) -> None:
     label = size_label(nbytes)
     # the bytes s5cmd copies: the same state, stock DCP FileSystemWriter, on local disk
     src_fp = src = None
@@ -83,7 +84,8 @@ def _save_load_reps(args, runner: Runner, res: Results, s3, nbytes: int, tools: 
                 c0 = server_cpu(s3)
                 up, up_cpu = run_s5cmd(args, runner.env, [f"{src}/*", f"s3://{BUCKET}/{prefix}"])
                 res.add("save", label, "s5cmd", {"seconds": up, "bytes": src_fp["bytes"], "file_bytes": nb,
-                                                  "client_cpu_s": up_cpu, "server_cpu_s": cpu_delta(c0, server_cpu(s3))})
+                                                  "client_cpu_s": up_cpu,
+                                                  "server_cpu_s": cpu_delta(c0, server_cpu(s3))})
                 c0 = server_cpu(s3)
                 down, down_cpu = s5cmd_download(args, runner.env, prefix, nb)
                 c1 = server_cpu(s3)
@@ -295,8 +297,9 @@ def case_discovery(args, runner: Runner, res: Results, s3, log) -> None:
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
                 out = f.name
             try:
-                p = subprocess.run([py, str(ROOT / "bench" / "peers" / "olmo.py"), "latest", url, "--reps", str(args.reps),
-                                    "--out", out], env=runner.env, cwd=ROOT, capture_output=True, text=True)
+                p = subprocess.run([py, str(ROOT / "bench" / "peers" / "olmo.py"), "latest", url,
+                                    "--reps", str(args.reps), "--out", out],
+                                   env=runner.env, cwd=ROOT, capture_output=True, text=True)
                 r = json.loads(Path(out).read_text()) if Path(out).stat().st_size else {"ok": False, "error": p.stderr}
             finally:
                 Path(out).unlink(missing_ok=True)

@@ -64,7 +64,8 @@ class Runner:
         try:
             argv = [py, str(ROOT / "bench" / "peers" / "launch.py"), "--tool", tool, "--op", op, "--url", url,
                     "--bytes", str(nbytes), "--ranks", str(ranks), "--timeout", str(self.args.timeout), "--out", out]
-            p = subprocess.run(argv, env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=self.args.timeout + 60)
+            p = subprocess.run(argv, env=self.env, cwd=ROOT, capture_output=True, text=True,
+                               timeout=self.args.timeout + 60)
             try:
                 res = json.loads(Path(out).read_text())
             except (OSError, ValueError):
@@ -87,7 +88,8 @@ class LocalCopies:
     def get(self, nbytes: int) -> tuple[Path, dict]:
         if nbytes not in self.dirs:
             src = Path(tempfile.mkdtemp(prefix=f"cloudckpt-bench-src-{size_label(nbytes)}-", dir=self.args.tmp))
-            fp = summarize(self.runner.ranks("dcp_local", "save", str(src / "model_and_optim"), nbytes, self.args.ranks), "save")
+            fp = summarize(self.runner.ranks("dcp_local", "save", str(src / "model_and_optim"), nbytes,
+                                             self.args.ranks), "save")
             self.dirs[nbytes] = (src, fp)
         return self.dirs[nbytes]
 

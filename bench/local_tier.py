@@ -101,7 +101,8 @@ def rank_main(rank: int, world_size: int, args: dict) -> dict:
         before = S.rss()
         S.reset_peak()
         t0 = time.perf_counter()
-        fut = mgr.save_local(rep + 1, sd, {"step": rep + 1}, persist=rep == args["reps"] - 1)  # the last: to the bucket too
+        # the last: to the bucket too
+        fut = mgr.save_local(rep + 1, sd, {"step": rep + 1}, persist=rep == args["reps"] - 1)
         out["local_blocked_s"].append(time.perf_counter() - t0)
         fut.result()
         out["local_written_s"].append(time.perf_counter() - t0)
@@ -169,9 +170,11 @@ def summarize(ranks: list[dict]) -> dict:
     row = {
         "copy_s": slowest("copy_s"), "local_blocked_s": slowest("local_blocked_s"), "bucket_s": slowest("bucket_s"),
         "local_written_s": slowest("local_written_s"), "bucket_total_s": slowest("bucket_total_s"),
-        "replicated_s": slowest("replicated_s"), "copying_s": slowest("copying_s"), "local_peak_over_S": slowest("local_peak_over_S"),
+        "replicated_s": slowest("replicated_s"), "copying_s": slowest("copying_s"),
+        "local_peak_over_S": slowest("local_peak_over_S"),
         "loopback_MBps": bw / 1e6, "replication_bound_s": 2 * total_state / bw,
-        "recover_local_s": max(r["recover_local_s"] for r in ranks), "recover_bucket_s": max(r["recover_bucket_s"] for r in ranks),
+        "recover_local_s": max(r["recover_local_s"] for r in ranks),
+        "recover_bucket_s": max(r["recover_bucket_s"] for r in ranks),
         "resume_bucket_s": max(r["resume_bucket_s"] for r in ranks),
         "recovered_from": ranks[0]["recovered_from"], "fetched_bytes_node1": sum(r["fetched_bytes"] for r in ranks[2:]),
         "bit_exact": all(r["bit_exact"] for r in ranks),
@@ -196,22 +199,26 @@ def markdown(meta: dict, r: dict) -> str:
         f"When: {meta['when']}; {meta['ranks']} ranks as 2 nodes x 2, S = {S / MiB:.0f} MiB per rank "
         f"({meta['bytes'] / MiB:.0f} MiB state), {meta['reps']} saves each (median of the slowest rank); "
         f"{meta['cpus']} cores shared by the ranks and SeaweedFS; load average before {meta['load_before']}.", "",
-        "| per save (async on both paths) | training blocked, s | / copy | until written (local) or committed (bucket), s |",
+        "| per save (async on both paths) | training blocked, s | / copy "
+        "| until written (local) or committed (bucket), s |",
         "|---|---:|---:|---:|",
         f"| plain copy into existing buffers | {r['copy_s']:.3f} | 1.00 | - |",
         f"| local step (node folder in /dev/shm) | {r['local_blocked_s']:.3f} | {r['local_over_copy']:.2f} | "
         f"{r['local_written_s']:.3f} |",
-        f"| bucket step (SeaweedFS) | {r['bucket_s']:.3f} | {r['bucket_over_copy']:.2f} | {r['bucket_total_s']:.3f} |", "",
+        f"| bucket step (SeaweedFS) | {r['bucket_s']:.3f} | {r['bucket_over_copy']:.2f} "
+        f"| {r['bucket_total_s']:.3f} |", "",
         "| after a save | measured | bound or peer | ratio |", "|---|---:|---:|---:|",
         f"| copies on the peer node complete (s) | {r['replicated_s']:.3f} | 2 x state / loopback = "
         f"{r['replication_bound_s']:.3f} (loopback {r['loopback_MBps']:.0f} MB/s) | {r['replicated_over_bound']:.2f} |",
         f"| of which the copies alone, after the local write (s) | {r['copying_s']:.3f} | "
         f"{r['replication_bound_s']:.3f} | {r['copying_over_bound']:.2f} |",
-        f"| recovery of a replaced node from peers (s) | {r['recover_local_s']:.3f} | bucket load {r['recover_bucket_s']:.3f} | "
+        f"| recovery of a replaced node from peers (s) | {r['recover_local_s']:.3f} "
+        f"| bucket load {r['recover_bucket_s']:.3f} | "
         f"{r['recovery_speedup']:.2f}x faster |",
         f"| the same, against resume() of a job without the tier (s) | {r['recover_local_s']:.3f} | bucket resume "
         f"{r['resume_bucket_s']:.3f} | {r['resume_speedup']:.2f}x faster |",
-        f"| host memory above baseline during a local save and its copying | {r['local_peak_over_S']:.2f} x S | | |", "",
+        f"| host memory above baseline during a local save and its copying | {r['local_peak_over_S']:.2f} x S "
+        "| | |", "",
         f"Recovery resumed from {r['recovered_from'][0]} step {r['recovered_from'][1]}; node 1 fetched "
         f"{r['fetched_bytes_node1'] / MiB:.1f} MiB from node 0; bit-exact: {r['bit_exact']}.", "",
         "| target | measured | met |", "|---|---:|---|",

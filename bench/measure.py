@@ -45,7 +45,8 @@ class Results:
             case, size, tool = key
             status, reason = self.status.get(key, ("ok", ""))
             ss = self.samples.get(key, [])
-            row = {"case": case, "size": size, "tool": tool, "status": status if not (status == "ok" and not ss) else "no data",
+            row = {"case": case, "size": size, "tool": tool,
+                   "status": status if not (status == "ok" and not ss) else "no data",
                    "reason": reason, "n": len(ss), "samples": ss}
             if ss:
                 med = self.median(case, size, tool)

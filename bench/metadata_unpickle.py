@@ -29,9 +29,10 @@ def synthetic_metadata(layers: int = 600, ranks: int = 64) -> tuple[bytes, dict]
     for p in range(layers):
         for k, kind in enumerate(("model", "optim.exp_avg", "optim.exp_avg_sq")):
             fqn = f"{kind}.layers.{p}.weight"
-            chunks = [ChunkStorageMetadata(offsets=torch.Size([r * 64, 0]), sizes=torch.Size([64, 4096])) for r in range(ranks)]
-            sdm[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size([64 * ranks, 4096]),
-                                             chunks=chunks)
+            chunks = [ChunkStorageMetadata(offsets=torch.Size([r * 64, 0]), sizes=torch.Size([64, 4096]))
+                      for r in range(ranks)]
+            sdm[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32),
+                                             size=torch.Size([64 * ranks, 4096]), chunks=chunks)
             for r, c in enumerate(chunks):
                 sd[MetadataIndex(fqn, c.offsets, r)] = _StorageInfo(f"__{r}_0.distcp", (p * 3 + k) * item, item)
     for r in range(ranks):

@@ -142,8 +142,8 @@ def main() -> None:
                     assert got == 2 * size, f"{name}: read {got} bytes, expected {2 * size}"
                     samples.setdefault(name, []).append(
                         {"seconds": dt, "client_cpu_s": client_cpu, "server_cpu_s": server_cpu(s3) - s0})
-                    print(f"rep {rep} {name:16s} {dt:5.2f}s client {client_cpu:5.2f} server {samples[name][-1]['server_cpu_s']:5.2f}",
-                          flush=True)
+                    print(f"rep {rep} {name:16s} {dt:5.2f}s client {client_cpu:5.2f} "
+                          f"server {samples[name][-1]['server_cpu_s']:5.2f}", flush=True)
     med = {n: {k: statistics.median(s[k] for s in v) for k in v[0]} for n, v in samples.items()}
     lines = [f"Command: `.venv/bin/python -m bench.range_reads --object-mib {args.object_mib} --reps {args.reps}` "
              f"(2 x {args.object_mib} MiB, medians of {args.reps})", "",
@@ -153,8 +153,8 @@ def main() -> None:
                      f"{m['server_cpu_s']:.2f} | {_ratio(med, n)} |")
     print("\n".join(lines))
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "range_reads.json").write_text(json.dumps({"object_bytes": size, "reps": args.reps, "samples": samples,
-                                                          "medians": med}, indent=1))
+    doc = {"object_bytes": size, "reps": args.reps, "samples": samples, "medians": med}
+    (args.out_dir / "range_reads.json").write_text(json.dumps(doc, indent=1))
     (args.out_dir / "range_reads.md").write_text("\n".join(lines) + "\n")
 
 

@@ -38,7 +38,8 @@ def paired_ratios(res: Results, case: str, size: str) -> list[float]:
             if s.get("s5cmd_paired_seconds") and s.get("seconds")]
 
 
-def analyse(res: Results, sizes: list[str], disc_label: str | None, judge: bool = True) -> tuple[list[dict], list[dict]]:
+def analyse(res: Results, sizes: list[str], disc_label: str | None,
+            judge: bool = True) -> tuple[list[dict], list[dict]]:
     """(ratios, targets) from the medians. ``judge=False`` (smoke sizes, where fixed
     costs dominate) reports the values but not met/missed."""
     ratios, targets = [], []
@@ -77,11 +78,13 @@ def analyse(res: Results, sizes: list[str], disc_label: str | None, judge: bool 
         for case in ("gcs_save", "gcs_load"):
             r = ratio(mbps(case, size, "cloudckpt"), mbps(case, size, "gcs_tm"))
             if r is not None:
-                ratios.append({"size": size, "what": f"{case.replace('_', ' ')}: cloudckpt / {LABELS['gcs_tm']}", "ratio": r})
+                ratios.append({"size": size, "what": f"{case.replace('_', ' ')}: cloudckpt / {LABELS['gcs_tm']}",
+                               "ratio": r})
     if disc_label:
         ours, theirs = res.median("latest", disc_label, "cloudckpt"), res.median("latest", disc_label, "olmo")
         if ours and theirs:
-            ratios.append({"size": disc_label, "what": "latest_checkpoint: OLMo-core time / cloudckpt time", "ratio": theirs / ours})
+            ratios.append({"size": disc_label, "what": "latest_checkpoint: OLMo-core time / cloudckpt time",
+                           "ratio": theirs / ours})
     if not judge:
         for t in targets:
             t["met"] = None
@@ -96,11 +99,14 @@ def _run_header(meta: dict) -> list[str]:
     during = meta.get("load_1min_during") or {}
     load = (f"1-min load average during the run: median {during['median']:.1f}, max {during['max']:.1f} "
             f"({during['samples']} samples)") if during else "load during the run not sampled"
+    dirty = (meta.get("git") or {}).get("dirty_library_files")
+    dirty_note = (f" (library files modified in the work tree: {', '.join(x.split()[-1] for x in dirty)})"
+                  if dirty else "")
     return [f"Command: `{meta['command']}`  ", f"When: {meta['when']}; machine: {meta['machine']['cpus']} cores; "
             f"load average before {meta['load_before']}, after {meta['load_after']}; {load}; "
             f"median of {meta['reps']} repetition(s) of the sizes {', '.join(meta['sizes'])}, {meta['ranks']} ranks; "
             f"commit {(meta.get('git') or {}).get('commit', '?')[:10]}"
-            f"{' (library files modified in the work tree: ' + ', '.join(x.split()[-1] for x in meta['git']['dirty_library_files']) + ')' if (meta.get('git') or {}).get('dirty_library_files') else ''}."]
+            f"{dirty_note}."]
 
 
 def markdown(meta: dict, rows: list[dict], ratios: list[dict], targets: list[dict]) -> str:
@@ -116,16 +122,19 @@ def markdown(meta: dict, rows: list[dict], ratios: list[dict], targets: list[dic
         if r["case"] in DISCOVERY_CASES:
             continue
         status = r["status"] if r["status"] == "ok" else f"**{r['status']}**: {r['reason']}"
-        out.append(f"| {r['case']} | {r['size']} | {LABELS.get(r['tool'], r['tool'])} | {fmt(r.get('median_seconds'))} | "
+        out.append(f"| {r['case']} | {r['size']} | {LABELS.get(r['tool'], r['tool'])} "
+                   f"| {fmt(r.get('median_seconds'))} | "
                    f"{fmt(r.get('mb_per_s'), '.0f')} | {fmt(r.get('rss_ratio'))} | {fmt(r.get('requests'), '.0f')} | "
                    f"{fmt(r.get('client_cpu_s'), '.1f')} | {fmt(r.get('server_cpu_s'), '.1f')} | {r['n']} | {status} |")
     disc = [r for r in rows if r["case"] in DISCOVERY_CASES]
     if disc:
-        out += ["", "| discovery | over | tool | median s | HTTP requests | runs | status |", "|---|---|---|---:|---:|---:|---|"]
+        out += ["", "| discovery | over | tool | median s | HTTP requests | runs | status |",
+                "|---|---|---|---:|---:|---:|---|"]
         names = DISCOVERY_CASES
         for r in disc:
             status = r["status"] if r["status"] == "ok" else f"**{r['status']}**: {r['reason']}"
-            out.append(f"| {names[r['case']]} | {r['size']} | {LABELS.get(r['tool'], r['tool'])} | {fmt(r.get('median_seconds'), '.3f')} | "
+            out.append(f"| {names[r['case']]} | {r['size']} | {LABELS.get(r['tool'], r['tool'])} "
+                       f"| {fmt(r.get('median_seconds'), '.3f')} | "
                        f"{fmt(r.get('requests'), '.0f')} | {r['n']} | {status} |")
     if ratios:
         out += ["", "| ratio (higher is better for cloudckpt) | size | value |", "|---|---|---:|"]
@@ -154,7 +163,8 @@ def chart(path: Path, rows: list[dict], sizes: list[str], disc_label: str | None
     panels = len(sizes) + (1 if disc_label else 0)
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.8), squeeze=False)
     for ax, size in zip(axes[0], sizes, strict=False):  # a last panel may follow: discovery
-        present = [c for c in cases if any((c[0], size, t) in by and by[(c[0], size, t)].get("mb_per_s") for t in tools)]
+        present = [c for c in cases
+                   if any((c[0], size, t) in by and by[(c[0], size, t)].get("mb_per_s") for t in tools)]
         here = [t for t in tools if any(by.get((c, size, t), {}).get("mb_per_s") for c, _ in present)]
         width = 0.8 / max(1, len(here))
         for i, tool in enumerate(here):
@@ -174,7 +184,8 @@ def chart(path: Path, rows: list[dict], sizes: list[str], disc_label: str | None
     if disc_label:
         ax = axes[0][-1]
         items = [(f"{LABELS[r['tool']]}\n{r['case']}", r) for r in rows
-                 if r["case"] in ("latest", "latest_list", "list") and r["size"] == disc_label and r.get("requests") is not None]
+                 if r["case"] in ("latest", "latest_list", "list") and r["size"] == disc_label
+                 and r.get("requests") is not None]
         ax.bar(range(len(items)), [r["requests"] for _, r in items], color=[colors[r["tool"]] for _, r in items])
         for k, (_, r) in enumerate(items):
             ax.annotate(f"{r['median_seconds']:.2f}s", (k, r["requests"]), ha="center", va="bottom", fontsize=8)
@@ -221,11 +232,13 @@ def merge(paths: list[str], out_dir: Path, stem: str) -> int:
     ratios, targets = analyse(res, sizes, disc_label)
     meta = {"merged_from": [str(p) for p in paths], "runs": runs}
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows, "ratios": ratios, "targets": targets}, indent=1) + "\n")
+    doc = {**meta, "rows": rows, "ratios": ratios, "targets": targets}
+    (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
     md = markdown(meta, rows, ratios, targets)
     (out_dir / f"{stem}.md").write_text(md)
     cmds = " + ".join(r["command"] for r in runs)
-    problem = chart(out_dir / f"{stem}.png", rows, sizes, disc_label, f"{cmds}  |  {runs[0]['when']} .. {runs[-1]['when']}")
+    problem = chart(out_dir / f"{stem}.png", rows, sizes, disc_label,
+                    f"{cmds}  |  {runs[0]['when']} .. {runs[-1]['when']}")
     print(md)
     if problem:
         print(f"chart: {problem}")
@@ -268,7 +281,8 @@ def write_outputs(args, res: Results, disc_label, command: str, load_before, t_s
     md = markdown(meta, rows, ratios, targets)
     json_path.with_suffix(".md").write_text(md)
     problem = chart(json_path.with_suffix(".png"), rows, sizes, disc_label,
-                    f"{command}  |  {meta['when']}  |  load avg {load_before} -> {load_after} on {os.cpu_count()} cores")
+                    f"{command}  |  {meta['when']}  |  load avg {load_before} -> {load_after} "
+                    f"on {os.cpu_count()} cores")
     log("\n" + md)
     if problem:
         log(f"chart: {problem}")

@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tools", default="cloudckpt,s5cmd,olmo,s3tc,fsspec")
     ap.add_argument("--gcs-sizes", default=None, help="sizes for the GCS rows (default: the smallest of --sizes)")
     ap.add_argument("--gcs-workers", type=int, default=8)
-    ap.add_argument("--discovery-steps", type=int, default=None, help="committed steps for discovery (default 1000; smoke 20)")
+    ap.add_argument("--discovery-steps", type=int, default=None,
+                    help="committed steps for discovery (default 1000; smoke 20)")
     ap.add_argument("--s5cmd-numworkers", type=int, default=256, help="s5cmd --numworkers (its default)")
     ap.add_argument("--s5cmd-concurrency", type=int, default=5, help="s5cmd cp --concurrency (its default)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition, smoke.* outputs")
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
 
     disc_label = run_cases(args, cases, gcs_sizes, res, log, partial)
     sampler.stop()
-    write_outputs(args, res, disc_label, command, load_before, t_start, out_dir / f"{stem}.json", log=log, sampler=sampler)
+    write_outputs(args, res, disc_label, command, load_before, t_start, out_dir / f"{stem}.json", log=log,
+                  sampler=sampler)
     (out_dir / f"{stem}.partial.json").unlink(missing_ok=True)
     return 0
 

@@ -114,7 +114,8 @@ class Perf:
 
     def start(self) -> None:
         self.data = os.path.join(tempfile.mkdtemp(prefix="cloudckpt-perf-"), "perf.data")
-        self.proc = subprocess.Popen(["perf", "record", "-q", "-F", str(self.freq), "-p", str(self.pid), "-o", self.data],
+        self.proc = subprocess.Popen(["perf", "record", "-q", "-F", str(self.freq), "-p", str(self.pid),
+                                      "-o", self.data],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         time.sleep(0.5)  # perf attaches to every thread before the operation starts
         if self.proc.poll() is not None:
@@ -155,7 +156,8 @@ def summary(counts: collections.Counter, top: int = 12) -> dict:
                     for (name, kernel), n in counts.most_common(top)]}
 
 
-LOADS = {"cloudckpt": MODES["stream"], "cloudckpt-pre": MODES["pre"], "cloudckpt-2to1": MODES["2to1"]}  # (ranks, options)
+# (ranks, options)
+LOADS = {"cloudckpt": MODES["stream"], "cloudckpt-pre": MODES["pre"], "cloudckpt-2to1": MODES["2to1"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             copies.close()
     if a.out:
-        Path(a.out).write_text(json.dumps({"command": " ".join([".venv/bin/python -m bench.server_profile"] + sys.argv[1:]),
+        command = " ".join([".venv/bin/python -m bench.server_profile"] + sys.argv[1:])
+        Path(a.out).write_text(json.dumps({"command": command,
                                            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                            "op": a.op, "size": a.size, "reps": a.reps, "rows": rows}, indent=1))
     return 0 if all("error" not in r for r in rows) else 1

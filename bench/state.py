@@ -58,7 +58,8 @@ def build_state(world_size: int, total_bytes: int, *, zero: bool = False, mesh=N
         rows = shape[0]
         per = math.ceil(rows / world_size)
         lo, hi = min(rows, rank * per), min(rows, (rank + 1) * per)
-        local = torch.zeros((hi - lo,) + tuple(shape[1:])) if zero else _fill(torch.empty((hi - lo,) + tuple(shape[1:])), seed * 1000 + rank)
+        local_shape = (hi - lo,) + tuple(shape[1:])
+        local = torch.zeros(local_shape) if zero else _fill(torch.empty(local_shape), seed * 1000 + rank)
         return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
                                   stride=torch.empty(shape, device="meta").stride())
 

@@ -147,12 +147,14 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tools", default="engine,s5cmd,boto3")
-    ap.add_argument("--engine-concurrency", type=int, default=8, help="TransferConfig.max_concurrency (files in flight)")
+    ap.add_argument("--engine-concurrency", type=int, default=8,
+                    help="TransferConfig.max_concurrency (files in flight)")
     ap.add_argument("--s5cmd-numworkers", type=int, default=16, help="s5cmd --numworkers (files in flight)")
     ap.add_argument("--s5cmd-concurrency", type=int, default=4, help="s5cmd cp --concurrency (parts per file)")
     ap.add_argument("--s5cmd-part-mib", type=int, default=16, help="s5cmd cp --part-size (MiB)")
     ap.add_argument("--boto3-concurrency", type=int, default=32, help="s3transfer max_request_concurrency")
-    ap.add_argument("--boto3-part-mib", type=int, default=16, help="s3transfer multipart threshold and chunk size (MiB)")
+    ap.add_argument("--boto3-part-mib", type=int, default=16,
+                    help="s3transfer multipart threshold and chunk size (MiB)")
     ap.add_argument("--keep", action="store_true", help="keep the uploaded objects between repetitions")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "transfer.json"))
     args = ap.parse_args()
@@ -194,7 +196,8 @@ def main() -> None:
 
     med = {t: total / statistics.median(v) / 1e6 for t, v in runs.items()}
     gib = total / 1024**3
-    cpu_per_gib = {t: {"client": statistics.median(c for c, _ in v) / gib, "server": statistics.median(s for _, s in v) / gib}
+    cpu_per_gib = {t: {"client": statistics.median(c for c, _ in v) / gib,
+                       "server": statistics.median(s for _, s in v) / gib}
                    for t, v in cpu.items()}
     print("\nmedian MB/s:", ", ".join(f"{t} {m:.1f}" for t, m in med.items()))
     print("median CPU s/GiB (client + server):",
@@ -222,7 +225,8 @@ def main() -> None:
         "load_average_at_end": os.getloadavg(),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
         "versions": {"boto3": boto3.__version__, "s3transfer": s3transfer.__version__,
-                     "s5cmd": subprocess.run([s5cmd_binary(), "version"], capture_output=True, text=True).stdout.strip()},
+                     "s5cmd": subprocess.run([s5cmd_binary(), "version"], capture_output=True,
+                                             text=True).stdout.strip()},
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
