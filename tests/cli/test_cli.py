@@ -71,7 +71,7 @@ def test_list_shows_committed_steps_flagged_and_all_adds_incomplete(runs, backen
     assert lines[0].split() == ["STEP", "KIND", "FORMAT", "SIZE", "OBJECTS", "WORLD", "CREATED", "AGE", "URL"]
     rows = {int(ln.split()[0]): ln.split() for ln in lines[1:4]}
     assert {s: row[1] for s, row in rows.items()} == {10: "persistent", 20: "ephemeral", 30: "persistent"}
-    assert all(row[2] == "cloudckpt" and row[4] == "5" and row[5] == "1" and row[-1] == f"{folder}/step{s}"
+    assert all(row[2] == "cloudckpt" and row[4] == "6" and row[5] == "1" and row[-1] == f"{folder}/step{s}"
                for s, row in rows.items())
     assert "step40" not in r.out and lines[-1].startswith("3 committed (2 persistent, 1 ephemeral)")
 
@@ -83,7 +83,7 @@ def test_list_shows_committed_steps_flagged_and_all_adds_incomplete(runs, backen
     assert [by_step[s]["status"] for s in (10, 20, 30, 40)] == ["committed"] * 3 + ["incomplete"]
     assert [by_step[s]["ephemeral"] for s in (10, 20, 30, 40)] == [False, True, False, None]
     for s in (10, 20, 30):
-        assert by_step[s]["object_count"] == 5 and by_step[s]["world_size"] == 1 and by_step[s]["size_bytes"] > 0
+        assert by_step[s]["object_count"] == 6 and by_step[s]["world_size"] == 1 and by_step[s]["size_bytes"] > 0
         assert 0 <= by_step[s]["age_seconds"] < 3600 and by_step[s]["url"] == f"{folder}/step{s}"
     r = cli("list", folder, "--all", "--json-pretty")  # the same rows as one indented document
     doc = json.loads(r.out)
@@ -142,7 +142,7 @@ def test_inspect_json_shows_tensors_train_state_keys_and_marker(runs, backend):
     doc = r.json()
     assert doc["url"] == step
     m = doc["marker"]
-    assert (m["step"], m["ephemeral"], m["world_size"], m["object_count"], m["format_version"]) == (20, True, 1, 5, 3)
+    assert (m["step"], m["ephemeral"], m["world_size"], m["object_count"], m["format_version"]) == (20, True, 1, 6, 3)
     assert m["library_version"] and m["torch_version"] and m["save_id"] and m["created"]
     tensors = {t["key"]: t for t in doc["tensors"]}
     assert tensors["model.w"] == {"key": "model.w", "dtype": "float32", "shape": [4], "numel": 4, "size_bytes": 16, "chunks": 1}
@@ -153,7 +153,7 @@ def test_inspect_json_shows_tensors_train_state_keys_and_marker(runs, backend):
     assert ts["path"] == "train/rank0.pt" and ts["type"] == "dict"
     assert {k["key"]: k["value"] for k in ts["keys"]} == {"step": 20, "tokens": 20000, "rng": None}
     assert sorted(o["path"] for o in doc["objects"]) == [  # the rank's manifest part is an object of the step
-        "manifest/rank0.json", "model_and_optim/.metadata", "model_and_optim/__0_0.distcp",
+        "index/header.json", "manifest/rank0.json", "model_and_optim/.metadata", "model_and_optim/__0_0.distcp",
         "model_and_optim/__0_1.distcp", "train/rank0.pt"]
 
 
@@ -161,7 +161,7 @@ def test_inspect_table_is_readable(runs):
     r = cli("inspect", runs["local"] + "/step30", "--objects")
     assert r.code == 0, r.err
     out = r.out
-    assert "step 30, persistent, world size 1, 5 objects" in out
+    assert "step 30, persistent, world size 1, 6 objects" in out
     assert "model.w" in out and "float32" in out and "2x3" in out and "bfloat16" in out
     assert "non-tensor entries: optim.lr" in out
     assert "train state (train/rank0.pt): dict" in out and "tokens" in out and "30000" in out
@@ -173,7 +173,7 @@ def test_inspect_table_is_readable(runs):
 def test_verify_passes_on_an_intact_checkpoint(runs, backend):
     r = cli("verify", runs[backend] + "/step10")
     assert r.code == 0, r.err
-    assert r.out.startswith("OK: 5 objects") and r.err == ""
+    assert r.out.startswith("OK: 6 objects") and r.err == ""
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -186,14 +186,14 @@ def test_verify_names_a_flipped_byte_and_a_missing_object(fresh, backend, tmp_pa
     r = cli("verify", step)
     assert r.code == 1, r.out + r.err
     assert f"BAD  {shard}: CRC32C" in r.out and f"BAD  {train}: object is missing" in r.out
-    assert "FAILED: 2 of 5 objects" in r.out
+    assert "FAILED: 2 of 6 objects" in r.out
     err = r.assert_one_line_error()
     assert shard in err and train in err
 
     r = cli("verify", step, "--json")
     assert r.code == 1
     doc = r.json()
-    assert doc["ok"] is False and doc["object_count"] == 5
+    assert doc["ok"] is False and doc["object_count"] == 6
     assert {b["path"]: b["problem"] for b in doc["bad"]} == {shard: "crc32c", train: "missing"}
 
     # --size-only checks existence and size (HEAD) only: it sees the missing object, not the flipped byte
@@ -215,14 +215,14 @@ def test_download_is_resumable_and_makes_a_loadable_local_checkpoint(fresh, tmp_
     r = cli("download", src, dest_root, "--progress")  # DEST not named step{N}: the step goes inside it
     assert r.code == 0, r.err
     dest = dest_root / "step100"
-    assert f"downloaded 5 object(s)" in r.out and "skipped 0" in r.out and str(dest) in r.out
+    assert f"downloaded 6 object(s)" in r.out and "skipped 0" in r.out and str(dest) in r.out
     assert "download step100" in r.err and "100%" in r.err  # the tqdm bar
     assert (dest / ".metadata.json").read_bytes() == open_store(src).get_bytes(src + "/.metadata.json")
 
     r = cli("download", src, dest, "--json")  # again, DEST named step100: everything is skipped
     assert r.code == 0, r.err
     doc = r.json()
-    assert doc["downloaded"] == [] and len(doc["skipped"]) == 5 and doc["bytes_downloaded"] == 0
+    assert doc["downloaded"] == [] and len(doc["skipped"]) == 6 and doc["bytes_downloaded"] == 0
     assert doc["dest"] == str(dest)
 
     # a damaged and a missing local file are fetched again, nothing else
@@ -249,7 +249,7 @@ def test_download_from_gcs(fresh, tmp_path):
     save_steps(folder, [(3, True)], str(tmp_path / "w"))
     r = cli("download", folder + "/step3", tmp_path / "d" / "step3", "--json", "--no-progress")
     assert r.code == 0, r.err
-    assert len(r.json()["downloaded"]) == 5 and r.err == ""
+    assert len(r.json()["downloaded"]) == 6 and r.err == ""
     assert (tmp_path / "d" / "step3" / ".metadata.json").is_file()
 
 

@@ -195,3 +195,15 @@ def relist(step_url: str, rel: str, data: bytes) -> None:
                 break
     m["total_bytes"] = sum(o["size"] for o in m["objects"]) + sum(p["size"] + p["bytes"] for p in m.get("parts", []))
     put(f"{base}/{MARKER}", json.dumps(m).encode())
+
+
+def unlist_index(step_url: str) -> None:
+    """Remove the DCP index's header from the marker (the object stays): what an attacker
+    who crafts ``.metadata`` does too, so that loads plan from ``.metadata`` as for a step
+    written by another tool."""
+    base = step_url.rstrip('/')
+    m = marker(step_url)
+    m["objects"] = [o for o in m["objects"] if o["path"] != "index/header.json"]
+    m["object_count"] = len(m["objects"]) + sum(1 + p["objects"] for p in m.get("parts", []))
+    m["total_bytes"] = sum(o["size"] for o in m["objects"]) + sum(p["size"] + p["bytes"] for p in m.get("parts", []))
+    put(f"{base}/{MARKER}", json.dumps(m).encode())
