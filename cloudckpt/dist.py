@@ -278,7 +278,12 @@ class Coordinator:
                 raise mine.error
             return mine.value
         flag = torch.tensor([0 if mine.ok else self.world_size - self.rank], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        except RuntimeError:  # a rank is gone: this rank's own error, if any, says more (it may name that rank)
+            if not mine.ok:
+                raise mine.error from None
+            raise
         if int(flag.item()) == 0:
             return mine.value
         src = self.world_size - int(flag.item())
