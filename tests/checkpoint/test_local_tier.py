@@ -151,7 +151,7 @@ def test_a_rank_killed_while_persisting_leaves_no_bucket_step(proxy, s3_bucket, 
     # the partial upload was removed by resume: every object left belongs to a committed step
     committed = [d + "/" for _, d in discovery.find_checkpoints(s3_bucket + "/run")]
     left = [o.url for o in open_store(s3_bucket).walk(s3_bucket + "/run/")]
-    assert all(any(u.startswith(c) for c in committed) for u in left), left
+    assert all(any(u.startswith(c) for c in committed) for u in left), [u for u in left if not any(u.startswith(c) for c in committed)]
 
 
 def test_bad_settings_are_typed_errors_naming_the_setting(tmp_path):

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ... import dist
+from ...dcp import index as dcp_index
 from ...errors import CloudCkptError, ConfigError, CorruptCheckpoint, LocalCapacityError, SaveFailed
 from ...storage.nofollow import resolve
 from ...untrusted import loads_json
@@ -292,7 +293,10 @@ class LocalTier:
                          for off, n in rs]
                 stats["fetched_bytes"] += exchange.fetch(self.coord, needs, found.holders, held, found.markers, view)
 
-            whole = [layout.train_state_name(self.rank)] + ([layout.DCP_METADATA] if self.rank == 0 else [])
+            # read whole before planning: the train state, the rank's part of the DCP index
+            # (its chunks: a restart keeps the layout), and on rank 0 what it reads for all
+            whole = [layout.train_state_name(self.rank), dcp_index.part_name(self.rank)] + (
+                [layout.DCP_METADATA, dcp_index.HEADER] if self.rank == 0 else [])
             fetch({r: [(0, found.markers[owner[r]].object(r).size)] for r in whole if r in owner})
             ts = self.ck.load(view, state_dict, before_read=lambda ranges: fetch(
                 {f"{layout.MODEL_DIR}/{r}": rs for r, rs in ranges.items()}), **load_kwargs)
