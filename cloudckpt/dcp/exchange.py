@@ -426,7 +426,7 @@ class _Sender(_Worker):
             return False
         buf = data if isinstance(data, bytearray) else bytearray(data)
         with self._cv:
-            if self._stopped.is_set():
+            if self._stopped.is_set() or key in self._read:  # (an item two ReadItems of the plan share: sent once)
                 return False
             tensor = torch.frombuffer(buf, dtype=torch.uint8) if length else torch.empty(0, dtype=torch.uint8)
             self._ready[key] = (tensor, release)

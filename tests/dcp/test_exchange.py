@@ -168,3 +168,57 @@ def save_and_load_only(rank, world, root, work):
     ck.load(f"{root}/ddp/step1", target)
     want, got = flat(_state("ddp", rank)), flat(target)
     return all(torch.equal(want[k], got[k]) for k in want)
+
+
+def corrupt_one_send(rank, world, root, work, liar):
+    """Load the saved DDP step; ``liar`` flips a byte of every item it sends to peers."""
+    from cloudckpt import Checkpointer
+    from cloudckpt.dcp import exchange
+
+    if rank == liar:
+        keep = exchange._Sender.keep
+
+        def flipped(self, rel, off, length, data, release):
+            data = bytearray(data)
+            if data:
+                data[len(data) // 2] ^= 0xFF
+            return keep(self, rel, off, length, data, release)
+
+        exchange._Sender.keep = flipped
+    ck = Checkpointer(work_dir=work, collective_timeout=TIMEOUT)
+    target = _state("ddp", rank, zero=True)
+    try:
+        ck.load(f"{root}/ddp/step1", target)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return type(e).__name__, str(e)
+    return None, None
+
+
+def test_bytes_a_peer_sends_are_checked_like_bucket_reads(saved):
+    root, _, _, tmp = saved
+    liar = 1
+    outs = run_ranks(WORLD, corrupt_one_send, root, str(tmp / "w5"), liar, env=_env(), timeout=120)
+    # a receiver's check fails naming the rank the bytes came from; the ranks it exchanges
+    # with hear that it failed: no rank's load succeeds, every error is typed
+    assert all(kind in ("CorruptCheckpoint", "ExchangeFailed") for kind, _ in outs), outs
+    named = [m for kind, m in outs if kind == "CorruptCheckpoint"]
+    assert named and all(f"received from rank {liar}" in m and "CRC32C mismatch" in m for m in named), outs
+
+
+def test_owners_cut_shared_ranges_into_even_contiguous_runs():
+    from cloudckpt.dcp.exchange import BLOCK, assign
+
+    mib = 1024 * 1024
+    fid = 7
+    # one block, 16 items of 512 KiB needed by ranks 0-3; one item needed by rank 2 alone
+    req = {(fid, i * mib // 2, mib // 2): [0, 1, 2, 3] for i in range(16)}
+    req[(fid, BLOCK + 5, 100)] = [2]
+    load: dict = {}
+    got = assign(req, load)
+    assert got[(fid, BLOCK + 5, 100)] == 2
+    shared = sorted(k for k in req if len(req[k]) == 4)
+    readers = [got[k] for k in shared]
+    assert sorted(set(readers)) == [0, 1, 2, 3]
+    assert [load[r] for r in range(4)] == [2 * mib] * 4  # the shared bytes, evenly (unshared: read by their rank)
+    runs = [readers[i] for i in range(len(readers)) if i == 0 or readers[i] != readers[i - 1]]
+    assert len(runs) == 4, readers  # contiguous: one run per rank, so one request each
