@@ -22,16 +22,38 @@ os.environ["AWS_CONFIG_FILE"] = os.devnull
 os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
 
 
+def _started(make, attempts: int = 3):
+    """``make().start()``, started again (on fresh ports) when it lost a port race: a
+    server is given ports that were free a moment before it binds them, and another
+    process on the machine (the other xdist worker's servers) may take one in between.
+    Any other failure to start is raised at once."""
+    for attempt in range(attempts):
+        server = make()
+        try:
+            return server.start()
+        except RuntimeError as e:
+            server.stop()
+            lost_race = "address already in use" in str(e) or "is not available" in str(e)  # bind, weed's own check
+            if not lost_race or attempt == attempts - 1:
+                raise
+
+
 @pytest.fixture(scope="session")
 def seaweed():
-    with SeaweedFS() as s:
+    s = _started(SeaweedFS)
+    try:
         yield s
+    finally:
+        s.stop()
 
 
 @pytest.fixture(scope="session")
 def fake_gcs():
-    with FakeGCS() as g:
+    g = _started(FakeGCS)
+    try:
         yield g
+    finally:
+        g.stop()
 
 
 class MotoS3:
