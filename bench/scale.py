@@ -129,16 +129,16 @@ def rows_of(shape: tuple, R: int, r: int) -> tuple[int, int]:
 
 def rank_items(shape: Shape, R: int, r: int) -> list[tuple[str, tuple, tuple, int]]:
     """Rank r's items ``(fqn, offsets, sizes, bytes)``: its chunk of every sharded
-    tensor (none where its rows are empty) and the scalars it writes (DCP gives each
-    replicated item to one rank; here scalar i goes to rank i mod R)."""
+    tensor (none where its rows are empty) and the scalars it writes (the save gives
+    each small replicated item to the lowest rank holding it: rank 0)."""
     out = []
     for fqn, gshape, _ in shape.tensors():
         lo, hi = rows_of(gshape, R, r)
         if hi > lo:
             sizes = (hi - lo, *gshape[1:])
             out.append((fqn, (lo, *(0 for _ in gshape[1:])), sizes, 4 * math.prod(sizes)))
-    for i, fqn in enumerate(shape.scalars()):
-        if i % R == r:
+    for fqn in shape.scalars():
+        if r == 0:
             out.append((fqn, (), (), 8))
     return out
 
@@ -262,6 +262,21 @@ class SimCoordinator:
         return [x.value for x in outs]
 
 
+    def agree(self, step: str, fn):
+        """``dist.Coordinator.agree``: this rank's value; one all_reduce of an int64."""
+        value = fn()
+        self.sent[step] = self.sent.get(step, 0) + 8
+        self.received[step] = self.received.get(step, 0) + 8
+        return value
+
+    def any_rank(self, flags):
+        """``dist.Coordinator.any_rank``: one all_reduce of a byte per flag."""
+        n = len(flags)
+        self.sent["any_rank"] = self.sent.get("any_rank", 0) + n
+        self.received["any_rank"] = self.received.get("any_rank", 0) + n
+        return [bool(x) for x in flags]
+
+
 _RANK_TOKENS = {}
 
 
@@ -323,14 +338,99 @@ def entries_of(shape: Shape, R: int, r: int, extra=()):
         chunks = tuple(sorted((off, n, f"{(r * 7919 + k * 104729 + off) & 0xffffffff:08x}") for _, off, n in f))
         out.append(ObjectEntry(f"model_and_optim/__{r}_{k}.distcp", size, f"{(r * 31 + k) & 0xffffffff:08x}", chunks))
     out.append(ObjectEntry(f"train/rank{r}.pt", 1234, f"{r & 0xffffffff:08x}"))
+    part = index_part(shape, R, r) if r < 2 else None  # the ranks the phases load; peers' parts are never read
+    if part is not None:
+        out.append(ObjectEntry(f"index/rank{r}.json", len(part), _crc(part)))
+    elif any(i[1] for i in items):
+        out.append(ObjectEntry(f"index/rank{r}.json", 200 * len(items), f"{(r * 13) & 0xffffffff:08x}"))
     return out + list(extra)
+
+
+def _crc(data: bytes) -> str:
+    from cloudckpt.transfer import crc32c_bytes
+
+    return crc32c_bytes(data)
+
+
+_PARTS: dict = {}
+
+
+def index_part(shape: Shape, R: int, r: int) -> bytes | None:
+    """Rank r's part of the DCP index (dcp/index.py), as the writer makes it: its chunks
+    of sharded tensors at their places in its files."""
+    from cloudckpt.dcp import index
+
+    key = (shape.name, R, r)
+    if key not in _PARTS:
+        items = rank_items(shape, R, r)
+        out = []
+        for k, f in enumerate(rank_files(items)):
+            for idx, off, n in f:
+                fqn, offsets, sizes, _ = items[idx]
+                if offsets:  # a chunk of a sharded tensor (scalars are stored whole: in the header)
+                    out.append([fqn, list(offsets), list(sizes), f"__{r}_{k}.distcp", off, n])
+        out.sort(key=lambda e: (e[0], e[1]))
+        _PARTS[key] = index.part_bytes(r, out) if out else None
+    return _PARTS[key]
+
+
+class _LazyStorage:
+    """``Metadata.storage_data`` of the whole job for ``index.header_bytes``, computed per
+    key instead of held (R x T entries): a chunk's file names its rank (its rows), a
+    scalar's item is where rank 0's files hold it."""
+
+    def __init__(self, shape: Shape, R: int):
+        from cloudckpt._torch_compat import StorageInfo
+
+        self.info = StorageInfo
+        self.rows = {fqn: -(-g[0] // R) for fqn, g, _ in shape.tensors()}
+        items = rank_items(shape, R, 0)
+        self.rank0 = {}
+        for k, f in enumerate(rank_files(items)):
+            for idx, off, n in f:
+                if not items[idx][1]:
+                    self.rank0[items[idx][0]] = self.info(f"__0_{k}.distcp", off, n)
+
+    def __getitem__(self, key):
+        if not key.offset:
+            return self.rank0[key.fqn]
+        return self.info(f"__{key.offset[0] // self.rows[key.fqn]}_0.distcp", 0, 0)
+
+
+def index_metadata(shape: Shape, R: int):
+    """What ``index.header_bytes`` reads of DCP's global ``Metadata``: every tensor with
+    its chunk list (one list per distinct shape, as DCP's cached metadata shares nothing
+    but holds the same values) and the storage of every item (computed per key)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+
+    props = TensorProperties(dtype=torch.float32)
+    lists: dict = {}
+    sdm = {}
+    for fqn, g, _ in shape.tensors():
+        if g not in lists:
+            lists[g] = [ChunkStorageMetadata(offsets=torch.Size((lo, *(0 for _ in g[1:]))),
+                                             sizes=torch.Size((hi - lo, *g[1:])))
+                        for lo, hi in (rows_of(g, R, r) for r in range(R)) if hi > lo]
+        sdm[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(g), chunks=lists[g])
+    one = [ChunkStorageMetadata(offsets=torch.Size([]), sizes=torch.Size([]))]
+    for fqn in shape.scalars():
+        sdm[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=torch.int64), size=torch.Size([]),
+                                         chunks=one)
+    return type("JobMetadata", (), {"state_dict_metadata": sdm, "storage_data": _LazyStorage(shape, R),
+                                    "version": "1.0.0"})()
 
 
 def dcp_metadata(shape: Shape, R: int):
     """DCP's ``Metadata`` of the whole job, built with torch's classes."""
     import torch
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                       TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     from cloudckpt._torch_compat import StorageInfo
 
@@ -357,18 +457,48 @@ def dcp_metadata(shape: Shape, R: int):
 
 
 def make_inputs(args) -> dict:
-    """The step folder of the job: DCP's ``.metadata`` (stock pickle) for the save to list."""
+    """The step folder of the job: the DCP index our writer writes (the header, built by
+    the library's ``index.header_bytes`` from the job's metadata; the parts of ranks 0
+    and 1) and DCP's ``.metadata`` (stock pickle, for the ``stock`` phase) where building
+    it fits ``--mem-gib`` (else a stand-in: no load of a step with the index reads it).
+    Reports the header's size and what building it costs rank 0 at a save: the first
+    save of a job, and a repeated one (its layouts cached while DCP hands the same
+    chunk lists)."""
+    from cloudckpt.dcp import index
     from cloudckpt.transfer import crc32c_file
 
     shape = shape_named(args.shape)
     step = Path(args.work) / "run" / f"step{STEP}"
     (step / "model_and_optim").mkdir(parents=True, exist_ok=True)
-    md = dcp_metadata(shape, args.ranks)
+    (step / "index").mkdir(parents=True, exist_ok=True)
+    jmd = index_metadata(shape, args.ranks)
+    cache: dict = {}
+    t = time.process_time()
+    header = index.header_bytes(jmd, cache)
+    first = time.process_time() - t
+    t = time.process_time()
+    assert index.header_bytes(jmd, cache) == header
+    again = time.process_time() - t
+    (step / index.HEADER).write_bytes(header)
+    for r in (0, 1):
+        part = index_part(shape, args.ranks, r)
+        if part is not None:
+            (step / index.part_name(r)).write_bytes(part)
+    out = {"index_header_bytes": len(header), "index_header_crc32c": _crc(header),
+           "index_header_build_cpu_s": round(first, 3), "index_header_rebuild_cpu_s": round(again, 3),
+           "index_part_bytes": len(index_part(shape, args.ranks, 1) or b"")}
     path = step / "model_and_optim" / ".metadata"
-    with open(path, "wb") as f:
-        pickle.dump(md, f, protocol=pickle.HIGHEST_PROTOCOL)
-    items = len(md.storage_data)
-    return {"metadata_bytes": path.stat().st_size, "metadata_crc32c": crc32c_file(str(path)), "items": items}
+    if estimate_gb(shape, args.ranks) <= args.mem_gib:
+        md = dcp_metadata(shape, args.ranks)
+        with open(path, "wb") as f:
+            pickle.dump(md, f, protocol=pickle.HIGHEST_PROTOCOL)
+        out["items"] = len(md.storage_data)
+        del md
+    else:
+        path.write_bytes(b"stand-in: the job's .metadata does not fit this machine")
+        out["metadata_stand_in"] = True
+    out.update(metadata_bytes=path.stat().st_size, metadata_crc32c=crc32c_file(str(path)))
+    return out
 
 
 # ---------------------------------------------------------------------- phases (each in its own process)
@@ -418,7 +548,8 @@ class Meter:
         self.peak = _peak_hwm()
 
     def report(self, minus_cpu: float = 0.0) -> dict:
-        return {"cpu_s": round(self.cpu - minus_cpu, 3), "peak_rss_above_base_mb": round((self.peak - self.base) / 1e6, 1),
+        return {"cpu_s": round(self.cpu - minus_cpu, 3),
+                "peak_rss_above_base_mb": round((self.peak - self.base) / 1e6, 1),
                 "peak_rss_mb": round(self.peak / 1e6, 1)}
 
 
@@ -435,7 +566,8 @@ def phase_save(args) -> dict:
     shape = shape_named(args.shape)
     inputs = json.loads(Path(args.work, "inputs.json").read_text())
     md = ObjectEntry("model_and_optim/.metadata", inputs["metadata_bytes"], inputs["metadata_crc32c"])
-    entries = entries_of(shape, args.ranks, 0, extra=[md])
+    header = ObjectEntry("index/header.json", inputs["index_header_bytes"], inputs["index_header_crc32c"])
+    entries = entries_of(shape, args.ranks, 0, extra=[md, header])
     ck = _checkpointer(args.work)
     sim = ck.coord = SimCoordinator(0, args.ranks, _payloads(args))
     step = str(Path(args.work) / "run" / f"step{STEP}")
@@ -512,21 +644,27 @@ def _sharded_target(shape: Shape, R: int, r: int) -> dict:
 
 
 def _time_metadata_parse() -> dict:
-    """From now on, the CPU seconds of every ``StreamingReader.read_metadata`` (the
-    metadata parse of a load) add up in the returned ``{"s": ...}``."""
+    """From now on, the CPU seconds of making the metadata a load plans against add up
+    in the returned ``{"s": ...}``: ``StreamingReader.read_metadata`` (a step without the
+    DCP index: the whole ``.metadata``) and the checkpointer's ``_index_metadata`` (the
+    header parsed, this rank's chunks selected, its index parts read)."""
+    from cloudckpt.checkpoint import checkpointer as ck_mod
     from cloudckpt.dcp import reader as reader_mod
 
     parse = {"s": 0.0}
-    orig_read = reader_mod.StreamingReader.read_metadata
 
-    def timed(self, *a, **kw):
-        t = time.process_time()
-        try:
-            return orig_read(self, *a, **kw)
-        finally:
-            parse["s"] += time.process_time() - t
+    def timed(orig):
+        def run(*a, **kw):
+            t = time.process_time()
+            try:
+                return orig(*a, **kw)
+            finally:
+                parse["s"] += time.process_time() - t
+        return run
 
-    reader_mod.StreamingReader.read_metadata = timed
+    reader_mod.StreamingReader.read_metadata = timed(reader_mod.StreamingReader.read_metadata)
+    if hasattr(ck_mod, "_index_metadata"):
+        ck_mod._index_metadata = timed(ck_mod._index_metadata)
     return parse
 
 
@@ -578,6 +716,9 @@ def phase_load(args) -> dict:
 
 def phase_stock(args) -> dict:
     path = Path(args.work) / "run" / f"step{STEP}" / "model_and_optim" / ".metadata"
+    if json.loads(Path(args.work, "inputs.json").read_text()).get("metadata_stand_in"):
+        return {"skipped": f"the job's .metadata (~{estimate_gb(shape_named(args.shape), args.ranks):.0f} GB to build) "
+                           f"does not fit --mem-gib {args.mem_gib:g}"}
     data = path.read_bytes()
     with Meter() as m:
         md = pickle.loads(data)
@@ -595,7 +736,8 @@ class _Counting:
     def __init__(self):
         from cloudckpt.storage import local as local_store
 
-        self.cls = next(c for c in vars(local_store).values() if isinstance(c, type) and hasattr(c, "list_multipart_uploads")
+        self.cls = next(c for c in vars(local_store).values()
+                        if isinstance(c, type) and hasattr(c, "list_multipart_uploads")
                         and c.__module__ == local_store.__name__)
         self.counts: dict[str, int] = {}
         self.bytes = 0
@@ -677,9 +819,10 @@ def _child(args) -> None:
     print("RESULT " + json.dumps(out))
 
 
-def run_phase(phase: str, shape: str, R: int, work: str, *, kept: int = 0, timeout: float = 3600) -> dict:
+def run_phase(phase: str, shape: str, R: int, work: str, *, kept: int = 0, timeout: float = 3600,
+              mem_gib: float = 10.0) -> dict:
     argv = [sys.executable, "-m", "bench.scale", "--child", phase, "--shape", shape, "--ranks", str(R), "--work", work,
-            "--kept", str(kept)]
+            "--kept", str(kept), "--mem-gib", str(mem_gib)]
     t = time.perf_counter()
     p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t
@@ -808,16 +951,10 @@ def main() -> None:
         row = {"ranks": R, "items": estimate_items(shape, R), "estimate_gb": round(est, 1)}
         print(f"R={R}: {row['items']:,} DCP items", file=sys.stderr, flush=True)
         work = tempfile.mkdtemp(dir=tmp, prefix=f"R{R}-")
-        if est > args.mem_gib:
-            row["skipped"] = (f"building and parsing the job's DCP .metadata needs ~{est:.0f} GB "
-                              f"(--mem-gib {args.mem_gib:g})")
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            continue
-        row["inputs"] = run_phase("inputs", shape.name, R, work)
+        row["inputs"] = run_phase("inputs", shape.name, R, work, mem_gib=args.mem_gib)
         if "error" not in row["inputs"]:
             for phase in ("save", "resume", "load", "stock"):
-                row[phase] = run_phase(phase, shape.name, R, work)
+                row[phase] = run_phase(phase, shape.name, R, work, mem_gib=args.mem_gib)
             if "error" not in row["save"]:
                 for n in kept:
                     row[f"maintain_N{n}"] = run_phase("maintain", shape.name, R, work, kept=n)
@@ -845,48 +982,53 @@ def _mb(n) -> str:
     return "-" if n is None else f"{n / 1e6:,.2f}"
 
 
+def _cell(row: dict, p: str, *keys, fmt="{:,.2f}") -> str:
+    d = row.get(p) or {}
+    if "error" in d:
+        return f"error: {d['error'][:80]}"
+    if "skipped" in d:
+        return "not run (memory)"
+    return " / ".join("-" if d.get(k) is None else fmt.format(d[k]) for k in keys)
+
+
+def _maint(row: dict, n: int) -> str:
+    d = row.get(f"maintain_N{n}") or {}
+    if "error" in d:
+        return f"error: {d['error'][:60]}"
+    if not d:
+        return "-"
+    f, s, o = d["fresh"], d["steady"], d.get("oneshot") or {}
+    return (f"fresh {f['store_calls']}, {f['cpu_s']:.2f}; then {s['store_calls']}, {s['cpu_s']:.2f} "
+            f"(one-shot prune+gc: {o.get('store_calls', '-')}, {o.get('cpu_s', 0):.2f})")
+
+
 def report(res: dict) -> str:
     lines = [f"# bench.scale: per-rank cost against the job's ranks R ({res['shape']}, "
-             f"{res['shape_bytes'] / GB:,.0f} GB, {res['sharded_tensors']:,} sharded tensors + {res['scalars']} scalars)",
+             f"{res['shape_bytes'] / GB:,.0f} GB, {res['sharded_tensors']:,} sharded tensors + "
+             f"{res['scalars']} scalars)",
              "", f"Command: `{res['command']}`  ", f"Measured {res['when']} on {res['machine']['cpus']} CPUs.", "",
              "| R | DCP items | AGREE in, rank 0 / other rank (MB) | rank 0 save CPU-s / peak MB | marker (MB) | "
+             "DCP index header (MB); its build on rank 0, CPU-s: first save / repeated | "
              "resume on rank 0 CPU-s / peak MB | load prologue CPU-s / peak MB / MB in | stock DCP .metadata "
-             "pickle.loads CPU-s / peak MB | maintenance N=10 / N=100: store calls, CPU-s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "pickle.loads CPU-s / peak MB | maintenance: store calls, CPU-s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in res["rows"]:
-        if "skipped" in row:
-            lines.append(f"| {row['ranks']:,} | {row['items']:,} | not run: {row['skipped']} |||||||")
-            continue
-
-        def cell(p, *keys, fmt="{:,.2f}"):
-            d = row.get(p) or {}
-            if "error" in d:
-                return f"error: {d['error'][:80]}"
-            return " / ".join("-" if d.get(k) is None else fmt.format(d[k]) for k in keys)
-
-        def maint(n):
-            d = row.get(f"maintain_N{n}") or {}
-            if "error" in d:
-                return f"error: {d['error'][:60]}"
-            if not d:
-                return "-"
-            f, s, o = d["fresh"], d["steady"], d.get("oneshot") or {}
-            return (f"fresh {f['store_calls']}, {f['cpu_s']:.2f}; then {s['store_calls']}, {s['cpu_s']:.2f} "
-                    f"(one-shot prune+gc: {o.get('store_calls', '-')}, {o.get('cpu_s', 0):.2f})")
-
-        save, load = row.get("save") or {}, row.get("load") or {}
+        save, load, inputs = row.get("save") or {}, row.get("load") or {}, row.get("inputs") or {}
         lines.append(
             f"| {row['ranks']:,} | {row['items']:,} | {_mb(save.get('agree_received_bytes'))} / "
             f"{_mb(save.get('agree_received_bytes_ordinary_rank'))} | "
-            f"{cell('save', 'cpu_s', 'peak_rss_above_base_mb')} | {_mb(save.get('marker_bytes'))} | "
-            f"{cell('resume', 'cpu_s', 'peak_rss_above_base_mb')} | "
-            f"{cell('load', 'cpu_s', 'peak_rss_above_base_mb')} / {_mb(load.get('received_bytes'))} | "
-            f"{cell('stock', 'cpu_s', 'peak_rss_above_base_mb')} | "
-            + "; ".join(f"N={n}: {maint(n)}" for n in _kept(row)) + " |")
+            f"{_cell(row, 'save', 'cpu_s', 'peak_rss_above_base_mb')} | {_mb(save.get('marker_bytes'))} | "
+            f"{_mb(inputs.get('index_header_bytes'))}; "
+            f"{_cell(row, 'inputs', 'index_header_build_cpu_s', 'index_header_rebuild_cpu_s')} | "
+            f"{_cell(row, 'resume', 'cpu_s', 'peak_rss_above_base_mb')} | "
+            f"{_cell(row, 'load', 'cpu_s', 'peak_rss_above_base_mb')} / {_mb(load.get('received_bytes'))} | "
+            f"{_cell(row, 'stock', 'cpu_s', 'peak_rss_above_base_mb')} | "
+            + "; ".join(f"N={n}: {_maint(row, n)}" for n in _kept(row)) + " |")
     if res["confirm"]:
         lines += ["", "Real gloo ranks against the simulation, same shape and R:", "",
                   "| R | tensors | AGREE in per rank, real / sim (bytes) | marker, real / sim (bytes) | "
-                  "metadata parse CPU-s per rank, real / sim | DCP save gathers, bytes sent per rank: first / repeated save |",
+                  "load metadata CPU-s per rank, real / sim | DCP save gathers, bytes sent per rank: "
+                  "first / repeated save |",
                   "|---|---|---|---|---|---|"]
         for c in res["confirm"]:
             real = c["real"]

@@ -192,7 +192,8 @@ class Coordinator:
             raise o.error
         raise CollectiveError(step, {0: o.error_text})
 
-    def all_ranks(self, step: str, fn: Callable[[], T], *, error: Callable[[str, dict], BaseException] | None = None) -> list[T]:
+    def all_ranks(self, step: str, fn: Callable[[], T], *,
+                  error: Callable[[str, dict], BaseException] | None = None) -> list[T]:
         """Every rank runs ``fn``; returns the values of all ranks in rank order.
         If any rank failed, every rank raises one error naming each failing rank
         (``error(step, {rank: text})`` builds it; default CollectiveError). A local

@@ -42,36 +42,28 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import dist
+from .._torch_compat import caching_save_planner
 from ..config import default_work_dir
-from .._version import __version__
 from ..dcp import StreamingReader, UploadingWriter, planned_load
 from ..dcp import index as dcp_index
 from ..errors import (
-    CheckpointExists,
     CloudCkptError,
     CorruptCheckpoint,
-    KeysNotLoaded,
-    MissingKeys,
-    NotACheckpoint,
     SaveFailed,
-    SaveInProgress,
-    ShapeMismatch,
 )
 from ..storage import Location, StorageOptions, Where, resolve_step_dir
 from ..storage import url as urls
 from ..storage.nofollow import private_dir
-from ..transfer import TransferConfig, TransferEngine, crc32c_bytes
+from ..transfer import TransferConfig, TransferEngine
 from ..untrusted import MAX_TRAIN_STATE_BYTES, load_plain, read_checked
-from .._torch_compat import caching_save_planner
 from . import discovery, layout, step_files
 from .async_save import AsyncSaver
+from .commit import StepCommit
 from .gcpause import gc_paused
 from .load_guard import KeyCheckingPlanner as _KeyCheckingPlanner
-from .commit import StepCommit
 from .marker import Marker, ObjectEntry, PartRef, split_by_rank
 
 log = logging.getLogger(__name__)
@@ -125,7 +117,7 @@ def _index_metadata(step: Location, manifest: "discovery.StepManifest", header_b
         return dcp_index.parse_part(data, url=url, rank=rank)
 
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(rels)))) as pool:
-        parts = dict(zip(rels, pool.map(read, rels)))
+        parts = dict(zip(rels, pool.map(read, rels), strict=True))
     return dcp_index.build_metadata(header, needs, parts, wanted)
 
 
@@ -168,7 +160,8 @@ class Checkpointer:
         self.thread_count = thread_count
         self.stale_lock_seconds = stale_lock_seconds
         self.coord = dist.Coordinator(timeout=collective_timeout, local=not distributed)
-        self.engine = TransferEngine(transfer or TransferConfig(), storage_options=self.storage_options, progress=progress,
+        self.engine = TransferEngine(transfer or TransferConfig(), storage_options=self.storage_options,
+                                     progress=progress,
                                      world_size=self.coord.world_size)
         self.last_save_stats: dict = {}
         self.last_load_info: dict = {}
@@ -287,7 +280,8 @@ class Checkpointer:
                 except ValueError as e:
                     raise SaveFailed(f"{dir}: {e}") from None
                 if shared and not self.coord.is_coordinator:
-                    raise SaveFailed(f"{dir}: rank {rank} wrote {shared[0].path!r}; only rank 0 writes the step's own files")
+                    raise SaveFailed(f"{dir}: rank {rank} wrote {shared[0].path!r}; only rank 0 writes the step's "
+                                     "own files")
                 return _Report(attempt.publish_part(rank, own) if own else None, tuple(shared))
 
             reports = self.coord.to_coordinator("agree", report, error=SaveFailed.from_failures)
@@ -338,7 +332,8 @@ class Checkpointer:
         error: BaseException | None = None
         try:
             with _quiet_dcp():
-                dcp.save(state_dict, storage_writer=writer, planner=caching_save_planner(f"{self.coord.world_size}:{self.coord.rank}"), process_group=self.coord.group,
+                planner = caching_save_planner(f"{self.coord.world_size}:{self.coord.rank}")
+                dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=self.coord.group,
                          no_dist=self.coord.local)
             index_part = writer.write_index_part(self.coord.rank)
             if index_part is not None:
@@ -354,8 +349,9 @@ class Checkpointer:
         try:
             results = TransferEngine.wait_all([f for *_, f in uploads])
             items = writer.manifest() if error is None else {}  # {shard file: ((offset, length, crc32c), ...)}
-            for (rel, path, sums, _), res in zip(uploads, results):
-                chunks = items.get(rel[len(layout.MODEL_DIR) + 1:], ()) if rel.startswith(layout.MODEL_DIR + "/") else ()
+            for (rel, _path, _sums, _), res in zip(uploads, results, strict=True):
+                in_model = rel.startswith(layout.MODEL_DIR + "/")
+                chunks = items.get(rel[len(layout.MODEL_DIR) + 1:], ()) if in_model else ()
                 entries.append(ObjectEntry(rel, res.size, res.crc32c, chunks))
         except BaseException as e:  # noqa: BLE001 - carried to every rank by AGREE
             for *_, f in uploads:
@@ -369,7 +365,7 @@ class Checkpointer:
         futures = [self.engine.submit_upload(path, urls.join(dir, e.path), crc32c=e.crc32c) for path, e in files]
         error: BaseException | None = None
         try:
-            for (path, e), res in zip(files, TransferEngine.wait_all(futures)):
+            for (path, e), res in zip(files, TransferEngine.wait_all(futures), strict=True):
                 if res.size != e.size:
                     raise CorruptCheckpoint(f"{path}: {res.size} bytes uploaded, {e.size} were written; the local "
                                             "file changed since it was written")
@@ -439,7 +435,8 @@ class Checkpointer:
         self._async.wait()
         dir = resolve_step_dir(dir)  # the user's own links above the step: followed once, here
         with gc_paused():
-            return self._load_now(dir, state_dict, load_optim_state=load_optim_state, load_trainer_state=load_trainer_state,
+            return self._load_now(dir, state_dict, load_optim_state=load_optim_state,
+                                  load_trainer_state=load_trainer_state,
                                   strict=strict, pre_download=pre_download, exclude_from_loading=exclude_from_loading,
                                   allow_partial=allow_partial, only="model" if model_only else None,
                                   before_read=before_read)
@@ -576,7 +573,8 @@ class Checkpointer:
         entry = manifest.entry(rel)
         if entry is None:
             if required:
-                raise CorruptCheckpoint(f"{urls.join(dir, rel)}: the train state file is not in this checkpoint; save a "
+                raise CorruptCheckpoint(f"{urls.join(dir, rel)}: the train state file is not in this checkpoint; "
+                                        "save a "
                                         "train state or pass load_trainer_state=None")
             return None
         url = urls.join(dir, rel)
@@ -587,7 +585,8 @@ class Checkpointer:
     # ================================================================ discovery
     # Public entry points: a URL or path with optional StorageOptions (or a Location).
     @staticmethod
-    def find_checkpoints(folder: Where, ephemeral: bool | None = None, *, storage_options: StorageOptions | None = None) -> Iterator[tuple[int, str]]:
+    def find_checkpoints(folder: Where, ephemeral: bool | None = None, *,
+                         storage_options: StorageOptions | None = None) -> Iterator[tuple[int, str]]:
         return discovery.find_checkpoints(Location.of(folder, storage_options), ephemeral)
 
     @staticmethod
@@ -688,7 +687,8 @@ def _kept(path: str, crc: str | None) -> Future:
     if crc is None:
         crc = crc32c_file(path)
     fut: Future = Future()
-    fut.set_result(TransferResult(url=path, local_path=path, size=os.path.getsize(path), crc32c=crc, attempts=0, seconds=0.0))
+    fut.set_result(TransferResult(url=path, local_path=path, size=os.path.getsize(path), crc32c=crc, attempts=0,
+                                  seconds=0.0))
     return fut
 
 

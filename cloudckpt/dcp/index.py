@@ -324,7 +324,7 @@ def _layout(x: Any) -> Layout:
         if type(x["items"]) is not list or len(x["items"]) != len(owners):
             raise ValueError("a layout's items and owners do not agree in number")
         items = [_item(i) for i in x["items"]]
-        if any(_owner(rel) != o for (rel, _, _), o in zip(items, owners)):
+        if any(_owner(rel) != o for (rel, _, _), o in zip(items, owners, strict=True)):
             raise ValueError("a layout's item lies in a file of another rank than the chunk's owner")
     return Layout(lo.astype(np.int64), (lo + sz).astype(np.int64), np.array(owners, dtype=np.int64), items)
 
@@ -345,8 +345,8 @@ def _check_layout(lay: Layout, size: tuple[int, ...], fqn: str) -> None:
     vols = [_prod(r) for r in (lay.hi - lay.lo).tolist()]
     if sum(vols) != numel:
         raise ValueError(f"the chunks of {_shown(fqn)} hold {sum(vols)} elements, its size {list(size)} has {numel}")
-    boxes = [(tuple(lo), tuple(h - o for h, o in zip(hi, lo)))
-             for lo, hi, v in zip(lay.lo.tolist(), lay.hi.tolist(), vols) if v]
+    boxes = [(tuple(lo), tuple(h - o for h, o in zip(hi, lo, strict=True)))
+             for lo, hi, v in zip(lay.lo.tolist(), lay.hi.tolist(), vols, strict=True) if v]
     if len({b[0] for b in boxes}) != len(boxes):
         raise ValueError(f"two chunks of {_shown(fqn)} start at the same offsets")
     if len(boxes) > 1 and not _disjoint(boxes, 0, nd, _Budget(10 ** 8, "")):
@@ -445,7 +445,7 @@ def build_metadata(header: Header, needs: dict[str, list[int]], parts: dict[int,
             lay = header.layouts[t.layout]
             for k in needs.get(fqn, ()):
                 lo, hi, owner = lay.lo[k].tolist(), lay.hi[k].tolist(), int(lay.owners[k])
-                sizes = tuple(h - o for h, o in zip(hi, lo))
+                sizes = tuple(h - o for h, o in zip(hi, lo, strict=True))
                 got = (sizes, *lay.items[k]) if lay.items is not None else parts[owner].get((fqn, tuple(lo)))
                 if got is None or got[0] != sizes:
                     raise _bad(header.url, f"the index part of rank {owner} lacks the chunk of {_shown(fqn)} at "

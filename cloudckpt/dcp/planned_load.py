@@ -59,8 +59,8 @@ def load(state_dict: dict, *, reader: Any, planner: Any, coord: Any,
     asked = planner.asked_keys()
     mine_top = set(keys)
     flags = coord.any_rank([k in asked for k in ckpt_keys] + [t in mine_top for t in tops])
-    asked_all = {k for k, f in zip(ckpt_keys, flags) if f}
-    top_all = {t for t, f in zip(tops, flags[len(ckpt_keys):]) if f}
+    asked_all = {k for k, f in zip(ckpt_keys, flags[:len(ckpt_keys)], strict=True) if f}
+    top_all = {t for t, f in zip(tops, flags[len(ckpt_keys):], strict=True) if f}
     planner.judge_leftovers(asked_all, top_all, warn=coord.is_coordinator)
 
     (local,) = planner.create_global_plan([local])

@@ -179,7 +179,8 @@ class StreamingReader(StorageReader):
         for rel, spans in ranges.items():
             url = urls.join(self.remote_dir, rel)
             if rel not in sizes:
-                raise CorruptCheckpoint(f"{url}: DCP's metadata places items in this file, but the checkpoint's manifest "
+                raise CorruptCheckpoint(f"{url}: DCP's metadata places items in this file, but the checkpoint's "
+                                        "manifest "
                                         "does not list it; the step is damaged: load an older step")
             end = max(off + n for off, n in spans)
             if end > sizes[rel]:
@@ -208,7 +209,8 @@ class StreamingReader(StorageReader):
         want = self.checksums.get(rel, {}).get((offset, length))
         if want is not None and crc32c_bytes(data) != want:
             raise CorruptCheckpoint(
-                f"{url}: CRC32C mismatch in bytes [{offset}, {offset + length}) (expected {want}, got {crc32c_bytes(data)}); "
+                f"{url}: CRC32C mismatch in bytes [{offset}, {offset + length}) (expected {want}, "
+                f"got {crc32c_bytes(data)}); "
                 "the object is corrupt: restore it or load an older step"
             )
 
@@ -216,7 +218,8 @@ class StreamingReader(StorageReader):
         """Put one item into place; True if it was copied straight into its target."""
         sinfo = self.storage_data[req.storage_index]
         if getattr(sinfo, "transform_descriptors", None):
-            raise CorruptCheckpoint(f"{url}: stream transforms {sinfo.transform_descriptors} are not supported by cloudckpt")
+            raise CorruptCheckpoint(f"{url}: stream transforms {sinfo.transform_descriptors} are not supported by "
+                                    "cloudckpt")
         if req.type == LoadItemType.BYTE_IO:
             # streams put items in place concurrently; setting a value can create the
             # containers on its path (DCP's set_element), so values go one at a time

@@ -155,7 +155,8 @@ class UploadingWriter(FileSystemWriter):
         max_files_per_rank: int = 64,
         index_cache: dict | None = None,
     ):
-        super().__init__(local_dir, single_file_per_rank=True, sync_files=False, thread_count=thread_count, overwrite=True)
+        super().__init__(local_dir, single_file_per_rank=True, sync_files=False, thread_count=thread_count,
+                         overwrite=True)
         self._on_file = on_file
         self._sums: dict[str, FileChecksums | None] = {}  # file name -> checksums taken while writing
         self.fs = _NotifyingFileSystem(self._closed)
