@@ -33,34 +33,30 @@ def _state(layout: str, rank: int, zero: bool = False) -> dict:
     return state(layout, rank, ITEMS, NUMEL, zero)
 
 
-def save_and_load(rank, world, root, work, layouts, exchange_on, out_dir):
-    """Save each layout, then load it (counting the bucket's bytes); report per layout."""
+def save_and_load(rank, world, root, work, layouts):
+    """Save each layout, then load it without and with the exchange (counting the
+    bucket's bytes); report per layout and way."""
     from cloudckpt import Checkpointer
     from cloudckpt.dcp import exchange
 
     counting()
-    exchange.ENABLED = exchange_on
     ck = Checkpointer(work_dir=work, collective_timeout=TIMEOUT)
-    report = {}
+    report: dict = {}
     for layout in layouts:
         step = f"{root}/{layout}/step1"
         ck.save(step, _state(layout, rank), {"rank": rank})
-        target = _state(layout, rank, zero=True)
-        ck.coord.all_gather(None)  # every rank saved: count the load alone
-        before = snapshot()
-        t0 = time.monotonic()
-        ck.load(step, target)
-        seconds = time.monotonic() - t0
-        after = snapshot()
-        want = flat(_state(layout, rank))
-        got = flat(target)
-        report[layout] = {
-            "bitexact": want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want),
-            "bucket": {k: after[k] - before[k] for k in after},
-            "seconds": seconds,
-            "bytes_read": ck.last_load_info["bytes_read"],
-            "census_s": getattr(exchange.for_coordinator(ck.coord), "last_census_seconds", None),
-        }
+        for on in (False, True):
+            exchange.ENABLED = on
+            target = _state(layout, rank, zero=True)
+            ck.coord.all_gather(None)  # every rank is here: count the load alone
+            before = snapshot()
+            ck.load(step, target)
+            after = snapshot()
+            want, got = flat(_state(layout, rank)), flat(target)
+            report.setdefault(layout, {})["on" if on else "off"] = {
+                "bitexact": want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want),
+                "bucket": {k: after[k] - before[k] for k in after},
+            }
     return report
 
 
@@ -102,17 +98,13 @@ def _env() -> dict:
 
 @pytest.fixture(scope="module")
 def saved(seaweed, tmp_path_factory):
-    """One run: DDP and HSDP saved and loaded without the exchange, then (a new run)
-    loaded with it; returns both runs' reports and the bucket."""
+    """One run: DDP and HSDP saved, each loaded without then with the exchange."""
     for k, v in seaweed.env().items():
         os.environ[k] = v
     root = seaweed.create_bucket(f"exchange-{os.getpid()}") + "/run"
     tmp = tmp_path_factory.mktemp("exchange")
-    without = run_ranks(WORLD, save_and_load, root + "/plain", str(tmp / "w1"), ["ddp", "hsdp"], False, str(tmp),
-                        env=_env(), timeout=120)
-    with_ = run_ranks(WORLD, save_and_load, root, str(tmp / "w2"), ["ddp", "hsdp"], True, str(tmp),
-                      env=_env(), timeout=120)
-    return root, without, with_, tmp
+    reports = run_ranks(WORLD, save_and_load, root, str(tmp / "w1"), ["ddp", "hsdp"], env=_env(), timeout=120)
+    return root, reports, tmp
 
 
 def _data_bytes(step: str) -> int:
@@ -122,59 +114,63 @@ def _data_bytes(step: str) -> int:
 
 @pytest.mark.parametrize("layout", ["ddp", "hsdp"])
 def test_each_stored_byte_leaves_the_bucket_once(saved, layout):
-    root, without, with_, _ = saved
+    root, reports, _ = saved
     data = _data_bytes(f"{root}/{layout}/step1")
     assert data > 0
     for r in range(WORLD):
-        assert with_[r][layout]["bitexact"], r
-        assert without[r][layout]["bitexact"], r
-    read = [with_[r][layout]["bucket"]["data_bytes"] for r in range(WORLD)]
-    plain = sum(without[r][layout]["bucket"]["data_bytes"] for r in range(WORLD))
-    # without the exchange each replica reads its copy: 4x (DDP) or 2x (HSDP) the data
-    assert plain >= (4 if layout == "ddp" else 2) * data * 0.99, (plain, data)
+        assert reports[r][layout]["on"]["bitexact"] and reports[r][layout]["off"]["bitexact"], r
+    read = [reports[r][layout]["on"]["bucket"]["data_bytes"] for r in range(WORLD)]
+    plain = sum(reports[r][layout]["off"]["bucket"]["data_bytes"] for r in range(WORLD))
+    # without the exchange each replica reads its copy: 4x (DDP) or 2x (HSDP; the step, 4x) the data
+    copies = 4 if layout == "ddp" else 2
+    assert copies * data <= plain <= copies * data * 1.001, (plain, data)
     assert sum(read) == data, (read, data)  # each stored byte once
     assert max(read) <= 2 * min(read), read  # the reading is spread over the ranks
 
 
-def test_a_rank_killed_in_the_exchange_fails_every_rank_naming_it_and_a_restart_loads(saved):
-    root, _, _, tmp = saved
+@pytest.fixture(scope="module")
+def killed(saved):
+    """A DDP load in which rank 2 dies inside the exchange (each other rank's outcome),
+    then a restart: a load, and a load in which rank 1 corrupts what it sends."""
+    root, _, tmp = saved
     out = tmp / "kill"
     out.mkdir()
-    victim = 2
     with pytest.raises(RankFailed) as info:
-        run_ranks(WORLD, kill_in_exchange, root, str(tmp / "w3"), victim, str(out), env=_env(),
+        run_ranks(WORLD, kill_in_exchange, root, str(tmp / "w3"), VICTIM, str(out), env=_env(),
                   timeout=3 * TIMEOUT + 30)
-    assert set(info.value.failures) >= {victim}
-    for r in range(WORLD):
-        if r == victim:
-            assert not (out / f"rank{r}.json").exists()
-            continue
-        o = json.loads((out / f"rank{r}.json").read_text())
+    outcomes = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)
+                if (out / f"rank{r}.json").exists()}
+    restart = run_ranks(WORLD, restart_then_corrupt, root, str(tmp / "w4"), LIAR, env=_env(), timeout=120)
+    return info.value, outcomes, restart
+
+
+VICTIM, LIAR = 2, 1
+
+
+def test_a_rank_killed_in_the_exchange_fails_every_rank_naming_it_and_a_restart_loads(killed):
+    failed, outcomes, restart = killed
+    assert VICTIM in failed.failures and VICTIM not in outcomes
+    assert sorted(outcomes) == [r for r in range(WORLD) if r != VICTIM]
+    for r, o in outcomes.items():
         # the load's error on every rank: the exchange's, naming the rank that died
-        assert o["raised"] == "ExchangeFailed" and f"rank {victim}:" in o["message"], (r, o)
+        assert o["raised"] == "ExchangeFailed" and f"rank {VICTIM}:" in o["message"], (r, o)
         err = o["exchange_error"]
-        assert err is not None and err["type"] == "ExchangeFailed" and set(err["failures"]) == {str(victim)}, (r, o)
+        assert err is not None and err["type"] == "ExchangeFailed" and set(err["failures"]) == {str(VICTIM)}, (r, o)
         assert o["seconds"] < 2 * TIMEOUT + 10, (r, o)
-    # a restart loads
-    again = run_ranks(WORLD, save_and_load_only, root, str(tmp / "w4"), env=_env(), timeout=120)
-    assert all(again), again
+    assert all(bitexact for bitexact, _ in restart), restart  # a restart loads
 
 
-def save_and_load_only(rank, world, root, work):
+def restart_then_corrupt(rank, world, root, work, liar):
+    """Load the saved DDP step (bit-exact?); then load it again while ``liar`` flips a
+    byte of every item it sends to peers (the error each rank raises)."""
     from cloudckpt import Checkpointer
+    from cloudckpt.dcp import exchange
 
     ck = Checkpointer(work_dir=work, collective_timeout=TIMEOUT)
     target = _state("ddp", rank, zero=True)
     ck.load(f"{root}/ddp/step1", target)
     want, got = flat(_state("ddp", rank)), flat(target)
-    return all(torch.equal(want[k], got[k]) for k in want)
-
-
-def corrupt_one_send(rank, world, root, work, liar):
-    """Load the saved DDP step; ``liar`` flips a byte of every item it sends to peers."""
-    from cloudckpt import Checkpointer
-    from cloudckpt.dcp import exchange
-
+    bitexact = all(torch.equal(want[k], got[k]) for k in want)
     if rank == liar:
         keep = exchange._Sender.keep
 
@@ -185,24 +181,20 @@ def corrupt_one_send(rank, world, root, work, liar):
             return keep(self, rel, off, length, data, release)
 
         exchange._Sender.keep = flipped
-    ck = Checkpointer(work_dir=work, collective_timeout=TIMEOUT)
-    target = _state("ddp", rank, zero=True)
     try:
-        ck.load(f"{root}/ddp/step1", target)
+        ck.load(f"{root}/ddp/step1", _state("ddp", rank, zero=True))
+        return bitexact, (None, None)
     except Exception as e:  # noqa: BLE001 - reported to the test
-        return type(e).__name__, str(e)
-    return None, None
+        return bitexact, (type(e).__name__, str(e))
 
 
-def test_bytes_a_peer_sends_are_checked_like_bucket_reads(saved):
-    root, _, _, tmp = saved
-    liar = 1
-    outs = run_ranks(WORLD, corrupt_one_send, root, str(tmp / "w5"), liar, env=_env(), timeout=120)
+def test_bytes_a_peer_sends_are_checked_like_bucket_reads(killed):
+    outs = [err for _, err in killed[2]]
     # a receiver's check fails naming the rank the bytes came from; the ranks it exchanges
     # with hear that it failed: no rank's load succeeds, every error is typed
     assert all(kind in ("CorruptCheckpoint", "ExchangeFailed") for kind, _ in outs), outs
     named = [m for kind, m in outs if kind == "CorruptCheckpoint"]
-    assert named and all(f"received from rank {liar}" in m and "CRC32C mismatch" in m for m in named), outs
+    assert named and all(f"received from rank {LIAR}" in m and "CRC32C mismatch" in m for m in named), outs
 
 
 def test_owners_cut_shared_ranges_into_even_contiguous_runs():
