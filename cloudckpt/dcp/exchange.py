@@ -444,23 +444,39 @@ class _Sender(_Worker):
         for _, release in ready.values():
             release()
 
+    AHEAD = 4  # items whose sends are posted and not yet waited for
+
     def run(self) -> None:
-        for key in self.order:
-            with self._cv:
-                while key not in self._ready and not self._stopped.is_set():
-                    self._cv.wait(1.0)
-                if self._stopped.is_set():
-                    return
-                tensor, release = self._ready.pop(key)
-            try:
+        posted: collections.deque = collections.deque()  # (key, [(dst, Work)], release), in the global order
+        try:
+            for key in self.order:
+                with self._cv:
+                    while key not in self._ready and not self._stopped.is_set():
+                        self._cv.wait(1.0)
+                    if self._stopped.is_set():
+                        return
+                    tensor, release = self._ready.pop(key)
+                posted.append((key, [], release))
                 if key[2]:
-                    works = [(dst, self.post(self.ex.coord.isend, tensor, dst, _tag(key), what="sending to"))
-                             for dst in self.plan.reads[key]]
-                    for dst, w in works:
-                        self.wait(w, dst, "sending to")
-                self.bytes += key[2] * len(self.plan.reads[key])
-            finally:
+                    for dst in self.plan.reads[key]:
+                        posted[-1][1].append((dst, self.post(self.ex.coord.isend, tensor, dst, _tag(key),
+                                                             what="sending to")))
+                while len(posted) > self.AHEAD:
+                    self._settle(posted.popleft())
+            while posted:
+                self._settle(posted.popleft())
+        finally:
+            for _, _, release in posted:
                 release()
+
+    def _settle(self, entry) -> None:
+        key, works, release = entry
+        try:
+            for dst, w in works:
+                self.wait(w, dst, "sending to")
+            self.bytes += key[2] * len(self.plan.reads[key])
+        finally:
+            release()
 
 
 class _Receiver(_Worker):
