@@ -34,8 +34,8 @@ def _state(layout: str, rank: int, zero: bool = False) -> dict:
 
 
 def save_and_load(rank, world, root, work, layouts):
-    """Save each layout, then load it without and with the exchange (counting the
-    bucket's bytes); report per layout and way."""
+    """Save each layout, then load it without and with the exchange, and with it and
+    pre_download=True (counting the bucket's bytes); report per layout and way."""
     from cloudckpt import Checkpointer
     from cloudckpt.dcp import exchange
 
@@ -45,15 +45,15 @@ def save_and_load(rank, world, root, work, layouts):
     for layout in layouts:
         step = f"{root}/{layout}/step1"
         ck.save(step, _state(layout, rank), {"rank": rank})
-        for on in (False, True):
-            exchange.ENABLED = on
+        for way in ("off", "on", "pre_download"):
+            exchange.ENABLED = way != "off"
             target = _state(layout, rank, zero=True)
             ck.coord.all_gather(None)  # every rank is here: count the load alone
             before = snapshot()
-            ck.load(step, target)
+            ck.load(step, target, pre_download=way == "pre_download")
             after = snapshot()
             want, got = flat(_state(layout, rank)), flat(target)
-            report.setdefault(layout, {})["on" if on else "off"] = {
+            report.setdefault(layout, {})[way] = {
                 "bitexact": want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want),
                 "bucket": {k: after[k] - before[k] for k in after},
             }
@@ -118,8 +118,10 @@ def test_each_stored_byte_leaves_the_bucket_once(saved, layout):
     data = _data_bytes(f"{root}/{layout}/step1")
     assert data > 0
     for r in range(WORLD):
-        assert reports[r][layout]["on"]["bitexact"] and reports[r][layout]["off"]["bitexact"], r
+        assert all(reports[r][layout][way]["bitexact"] for way in ("off", "on", "pre_download")), r
     read = [reports[r][layout]["on"]["bucket"]["data_bytes"] for r in range(WORLD)]
+    # with pre_download=True too (the shared share is streamed, the rest downloaded)
+    assert sum(reports[r][layout]["pre_download"]["bucket"]["data_bytes"] for r in range(WORLD)) == data
     plain = sum(reports[r][layout]["off"]["bucket"]["data_bytes"] for r in range(WORLD))
     # without the exchange each replica reads its copy: 4x (DDP) or 2x (HSDP; the step, 4x) the data
     copies = 4 if layout == "ddp" else 2
