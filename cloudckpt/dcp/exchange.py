@@ -244,6 +244,7 @@ class Exchange:
         except BaseException as e:  # noqa: BLE001 - re-raised (peers told which rank failed)
             for w in (sender, receiver):
                 w.stop()
+            streams._thread.join()  # its streams stop before their next item: no target is written after this
             raise self._raised(status.failing(e)) from None
         finally:
             reader.bytes_from_peers += receiver.bytes
@@ -410,6 +411,11 @@ class _Sender(_Worker):
         self._first_unread = 0
         self._cv = threading.Condition()
         self.bytes = 0
+        self._stop_streams: Callable[[BaseException], None] | None = None
+
+    def attach(self, stop: Callable[[BaseException], None]) -> None:
+        """``read_streamed``'s way to end its streams (called before any starts)."""
+        self._stop_streams = stop
 
     # called on stream threads
     def urgent(self, rel: str, off: int, length: int) -> bool:
@@ -438,6 +444,10 @@ class _Sender(_Worker):
 
     def stop(self) -> None:
         super().stop()
+        if self._stop_streams is not None:
+            from .streaming import _Stopped
+
+            self._stop_streams(_Stopped())  # no stream starts another item
         with self._cv:
             self._cv.notify_all()
             ready, self._ready = self._ready, {}
@@ -489,6 +499,13 @@ class _Receiver(_Worker):
         self.items = items
         self.bytes = 0
         self.direct = 0
+        self._placing = threading.Lock()
+
+    def stop(self) -> None:
+        """Nothing more is put in place once this returns."""
+        super().stop()
+        with self._placing:
+            pass
 
     def run(self) -> None:
         order = sorted(self.plan.recvs)
@@ -509,14 +526,15 @@ class _Receiver(_Worker):
             src = self.plan.recvs[k]
             if work is not None:
                 self.wait(work, src, "receiving from")
-            if self._stopped.is_set():
-                return
             rel = self.plan.rels[k[0]]
             url = f"{urls.join(self.reader.remote_dir, rel)} (received from rank {src})"
             data = memoryview(buf.numpy())
             self.reader._check(rel, k[1], k[2], data, url)
-            for req in self.items[k]:
-                self.direct += self.reader._consume(req, self.planner, data, url)
+            with self._placing:  # (stop waits for an item being put in place)
+                if self._stopped.is_set():
+                    return
+                for req in self.items[k]:
+                    self.direct += self.reader._consume(req, self.planner, data, url)
             self.bytes += k[2]
             held -= k[2]
             del data, buf

@@ -26,10 +26,13 @@ def read_streamed(reader, per_file: dict[str, list], planner: LoadPlanner, *, ma
     read-once exchange's sender (exchange.py): ``hold.keep(rel, offset, length, data,
     release)`` after an item is in place, True when its bytes stay held (in the
     budget) until ``release()``; ``hold.urgent(rel, offset, length)``: the item may take
-    budget even when none is left."""
+    budget even when none is left; ``hold.attach(stop)``: ``stop(exc)`` ends the load
+    with ``exc`` (no stream starts another item)."""
     planned = sum(length for reqs in per_file.values() for _, length, _ in reqs)
     max_inflight, stream_size = reader.budget(planned)
     tally = _Tally(max_inflight)
+    if hold is not None:
+        hold.attach(tally.fail)
     streams = []
     for rel, reqs in per_file.items():
         url = urls.join(reader.remote_dir, rel)
