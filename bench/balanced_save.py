@@ -203,7 +203,8 @@ class PlanCounter:
         DefaultSavePlanner._create_global_plan = build
 
     def take(self) -> dict:
-        out = {"local_plans_sent": self.sent, "local_plans_cached": self.cached, "global_plans_built": self.global_plans}
+        out = {"local_plans_sent": self.sent, "local_plans_cached": self.cached,
+               "global_plans_built": self.global_plans}
         self.sent = self.cached = self.global_plans = 0
         return out
 
@@ -217,7 +218,8 @@ def use_planner(mode: str) -> None:
     from cloudckpt import _torch_compat
     from cloudckpt.checkpoint import checkpointer
 
-    checkpointer.caching_save_planner = functools.partial(_torch_compat.caching_save_planner, balanced=mode == "balanced")
+    checkpointer.caching_save_planner = functools.partial(_torch_compat.caching_save_planner,
+                                                          balanced=mode == "balanced")
 
 
 def rank_main(rank: int, world_size: int, args: dict) -> dict:
@@ -244,7 +246,8 @@ def rank_main(rank: int, world_size: int, args: dict) -> dict:
                     t0 = time.perf_counter()
                     ck.save(url, sd, {"rank": rank})
                     seconds = time.perf_counter() - t0
-                    saves.append({"layout": layout, "kind": kind, "mode": mode, "rep": rep, "url": url, "seconds": seconds, **counter.take()})
+                    saves.append({"layout": layout, "kind": kind, "mode": mode, "rep": rep, "url": url,
+                                  "seconds": seconds, **counter.take()})
         mismatches = {}
         for s in saves:
             sd = state_dict(s["layout"], rank, world_size, shape, seed=s["rep"], kind=s["kind"], zero=True)
@@ -343,7 +346,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"{mib(meta['state_bytes']['train'])} MiB with AdamW (train), {mib(meta['state_bytes']['weights'])} MiB "
         "without (weights); "
         f"{meta['reps']} reps; load average before {meta['load_before']}).", "",
-        "| layout | state | dedup | MiB written per rank | max / mean | save s (median, slowest rank) | repeat saves reuse the plan |",
+        "| layout | state | dedup | MiB written per rank | max / mean | save s (median, slowest rank) "
+        "| repeat saves reuse the plan |",
         "|---|---|---|---|---:|---:|---|",
     ]
     for r in rows:
@@ -361,7 +365,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="model shape (default small; smoke test)")
     ap.add_argument("--reps", type=int, default=None, help="saves per layout and mode (default 3; smoke 2)")
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--plans", action="store_true", help="only the planners on DDP plans of 4, 8, 16 ranks (no ranks, no store)")
+    ap.add_argument("--plans", action="store_true",
+                    help="only the planners on DDP plans of 4, 8, 16 ranks (no ranks, no store)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args(argv)
     from bench.common import git_state, loadavg
@@ -401,7 +406,8 @@ def main(argv=None) -> int:
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = "balanced_save_smoke" if a.smoke else "balanced_save"
-    (out_dir / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows, "plans_only": plan_rows, "per_rank": ranks}, indent=1) + "\n")
+    (out_dir / f"{stem}.json").write_text(
+        json.dumps({**meta, "rows": rows, "plans_only": plan_rows, "per_rank": ranks}, indent=1) + "\n")
     md = markdown(meta, rows) + "\n" + plans_markdown(plan_rows)
     (out_dir / f"{stem}.md").write_text(md)
     print(md)

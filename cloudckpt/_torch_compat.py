@@ -12,16 +12,10 @@ touches it.)
 
 from __future__ import annotations
 
-
 # ---------------------------------------------------------------------- plain torch
 # checked: 2.13. ``_element_size(dtype)``: bytes per element of a dtype (RuntimeError
 # for a non-dtype). Used by the DCP writer to size a chunk without a tensor.
 from torch._utils import _element_size as element_size
-
-# checked: 2.13. What a pickled ``torch.layout`` calls to come back
-# (``_get_layout("torch.strided")``: TensorProperties.layout in DCP's ``.metadata``);
-# the metadata unpickler admits it by identity (untrusted/unpickle.py).
-from torch.serialization import _get_layout as get_layout
 
 # ---------------------------------------------------------------------- torch.distributed helpers
 # checked: 2.13. ``narrow_tensor_by_index(tensor, offsets, sizes)``: the view of
@@ -62,6 +56,11 @@ from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as MEM_FO
 # Stateful value replaced by its ``state_dict()``, as DCP's save does first (async
 # saving stages that, checkpoint/async_save.py).
 from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict as stateful_to_state_dict
+
+# checked: 2.13. What a pickled ``torch.layout`` calls to come back
+# (``_get_layout("torch.strided")``: TensorProperties.layout in DCP's ``.metadata``);
+# the metadata unpickler admits it by identity (untrusted/unpickle.py).
+from torch.serialization import _get_layout as get_layout
 
 
 def write_files(writer, planner, file_queue):
@@ -203,7 +202,8 @@ class _BalancedSavePlanner(DefaultSavePlanner):
         c = td.chunk
         for local in chunks:
             if (local.offsets[1:] == c.offsets[1:] and local.sizes[1:] == c.sizes[1:]
-                    and local.offsets[0] <= c.offsets[0] and c.offsets[0] + c.sizes[0] <= local.offsets[0] + local.sizes[0]):
+                    and local.offsets[0] <= c.offsets[0]
+                    and c.offsets[0] + c.sizes[0] <= local.offsets[0] + local.sizes[0]):
                 tensor = self.lookup_object(MetadataIndex(write_item.index.fqn, local.offsets))
                 return self.transform_object(write_item, tensor.narrow(0, c.offsets[0] - local.offsets[0], c.sizes[0]))
         raise ShapeMismatch(f"save: {write_item.index.fqn!r}: the save plan gives this rank rows "
@@ -262,7 +262,7 @@ def dtensor_like(local, like):
     return DTensor.__new__(DTensor, local, like._spec, requires_grad=False)
 
 
-# ---------------------------------------------------------------------- load planning (dcp/index.py, dcp/planned_load.py)
+# ------------------------------------------------------------- load planning (dcp/index.py, dcp/planned_load.py)
 def chunk_list(tensor):
     """checked: 2.13. ``planner_helpers._create_chunk_list(tensor)``: this rank's chunks
     (offsets, sizes) of a DTensor, ShardedTensor or plain tensor, as DCP's load planner

@@ -45,7 +45,7 @@ print("latest:", latest)
 model2, optim2, sched2 = build()
 train_state = ckpt.load(latest, AppState(model2, optim2, sched2))  # in place, resharding if needed
 assert torch.equal(model2.weight, model.weight)
-for p, p2 in zip(model.parameters(), model2.parameters()):
+for p, p2 in zip(model.parameters(), model2.parameters(), strict=True):
     for k in ("exp_avg", "exp_avg_sq", "step"):
         assert torch.equal(optim2.state[p2][k], optim.state[p][k]), k
 assert sched2.state_dict() == sched.state_dict() and optim2.param_groups[0]["lr"] == optim.param_groups[0]["lr"]

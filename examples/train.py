@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import yaml
+
 from cloudckpt import AppState, CheckpointConfig
 
 
@@ -48,9 +49,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep per step (makes the demo killable mid-run)")
+    ap.add_argument("--step-delay", type=float, default=0.0,
+                    help="seconds to sleep per step (makes the demo killable mid-run)")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s rank" + os.environ.get("RANK", "0") + " %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s rank" + os.environ.get("RANK", "0") + " %(name)s: %(message)s")
     logging.getLogger("botocore").setLevel(logging.WARNING)
 
     with open(args.config) as f:

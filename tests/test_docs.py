@@ -107,7 +107,8 @@ def test_quickstart_example_runs_on_every_backend(backend, request, tmp_path):
 
 def test_manager_example_resumes_on_second_run(s3_bucket, tmp_path):
     folder = s3_bucket + "/runs/run-7"
-    cmd = [sys.executable, str(ROOT / "examples" / "manager.py"), str(ROOT / "examples" / "manager_config.yaml"), folder]
+    cmd = [sys.executable, str(ROOT / "examples" / "manager.py"), str(ROOT / "examples" / "manager_config.yaml"),
+           folder]
     env = dict(_env(), CLOUDCKPT_WORK_DIR=str(tmp_path / "w"))
     first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
@@ -137,7 +138,7 @@ def _assert_same_step(a: str, b: str) -> None:
 
     (m1, o1, s1, t1), (m2, o2, s2, t2) = load(a), load(b)
     assert t1["step"] == t2["step"] == 400
-    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+    for p1, p2 in zip(m1.parameters(), m2.parameters(), strict=True):
         assert torch.equal(p1, p2)
         for k in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(o1.state[p1][k], o2.state[p2][k]), k
@@ -177,6 +178,6 @@ def test_readme_sample_saves_and_a_second_run_resumes_everything(tmp_path):
     assert first["train_state"] is None and second["train_state"] == {"step": 100}
     assert torch.equal(first["model"].weight, second["model"].weight)
     o1, o2 = first["optimizer"], second["optimizer"]
-    for p1, p2 in zip(first["model"].parameters(), second["model"].parameters()):
+    for p1, p2 in zip(first["model"].parameters(), second["model"].parameters(), strict=True):
         assert torch.equal(o1.state[p1]["exp_avg"], o2.state[p2]["exp_avg"])
     assert first["scheduler"].state_dict() == second["scheduler"].state_dict()

@@ -154,7 +154,8 @@ class StepCommit:
         store.check_bucket(dir)  # a clear BucketNotFound; some S3-compatible stores would create it on PUT
         if store.exists(marker):
             if not self.save_overwrite:
-                raise CheckpointExists(f"{dir} is already a committed checkpoint; pass save_overwrite=True to replace it")
+                raise CheckpointExists(f"{dir} is already a committed checkpoint; "
+                                       "pass save_overwrite=True to replace it")
             log.warning("save_overwrite: replacing committed checkpoint %s (marker deleted first)", dir)
             store.delete(marker)
             store.delete_prefix(dir)
@@ -180,7 +181,8 @@ class StepCommit:
         age = self._age(data)
         if not self.save_overwrite and age is not None and age < self.stale_lock_seconds:
             raise SaveInProgress(
-                f"another save of {dir} is in progress (its lock is {age:.0f}s old); if that job is dead, wait until the "
+                f"another save of {dir} is in progress (its lock is {age:.0f}s old); "
+                "if that job is dead, wait until the "
                 f"lock is {self.stale_lock_seconds:.0f}s old, delete {lock}, or pass save_overwrite=True"
             )
         log.warning("taking over %s: clearing an abandoned save (lock %s old)", dir,
@@ -287,8 +289,8 @@ class StepCommit:
             except CloudCkptError:
                 theirs = None
             if theirs is None or theirs.save_id != marker.save_id:
-                raise CheckpointExists(f"{self.dir} was committed by another save while this one ran; this save was not "
-                                       "committed") from None
+                raise CheckpointExists(f"{self.dir} was committed by another save while this one ran; "
+                                       "this save was not committed") from None
         if folder is not None:
             self._advance_pointer(folder, marker.step, pending=False)
         self.locked = False

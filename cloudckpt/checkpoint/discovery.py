@@ -34,10 +34,19 @@ from typing import Iterable, Iterator
 from ..errors import BucketNotFound, CheckpointError, CorruptCheckpoint, NotACheckpoint, NotFound
 from ..storage import Location, Where
 from ..storage import url as urls
-from . import layout
 from ..untrusted import MAX_MARKER_BYTES, read_capped
-from .marker import (ADOPTED_MANIFEST, MAX_PART_BYTES, ForeignMarker, ManifestPart, Marker, ObjectEntry, PartRef,
-                     foreign_step, parse_marker)
+from . import layout
+from .marker import (
+    ADOPTED_MANIFEST,
+    MAX_PART_BYTES,
+    ForeignMarker,
+    ManifestPart,
+    Marker,
+    ObjectEntry,
+    PartRef,
+    foreign_step,
+    parse_marker,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +91,8 @@ def read_header_bytes(dir: Where) -> tuple[Marker, bytes]:
         raise
     except NotFound:
         raise NotACheckpoint(
-            f"{dir} is not a committed checkpoint: it has no {layout.MARKER} (the save never finished, or the path is wrong); "
+            f"{dir} is not a committed checkpoint: it has no {layout.MARKER} "
+            "(the save never finished, or the path is wrong); "
             "use `cloudckpt list` on the save folder to see committed steps"
         ) from None
     step = layout.step_of_name(urls.basename(dir))
@@ -102,7 +112,8 @@ def _foreign(dir: str, step: int, fm: ForeignMarker, data: bytes, store) -> Mark
     url = urls.join(dir, ADOPTED_MANIFEST)
     if any(rel == ADOPTED_MANIFEST for rel, _, _ in listing):
         try:
-            adopted = Marker.from_bytes(read_capped(store, url, limit=MAX_MARKER_BYTES, what="adopted manifest"), url=url)
+            adopted = Marker.from_bytes(read_capped(store, url, limit=MAX_MARKER_BYTES, what="adopted manifest"),
+                                        url=url)
         except NotFound:
             adopted = None  # removed since the listing: the step is as the listing says
         if adopted is not None:
@@ -154,7 +165,7 @@ class StepManifest:
             with ThreadPoolExecutor(max_workers=min(16, len(todo))) as pool:
                 got = list(pool.map(self._read_part, todo))
             with self._lock:
-                for ref, part in zip(todo, got):
+                for ref, part in zip(todo, got, strict=True):
                     self._parts[ref.rank] = part
         with self._lock:
             return {r: self._parts[r] for r in refs}
@@ -221,7 +232,7 @@ def find_checkpoints(
     steps = list_step_dirs(loc)
     with ThreadPoolExecutor(max_workers=32) as pool:
         markers = list(pool.map(lambda sd: _try_marker(loc.at(sd[1])), steps))
-    for (step, dir), m in zip(steps, markers):
+    for (step, dir), m in zip(steps, markers, strict=True):
         if m is None or (ephemeral is not None and m.ephemeral != ephemeral):
             continue
         yield (step, dir, m) if with_markers else (step, dir)

@@ -221,12 +221,13 @@ class ManifestPart:
                                     f"{str(e)[:200]})") from None
         for o in objects:
             if owner_of(o.path) != ref.rank:
-                raise UnsafeCheckpoint(f"manifest part {url} of rank {ref.rank} lists {o.path!r}, which is not a file of "
-                                       "that rank; refusing the checkpoint")
+                raise UnsafeCheckpoint(f"manifest part {url} of rank {ref.rank} lists {o.path!r}, "
+                                       "which is not a file of that rank; refusing the checkpoint")
         if len({o.path for o in objects}) != len(objects):
             raise UnsafeCheckpoint(f"manifest part {url} lists an object path twice; refusing the checkpoint")
         if len(objects) != ref.objects or sum(o.size for o in objects) != ref.bytes:
-            raise UnsafeCheckpoint(f"manifest part {url} lists {len(objects)} objects of {sum(o.size for o in objects)} "
+            raise UnsafeCheckpoint(f"manifest part {url} lists {len(objects)} objects of "
+                                   f"{sum(o.size for o in objects)} "
                                    f"bytes; the marker declares {ref.objects} of {ref.bytes}: refusing the checkpoint")
         return cls(step, ref.rank, save_id, objects)
 
@@ -408,7 +409,8 @@ class Marker:
                 parts=parts,
             )
         except (KeyError, TypeError, ValueError, OverflowError) as e:
-            raise CorruptCheckpoint(f"commit marker {url} is missing or has a bad field ({type(e).__name__}: {e})") from None
+            raise CorruptCheckpoint(f"commit marker {url} is missing or has a bad field "
+                                    f"({type(e).__name__}: {e})") from None
         if not 1 <= world_size <= MAX_WORLD_SIZE:
             raise CorruptCheckpoint(f"commit marker {url} has world_size {world_size}; it must be between 1 and "
                                     f"{MAX_WORLD_SIZE}")
@@ -465,7 +467,8 @@ def foreign_step(fm: ForeignMarker, *, step: int, listing: Iterable[tuple[str, i
             ranks.append(rank)
     objects.sort(key=lambda o: o.path)
     if not any(o.path == DCP_METADATA for o in objects):
-        raise CorruptCheckpoint(f"{url}: the step has another tool's marker but no {DCP_METADATA}; it is not a checkpoint")
+        raise CorruptCheckpoint(f"{url}: the step has another tool's marker but no {DCP_METADATA}; "
+                                "it is not a checkpoint")
     return Marker(step=step, ephemeral=fm.ephemeral, world_size=max(ranks, default=0) + 1, objects=tuple(objects),
                   created_unix=_clamp_time(created or newest), library_version=fm.version,
                   format_version=0, writer=fm.writer, verified=False)

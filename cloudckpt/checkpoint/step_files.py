@@ -38,7 +38,8 @@ def parse_metadata(step: Location, marker: Marker, data: bytes | None) -> Any:
     marker lists no metadata) raises CorruptCheckpoint."""
     url = step.join(METADATA_REL).url
     if data is None:
-        raise CorruptCheckpoint(f"{url}: the checkpoint's marker lists no DCP metadata; it holds no model or optimizer state")
+        raise CorruptCheckpoint(f"{url}: the checkpoint's marker lists no DCP metadata; "
+                                "it holds no model or optimizer state")
     return loads_metadata(data, url=url, files=marker.sizes_under(layout.MODEL_DIR))
 
 

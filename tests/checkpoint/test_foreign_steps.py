@@ -18,9 +18,9 @@ import torch
 
 from cloudckpt import CheckpointConfig, Checkpointer
 from cloudckpt.checkpoint import discovery, layout, pointer, retention
-from cloudckpt.ops.adopt import adopt
 from cloudckpt.checkpoint.marker import ADOPTED_MANIFEST
 from cloudckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
+from cloudckpt.ops.adopt import adopt
 from cloudckpt.storage import open_store
 from cloudckpt.storage import url as urls
 
@@ -131,7 +131,8 @@ def test_foreign_steps_are_read_with_the_same_caps_and_name_checks(tmp_path):
     dir = _save(folder, 5, str(tmp_path / "w"), foreign=True)
     with open(os.path.join(dir, "train", "rank0.pt"), "r+b") as f:  # a sparse 4 GiB + 1 train state
         f.truncate(4 * 1024**3 + 1)
-    with Checkpointer(work_dir=str(tmp_path / "w")) as ck, pytest.raises(UnsafeCheckpoint, match="4294967296-byte ceiling"):
+    with Checkpointer(work_dir=str(tmp_path / "w")) as ck, \
+            pytest.raises(UnsafeCheckpoint, match="4294967296-byte ceiling"):
         ck.load(dir, _zeros(_sd(5)))
     with open(os.path.join(dir, "model_and_optim", ".metadata"), "r+b") as f:
         f.truncate(1024**3 + 1)

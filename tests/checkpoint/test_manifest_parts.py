@@ -1,6 +1,7 @@
 """The two-level manifest (format 2, and 3: the same with the parts as columns): each
 rank's manifest is its own object, ``manifest/rank{R}.json``, uploaded before the
-commit; the marker lists the parts with their size and CRC32C. A loading rank reads only the parts of the files its plan reads,
+commit; the marker lists the parts with their size and CRC32C. A loading rank reads only the parts of the
+files its plan reads,
 and trusts a part only once it matches the marker. Steps written in format 1 (every
 object in the marker) keep loading and listing unchanged (a step saved by the code
 before parts existed is kept in tests/checkpoint/data/format1)."""
@@ -13,6 +14,7 @@ import shutil
 
 import pytest
 import torch
+from faults import checks
 
 from cloudckpt import Checkpointer
 from cloudckpt.checkpoint import discovery, layout
@@ -22,8 +24,6 @@ from cloudckpt.storage import open_store
 from cloudckpt.storage import url as urls
 from cloudckpt.testing.multiprocess import run_ranks
 from cloudckpt.transfer import crc32c_bytes
-
-from faults import checks
 
 FORMAT1 = os.path.join(os.path.dirname(__file__), "data", "format1")
 

@@ -48,7 +48,8 @@ def test_no_module_but_torch_compat_uses_a_private_torch_name():
         if rel == "_torch_compat.py" or rel in PENDING:
             continue
         found += _private_torch_uses(path)
-    assert found == [], "import these from cloudckpt._torch_compat (with the torch versions checked):\n" + "\n".join(found)
+    assert found == [], ("import these from cloudckpt._torch_compat (with the torch versions checked):\n"
+                         + "\n".join(found))
 
 
 def test_the_scan_finds_what_torch_compat_holds():

@@ -106,13 +106,15 @@ def _load(dir: str, **kw):
 def small_disk(path: str, size: str = "1m"):
     """A size-limited folder: tmpfs, else a loop-mounted ext4 image; skip with the reason if neither mounts."""
     os.makedirs(path, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", path], capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", path],
+                       capture_output=True, text=True)
     if r.returncode != 0:
         img = path + ".img"
         r2 = subprocess.run(f"truncate -s 2M {img} && mkfs.ext4 -q {img} && mount -o loop {img} {path}", shell=True,
                             capture_output=True, text=True)
         if r2.returncode != 0:
-            pytest.skip(f"cannot mount a size-limited folder: tmpfs: {r.stderr.strip()}; loop ext4: {r2.stderr.strip()}")
+            pytest.skip(f"cannot mount a size-limited folder: tmpfs: {r.stderr.strip()}; "
+                        f"loop ext4: {r2.stderr.strip()}")
     try:
         yield path
     finally:
@@ -148,7 +150,8 @@ def _full_disk_pre_download(c: Ctx) -> None:
 
 def _plant_fresh_lock(c: Ctx) -> None:
     step = urls.join(c.run, "step5")
-    open_store(step).put_bytes(urls.join(step, layout.LOCK), json.dumps({"save_id": "other", "created_unix": __import__("time").time()}).encode())
+    open_store(step).put_bytes(urls.join(step, layout.LOCK),
+                               json.dumps({"save_id": "other", "created_unix": __import__("time").time()}).encode())
     c.save(step)
 
 
@@ -161,17 +164,21 @@ CASES: dict[str, tuple[Callable[[Ctx], object], type, str]] = {
     "empty_path_segment": (lambda c: c.save(c.bucket + "/run//step2"), InvalidURL, "remove it"),
     "empty_url": (lambda c: c.save(""), NotACheckpoint, "step{N}"),
     "not_a_step_folder_name": (lambda c: c.save(c.run + "/checkpoint-2"), NotACheckpoint, "step{N}"),
-    "config_unknown_scheme": (lambda c: CheckpointConfig(save_folder="hdfs://namenode/run"), ConfigError, "unknown scheme"),
+    "config_unknown_scheme": (lambda c: CheckpointConfig(save_folder="hdfs://namenode/run"), ConfigError,
+                              "unknown scheme"),
     # ---- buckets and credentials
-    "missing_bucket_s3": (lambda c: c.save("s3://no-such-bucket-cloudckpt/run/step2"), BucketNotFound, "create it or fix the URL"),
-    "missing_bucket_gcs": (lambda c: c.save("gs://no-such-bucket-cloudckpt/run/step2"), BucketNotFound, "create it or fix the URL"),
-    "missing_bucket_discovery": (lambda c: Checkpointer.latest_checkpoint("s3://no-such-bucket-cloudckpt/run"), BucketNotFound,
-                                 "no-such-bucket-cloudckpt"),
-    "wrong_secret_key": (lambda c: _with_keys(c, c.seaweed.access_key, WRONG_SECRET), AccessDenied, "check the credentials"),
+    "missing_bucket_s3": (lambda c: c.save("s3://no-such-bucket-cloudckpt/run/step2"), BucketNotFound,
+                          "create it or fix the URL"),
+    "missing_bucket_gcs": (lambda c: c.save("gs://no-such-bucket-cloudckpt/run/step2"), BucketNotFound,
+                           "create it or fix the URL"),
+    "missing_bucket_discovery": (lambda c: Checkpointer.latest_checkpoint("s3://no-such-bucket-cloudckpt/run"),
+                                 BucketNotFound, "no-such-bucket-cloudckpt"),
+    "wrong_secret_key": (lambda c: _with_keys(c, c.seaweed.access_key, WRONG_SECRET), AccessDenied,
+                         "check the credentials"),
     "unknown_access_key": (lambda c: _with_keys(c, WRONG_KEY, WRONG_SECRET), AccessDenied, "check the credentials"),
     "missing_credentials": (lambda c: _with_keys(c, None, None), AccessDenied, "AWS_ACCESS_KEY_ID"),
-    "read_only_credentials_save": (lambda c: _with_keys(c, c.seaweed.ro_access_key, c.seaweed.ro_secret_key), AccessDenied,
-                                   "may use this bucket"),
+    "read_only_credentials_save": (lambda c: _with_keys(c, c.seaweed.ro_access_key, c.seaweed.ro_secret_key),
+                                   AccessDenied, "may use this bucket"),
     "gcs_missing_adc": (lambda c: _no_adc(c), AccessDenied, "application-default login"),
     # ---- where checkpoints go
     "bucket_root_as_save_folder": (lambda c: CheckpointConfig(save_folder=c.bucket), ConfigError, "bucket root"),
@@ -181,42 +188,48 @@ CASES: dict[str, tuple[Callable[[Ctx], object], type, str]] = {
     "overwrite_committed_step": (lambda c: c.save(c.step), CheckpointExists, "save_overwrite=True"),
     "step_locked_by_a_live_save": (_plant_fresh_lock, SaveInProgress, "delete"),
     # ---- damaged checkpoints (the damage is to a copy: step7, not the committed step1)
-    "marker_not_json": (lambda c: _damaged(c, lambda s: _rewrite(layout.marker_url(s), lambda b: b"{not json")), CorruptCheckpoint,
-                        "not valid JSON"),
-    "marker_wrong_shape": (lambda c: _damaged(c, lambda s: _rewrite(layout.marker_url(s), lambda b: b"[1, 2]")), CorruptCheckpoint,
-                           "not a cloudckpt marker"),
-    "marker_future_version": (lambda c: _damaged(c, lambda s: _rewrite(layout.marker_url(s), _future)), IncompatibleCheckpoint,
-                              "upgrade cloudckpt"),
-    "marker_missing_field": (lambda c: _damaged(c, lambda s: _rewrite(layout.marker_url(s), _no_objects)), CorruptCheckpoint,
-                             "bad field"),
-    "truncated_distcp": (lambda c: _damaged(c, lambda s: _rewrite(_shard(s), lambda b: b[: len(b) // 3])), CorruptCheckpoint,
-                         "truncated"),
-    "missing_distcp": (lambda c: _damaged(c, lambda s: open_store(s).delete(_shard(s))), CorruptCheckpoint, "listed in the"),
+    "marker_not_json": (lambda c: _damaged(c, lambda s: _rewrite(layout.marker_url(s), lambda b: b"{not json")),
+                        CorruptCheckpoint, "not valid JSON"),
+    "marker_wrong_shape": (lambda c: _damaged(c, lambda s: _rewrite(layout.marker_url(s), lambda b: b"[1, 2]")),
+                           CorruptCheckpoint, "not a cloudckpt marker"),
+    "marker_future_version": (lambda c: _damaged(c, lambda s: _rewrite(layout.marker_url(s), _future)),
+                              IncompatibleCheckpoint, "upgrade cloudckpt"),
+    "marker_missing_field": (lambda c: _damaged(c, lambda s: _rewrite(layout.marker_url(s), _no_objects)),
+                             CorruptCheckpoint, "bad field"),
+    "truncated_distcp": (lambda c: _damaged(c, lambda s: _rewrite(_shard(s), lambda b: b[: len(b) // 3])),
+                         CorruptCheckpoint, "truncated"),
+    "missing_distcp": (lambda c: _damaged(c, lambda s: open_store(s).delete(_shard(s))), CorruptCheckpoint,
+                       "listed in the"),
     "missing_distcp_pre_download": (lambda c: _damaged(c, lambda s: open_store(s).delete(_shard(s)), pre_download=True),
                                     CorruptCheckpoint, "listed in the"),
     "missing_train_state": (lambda c: _damaged(c, lambda s: open_store(s).delete(urls.join(s, "train/rank0.pt"))),
                             CorruptCheckpoint, "train/rank0.pt"),
     "load_a_folder_without_marker": (lambda c: _load(c.run + "/step9"), NotACheckpoint, "cloudckpt list"),
     "load_the_run_folder": (lambda c: _load(c.run), NotACheckpoint, "cloudckpt list"),
-    "load_keys_not_in_checkpoint": (lambda c: Checkpointer().load(c.step, {"model": {"nope": torch.zeros(2)}}), MissingKeys,
-                                    "strict=False"),
+    "load_keys_not_in_checkpoint": (lambda c: Checkpointer().load(c.step, {"model": {"nope": torch.zeros(2)}}),
+                                    MissingKeys, "strict=False"),
     # ---- configuration
-    "config_interval_not_an_int": (lambda c: CheckpointConfig(save_folder=c.run, save_interval="ten"), ConfigError, "save_interval"),
-    "config_bool_not_a_bool": (lambda c: CheckpointConfig(save_folder=c.run, async_save="maybe"), ConfigError, "async_save"),
+    "config_interval_not_an_int": (lambda c: CheckpointConfig(save_folder=c.run, save_interval="ten"), ConfigError,
+                                   "save_interval"),
+    "config_bool_not_a_bool": (lambda c: CheckpointConfig(save_folder=c.run, async_save="maybe"), ConfigError,
+                               "async_save"),
     "config_bad_size": (lambda c: CheckpointConfig(save_folder=c.run, part_size="12XB"), ConfigError, "part_size"),
-    "config_unknown_field": (lambda c: CheckpointConfig.from_dict({"save_folder": c.run, "save_intervall": 10}), ConfigError,
-                             "unknown checkpoint config field"),
+    "config_unknown_field": (lambda c: CheckpointConfig.from_dict({"save_folder": c.run, "save_intervall": 10}),
+                             ConfigError, "unknown checkpoint config field"),
     "config_not_a_mapping": (lambda c: CheckpointConfig.from_dict(["save_folder"]), ConfigError, "mapping"),
-    "config_env_override_bad": (lambda c: CheckpointConfig.from_dict({"save_folder": c.run}, env={"CLOUDCKPT_MAX_CONCURRENCY": "lots"}),
+    "config_env_override_bad": (lambda c: CheckpointConfig.from_dict({"save_folder": c.run},
+                                                                     env={"CLOUDCKPT_MAX_CONCURRENCY": "lots"}),
                                 ConfigError, "max_concurrency"),
-    "negative_save_interval": (lambda c: CheckpointConfig(save_folder=c.run, save_interval=-5), ConfigError, "positive integer"),
+    "negative_save_interval": (lambda c: CheckpointConfig(save_folder=c.run, save_interval=-5), ConfigError,
+                               "positive integer"),
     "zero_ephemeral_interval": (lambda c: CheckpointConfig(save_folder=c.run, ephemeral_save_interval=0), ConfigError,
                                 "positive integer"),
-    "negative_stall_timeout": (lambda c: CheckpointConfig(save_folder=c.run, stall_timeout=-1), ConfigError, "stall_timeout"),
-    "retention_deletes_newest_persistent": (lambda c: CheckpointConfig(save_folder=c.run, max_checkpoints=0), ConfigError,
-                                            "max_checkpoints"),
-    "retention_deletes_newest_ephemeral": (lambda c: CheckpointConfig(save_folder=c.run, keep_last_ephemeral=0), ConfigError,
-                                           "newest"),
+    "negative_stall_timeout": (lambda c: CheckpointConfig(save_folder=c.run, stall_timeout=-1), ConfigError,
+                               "stall_timeout"),
+    "retention_deletes_newest_persistent": (lambda c: CheckpointConfig(save_folder=c.run, max_checkpoints=0),
+                                            ConfigError, "max_checkpoints"),
+    "retention_deletes_newest_ephemeral": (lambda c: CheckpointConfig(save_folder=c.run, keep_last_ephemeral=0),
+                                           ConfigError, "newest"),
     "storage_part_size_too_small": (lambda c: StorageOptions(part_size=1024 * 1024), ConfigError, "5 MiB"),
     "storage_addressing_style": (lambda c: StorageOptions(addressing_style="sideways"), ConfigError, "'path'"),
     "transfer_zero_concurrency": (lambda c: TransferConfig(max_concurrency=0), ConfigError, "max_concurrency"),
