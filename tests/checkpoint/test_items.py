@@ -22,7 +22,7 @@ def _saved(t: torch.Tensor) -> memoryview:
 
 
 def _expected(t, offsets, lengths):
-    for dim, (o, n) in enumerate(zip(offsets, lengths)):
+    for dim, (o, n) in enumerate(zip(offsets, lengths, strict=True)):
         t = t.narrow(dim, o, n)
     return t
 

@@ -89,7 +89,7 @@ def test_appstate_restores_weights_adamw_state_scheduler_and_extras_bit_exactly(
     ema = _Counter()
     assert Checkpointer().load(path, AppState(m2, o2, s2, extra={"ema": ema})) == {"step": 3}
     assert torch.equal(m2.weight, model.weight) and torch.equal(m2.bias, model.bias)
-    for p, p2 in zip(model.parameters(), m2.parameters()):
+    for p, p2 in zip(model.parameters(), m2.parameters(), strict=True):
         for k in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(o2.state[p2][k], optim.state[p][k]), k
     assert s2.state_dict() == sched.state_dict() and o2.param_groups[0]["lr"] == optim.param_groups[0]["lr"]

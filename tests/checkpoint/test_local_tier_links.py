@@ -124,7 +124,8 @@ def test_a_work_dir_is_private_and_one_of_another_user_is_refused(tmp_path, outs
     planted.mkdir()
     os.symlink(outside, planted / "cloudckpt-work-1000")
     _foreign(planted / "cloudckpt-work-1000", monkeypatch)
-    with pytest.raises(ConfigError, match=r"is a symbolic link made by another user .*set work_dir to a folder you own"):
+    with pytest.raises(ConfigError,
+                       match=r"is a symbolic link made by another user .*set work_dir to a folder you own"):
         nofollow.private_dir(str(planted / "cloudckpt-work-1000"), "load-rank0-")
     squatted = planted / "squatted"
     squatted.mkdir(mode=0o777)

@@ -20,19 +20,28 @@ import tracemalloc
 
 import pytest
 import torch
+from faults import checks
 
 from cloudckpt import Checkpointer
 from cloudckpt.checkpoint import discovery, layout, retention, step_files
-from cloudckpt.checkpoint.marker import (FORMAT_VERSION, INLINE_FORMAT_VERSION, MAX_PART_BYTES, MAX_PART_DATA,
-                                         MAX_PART_OBJECTS, MAX_WORLD_SIZE, Marker, ObjectEntry, PartRef,
-                                         as_part_list, part_name)
+from cloudckpt.checkpoint.marker import (
+    FORMAT_VERSION,
+    INLINE_FORMAT_VERSION,
+    MAX_PART_BYTES,
+    MAX_PART_DATA,
+    MAX_PART_OBJECTS,
+    MAX_WORLD_SIZE,
+    Marker,
+    ObjectEntry,
+    PartRef,
+    as_part_list,
+    part_name,
+)
 from cloudckpt.errors import CorruptCheckpoint, IncompatibleCheckpoint, SaveFailed, UnsafeCheckpoint
 from cloudckpt.storage import Location, open_store
 from cloudckpt.storage import url as urls
 from cloudckpt.untrusted import limits
 from cloudckpt.untrusted.limits import MAX_MARKER_BYTES
-
-from faults import checks
 
 META = layout.DCP_METADATA
 

@@ -14,7 +14,6 @@ from cloudckpt import Checkpointer
 from cloudckpt.checkpoint import discovery, layout, pointer
 from cloudckpt.errors import CorruptCheckpoint
 from cloudckpt.storage import open_store
-from cloudckpt.storage import url as urls
 
 
 def _save(ck, folder, step):
@@ -43,7 +42,8 @@ def test_pointer_never_moves_backwards_and_falls_back_when_it_cannot_vouch(any_r
     _save(ck, any_root, 9)
     assert pointer.read(any_root) == (9, False)
     # an older save (e.g. an overwrite of step 5) does not move it back
-    Checkpointer(work_dir=str(tmp_path / "w"), save_overwrite=True).save(layout.step_dir(any_root, 5), {"w": torch.ones(4)})
+    Checkpointer(work_dir=str(tmp_path / "w"), save_overwrite=True).save(layout.step_dir(any_root, 5),
+                                                                         {"w": torch.ones(4)})
     assert pointer.read(any_root) == (9, False)
     assert not pointer.advance(any_root, 7, pending=True)
     # a save of step 12 that died between "pending" and its marker: readers list instead

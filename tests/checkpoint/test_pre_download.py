@@ -83,7 +83,8 @@ def test_a_superseded_download_writes_nothing_more(tmp_path, monkeypatch):
     stale = bytes(len(data))  # what the stalled attempt would write, if it wrote
 
     def first():
-        results.append(dl(lambda pos: Body(stale, pos, block_at=start + 2500, gate=gate, reached=reached), lambda n: None))
+        results.append(dl(lambda pos: Body(stale, pos, block_at=start + 2500, gate=gate, reached=reached),
+                          lambda n: None))
 
     t = threading.Thread(target=first, daemon=True)
     t.start()
@@ -157,7 +158,8 @@ def test_pre_download_fetches_only_the_runs_of_needed_items_not_the_file_between
     target = {"model": {"a": torch.zeros(16), "c": torch.zeros(8)}}  # a load of part of the state
     with Checkpointer(work_dir=str(tmp_path / "w2"), pre_download=True) as ck:
         ck.load(step, target, load_trainer_state=False, allow_partial=True)
-    assert torch.equal(target["model"]["a"], state["model"]["a"]) and torch.equal(target["model"]["c"], state["model"]["c"])
+    assert torch.equal(target["model"]["a"], state["model"]["a"]) \
+        and torch.equal(target["model"]["c"], state["model"]["c"])
     ranges = [(s, e) for u, s, e in opened if u.endswith(".distcp")]
     assert len(ranges) == 2 and sum(e - s for s, e in ranges) < 64 * 1024, ranges
     assert not [p for p in (tmp_path / "w2").rglob("*") if p.is_file()]

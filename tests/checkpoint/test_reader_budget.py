@@ -29,7 +29,8 @@ def test_budget_is_a_sixteenth_of_the_rank_in_flight_in_streams_of_a_quarter(pla
     assert _reader().budget(planned) == (inflight, stream)
 
 
-@pytest.mark.parametrize("planned, inflight, stream", [(512 * MiB, 32 * MiB, 8 * MiB), (2048 * MiB, 128 * MiB, 32 * MiB)])
+@pytest.mark.parametrize("planned, inflight, stream",
+                         [(512 * MiB, 32 * MiB, 8 * MiB), (2048 * MiB, 128 * MiB, 32 * MiB)])
 def test_stores_without_a_streamed_get_read_streams_of_a_quarter_of_the_budget(planned, inflight, stream):
     """GCS fetches a range in part_size pieces: a long stream would be held whole (or
     copied across pieces), so its streams stay short, one request each."""

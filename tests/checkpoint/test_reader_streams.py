@@ -89,7 +89,8 @@ class Placed:
 def _joined(*threads: threading.Thread, timeout: float = 10) -> None:
     for t in threads:
         t.join(timeout)
-    assert not any(t.is_alive() for t in threads), f"still running after {timeout}s: {[t.name for t in threads if t.is_alive()]}"
+    assert not any(t.is_alive() for t in threads), \
+        f"still running after {timeout}s: {[t.name for t in threads if t.is_alive()]}"
 
 
 def opener(data, opened):
@@ -124,7 +125,7 @@ def test_a_stream_resumes_after_a_failure_at_the_first_item_not_taken():
     assert st(open_from(None), lambda n: None) == 3 * 1000
     assert opened == [parts[0][0], parts[2][0]], "the retry starts at the third item, not at the range's start"
     assert [r for r, _ in placed.items] == [f"item{i}" for i in range(5)]
-    assert all(d == data[off:off + n] for (_, d), (off, n, _) in zip(placed.items, parts))
+    assert all(d == data[off:off + n] for (_, d), (off, n, _) in zip(placed.items, parts, strict=True))
     assert (tally.items, tally.bytes, tally.direct) == (5, 5000, 5)
     tally.wait(5)
 

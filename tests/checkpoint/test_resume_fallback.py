@@ -132,7 +132,8 @@ def test_an_unreadable_marker_of_ours_on_the_newest_step_is_passed_over_loudly_o
     mgr = _mgr(folder, tmp_path)
     with caplog.at_level(logging.ERROR, logger="cloudckpt"):
         assert mgr.resume(fw.state(1))["step"] == 5
-    assert [s.step for s in mgr.skipped_steps] == [10] and "step10 is committed but its marker is refused" in caplog.text
+    assert [s.step for s in mgr.skipped_steps] == [10] \
+        and "step10 is committed but its marker is refused" in caplog.text
     assert mgr.steps_above_resumed == {10}
     assert mgr.maybe_save(10, fw.state(10), {"step": 10}) is None  # not saved over, no CheckpointExists later
     mgr.close()

@@ -7,13 +7,13 @@ import os
 
 import pytest
 import torch
+from memprobe import PeakRss
 
 from cloudckpt import Checkpointer
 from cloudckpt.checkpoint import discovery
 from cloudckpt.storage import open_store
 from cloudckpt.storage import url as urls
 from cloudckpt.transfer import TransferEngine, crc32c_bytes, crc32c_file
-from memprobe import PeakRss
 
 
 def _state() -> dict:
