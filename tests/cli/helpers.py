@@ -99,7 +99,8 @@ def write_fake_steps(folder: str, steps: dict[int, bool], *, threads: int = 32, 
         now = time.time()
         marker = {"format": "cloudckpt", "format_version": 1, "step": step, "ephemeral": eph, "world_size": 1,
                   "created": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(now)), "created_unix": now,
-                  "library_version": "test", "torch_version": "", "save_id": "", "total_bytes": len(body) if objects else 0,
+                  "library_version": "test", "torch_version": "", "save_id": "",
+                  "total_bytes": len(body) if objects else 0,
                   "object_count": len(objects), "objects": objects}
         store.put_bytes(urls.join(dir, ".metadata.json"), json.dumps(marker).encode())
 

@@ -5,7 +5,6 @@ one-line errors, and what each command changes (or, in a dry run, does not)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest
@@ -145,7 +144,8 @@ def test_inspect_json_shows_tensors_train_state_keys_and_marker(runs, backend):
     assert (m["step"], m["ephemeral"], m["world_size"], m["object_count"], m["format_version"]) == (20, True, 1, 6, 3)
     assert m["library_version"] and m["torch_version"] and m["save_id"] and m["created"]
     tensors = {t["key"]: t for t in doc["tensors"]}
-    assert tensors["model.w"] == {"key": "model.w", "dtype": "float32", "shape": [4], "numel": 4, "size_bytes": 16, "chunks": 1}
+    assert tensors["model.w"] == {"key": "model.w", "dtype": "float32", "shape": [4], "numel": 4, "size_bytes": 16,
+                                  "chunks": 1}
     assert tensors["model.b"]["dtype"] == "bfloat16" and tensors["model.b"]["shape"] == [2, 3]
     assert tensors["model.b"]["size_bytes"] == 12
     assert doc["non_tensor_keys"] == ["optim.lr"]
@@ -215,7 +215,7 @@ def test_download_is_resumable_and_makes_a_loadable_local_checkpoint(fresh, tmp_
     r = cli("download", src, dest_root, "--progress")  # DEST not named step{N}: the step goes inside it
     assert r.code == 0, r.err
     dest = dest_root / "step100"
-    assert f"downloaded 6 object(s)" in r.out and "skipped 0" in r.out and str(dest) in r.out
+    assert "downloaded 6 object(s)" in r.out and "skipped 0" in r.out and str(dest) in r.out
     assert "download step100" in r.err and "100%" in r.err  # the tqdm bar
     assert (dest / ".metadata.json").read_bytes() == open_store(src).get_bytes(src + "/.metadata.json")
 
@@ -397,7 +397,8 @@ ERROR_CASES = {
     "unknown-scheme": (["list", "ftp://bucket/run"], 2, ["unknown storage scheme", "s3://"]),
     "s3-missing-bucket": (["list", "s3://no-such-bucket-cli/run"], 3, ["does not exist", "create it or fix the URL"]),
     "gcs-missing-bucket": (["inspect", "gs://no-such-bucket-cli/run/step1"], 3, ["does not exist"]),
-    "not-a-checkpoint": (["inspect", "{run}"], 3, ["is a save folder (a run), not a step", "the newest is {run}/step30"]),
+    "not-a-checkpoint": (["inspect", "{run}"], 3,
+                         ["is a save folder (a run), not a step", "the newest is {run}/step30"]),
     "incomplete-step": (["verify", "{run}/step40"], 3, ["is not a committed checkpoint", "the newest is {run}/step30"]),
     "download-to-a-url": (["download", "{run}/step10", "s3://x-bucket/y"], 2, ["not a local path"]),
 }

@@ -125,7 +125,8 @@ def test_export_hf_uses_the_config_saved_with_the_step_without_warnings(tmp_path
 def test_a_step_that_is_not_there_is_said_with_what_is_there_instead(run, tmp_path):
     r = cli("verify", run)  # a run given for a step
     line = r.assert_one_line_error()
-    assert r.code == 3 and "is a save folder (a run), not a step" in line and f"the newest is {run}/step40" in line, line
+    assert r.code == 3 and "is a save folder (a run), not a step" in line \
+        and f"the newest is {run}/step40" in line, line
     assert f"the committed steps of {run}: step10, step20, step30, step40;" in line
     for command in ("inspect", "verify"):  # a step that is gone (pruned, removed, mistyped)
         r = cli(command, run + "/step99")
@@ -146,7 +147,8 @@ def test_a_step_that_is_not_there_is_said_with_what_is_there_instead(run, tmp_pa
 def test_a_local_path_that_does_not_exist_says_so_and_a_relative_one_hints_at_buckets(tmp_path):
     p, _ = imported("list", "mlruns/run-d", cwd=str(tmp_path))
     assert p.returncode == 3
-    assert p.stderr.strip() == (f"cloudckpt: error: {tmp_path}/mlruns/run-d does not exist (`mlruns/run-d` is read as a "
+    assert p.stderr.strip() == (f"cloudckpt: error: {tmp_path}/mlruns/run-d does not exist "
+                                "(`mlruns/run-d` is read as a "
                                 f"local path relative to {tmp_path}; for a bucket write s3://mlruns/run-d or "
                                 "gs://mlruns/run-d)"), p.stderr
     r = cli("latest", tmp_path / "nope")

@@ -26,7 +26,6 @@ from cloudckpt.errors import (
     Transient,
 )
 from cloudckpt.storage.registry import clear_cache, open_store
-from cloudckpt.transfer import batch
 from cloudckpt.transfer import (
     Crc32cReader,
     ProgressSubscriber,
@@ -35,6 +34,7 @@ from cloudckpt.transfer import (
     TqdmProgress,
     TransferConfig,
     TransferEngine,
+    batch,
     crc32c_bytes,
     crc32c_file,
 )
@@ -81,7 +81,8 @@ def test_results_are_in_input_order_when_transfers_finish_in_reverse(faulty, mak
     files = make_files(6, 10 * KiB)
     pairs = [(p, f"faulty://bucket/o{i}") for i, (p, _) in enumerate(files)]
     finished = _Finished([u for _, u in pairs])
-    for (_, url), (_, later) in zip(pairs, pairs[1:]):  # each transfer goes on only once the next one finished
+    # each transfer goes on only once the next one finished
+    for (_, url), (_, later) in zip(pairs, pairs[1:], strict=False):
         faulty.script(url, ("wait", finished.events[later]))
     with TransferEngine(TransferConfig(max_concurrency=6), progress=finished) as engine:
         results = engine.upload_all(pairs)
@@ -206,7 +207,8 @@ def test_fatal_errors_are_not_retried(faulty, make_files, clock, exc):
     (path, _), = make_files(1, 1 * KiB)
     url = "faulty://bucket/fatal"
     faulty.script(url, exc, exc, exc)
-    with TransferEngine(TransferConfig(max_attempts=4), executor=SerialExecutor(), clock=clock, sleep=clock.sleep) as engine:
+    with TransferEngine(TransferConfig(max_attempts=4), executor=SerialExecutor(), clock=clock,
+                        sleep=clock.sleep) as engine:
         with pytest.raises(type(exc)):
             engine.submit_upload(path, url).result()
         assert engine.stats().retries == 0
@@ -362,7 +364,7 @@ def test_a_stream_that_says_it_is_alive_is_not_stalled_and_one_that_is_silent_is
         assert given_up.wait(10)
         try:
             progress(0)
-        except Exception as e:  # noqa: BLE001 - the engine's signal to an abandoned attempt
+        except Exception as e:
             abandoned.append(type(e).__name__)
             raise
         return 0

@@ -9,9 +9,9 @@ import sys
 import weakref
 
 import pytest
+from memprobe import PeakRss
 
 from cloudckpt.transfer import TransferEngine
-from memprobe import PeakRss
 
 
 @pytest.fixture

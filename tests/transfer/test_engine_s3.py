@@ -130,7 +130,8 @@ def test_wrong_secret_is_access_denied_at_once_without_retries(s3_bucket, tmp_pa
             engine.submit_upload(path, f"{s3_bucket}/denied.bin").result()
         elapsed = time.monotonic() - t0
         s = engine.stats()
-    assert (s.retries, s.sdk_retries) == (0, 0)  # the mechanism; the time is a sanity bound with room for a loaded machine
+    # the mechanism; the time is a sanity bound with room for a loaded machine
+    assert (s.retries, s.sdk_retries) == (0, 0)
     assert elapsed < 10.0
 
 
@@ -143,7 +144,7 @@ def test_round_trip_on_every_backend_with_matching_crc32c(any_root, tmp_path):
         down = engine.download_all([(u, str(tmp_path / "back" / os.path.basename(u))) for _, u in pairs])
         ranges = engine.read_all([(pairs[2][1], 10, 1000), (pairs[1][1], None, None), (pairs[2][1], 3 * MiB - 5, None)])
         s = engine.stats()
-    for (p, data), u, d in zip(files, up, down):
+    for (_, data), u, d in zip(files, up, down, strict=True):
         assert u.crc32c == d.crc32c == g_crc(data) and u.size == d.size == len(data)
         assert open(d.local_path, "rb").read() == data
     assert ranges == [files[2][1][10:1000], files[1][1], files[2][1][-5:]]
