@@ -166,7 +166,8 @@ def test_every_tf_file_parses_with_python_hcl2(path: Path):
 def test_terraform_fmt_check_passes(tmp_path):
     r = subprocess.run([TERRAFORM, "fmt", "-check", "-recursive", "-diff", "-no-color", str(TF_ROOT)],
                        env=_tf_env(tmp_path), capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, f"terraform fmt -check failed (run `terraform fmt -recursive terraform/`):\n{r.stdout}{r.stderr}"
+    assert r.returncode == 0, (f"terraform fmt -check failed (run `terraform fmt -recursive terraform/`):\n"
+                               f"{r.stdout}{r.stderr}")
 
 
 # ---------------------------------------------------------------------------
@@ -191,7 +192,8 @@ def _checkov_executable() -> Path:
 
 def _checkov_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("BC_", "PRISMA_", "CKV_")) and k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")}
+           if not k.startswith(("BC_", "PRISMA_", "CKV_"))
+           and k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")}
     env.update({
         "CKV_SKIP_PACKAGE_UPDATE_CHECK": "true",  # no PyPI version check
         "BC_SKIP_MAPPING": "TRUE",  # no Prisma Cloud guideline mapping
@@ -240,7 +242,8 @@ def test_checkov_reports_zero_failed_checks(checkov_report):
 def test_every_checkov_skip_is_justified_inline_and_used(checkov_report):
     inline = _inline_skips()
     for (path, check_id), reason in inline.items():
-        assert len(reason) >= 30, f"{path}: #checkov:skip={check_id} needs a real reason after the colon, got {reason!r}"
+        assert len(reason) >= 30, (f"{path}: #checkov:skip={check_id} needs a real reason after the colon, "
+                                   f"got {reason!r}")
     skipped = checkov_report["results"]["skipped_checks"]
     used = set()
     for c in skipped:
@@ -270,7 +273,8 @@ def test_s3_lifecycle_aborts_incomplete_multipart_uploads_bucket_wide():
     assert _unq(rule["status"]) == "Enabled"
     assert [{k: v for k, v in f.items() if not k.startswith("__")} for f in rule["filter"]] == [{}], \
         "the abort rule must have an empty filter (whole bucket)"
-    assert rule["abort_incomplete_multipart_upload"][0]["days_after_initiation"] == "${var.abort_incomplete_multipart_days}"
+    assert (rule["abort_incomplete_multipart_upload"][0]["days_after_initiation"]
+            == "${var.abort_incomplete_multipart_days}")
     default = _named(docs, "variable")["abort_incomplete_multipart_days"]["default"]
     assert default == 3
 
@@ -302,7 +306,8 @@ def test_public_access_is_blocked_on_both_clouds():
     pab = s3[("aws_s3_bucket_public_access_block", "this")]
     for flag in ("block_public_acls", "block_public_policy", "ignore_public_acls", "restrict_public_buckets"):
         assert pab[flag] is True, flag
-    assert _unq(s3[("aws_s3_bucket_ownership_controls", "this")]["rule"][0]["object_ownership"]) == "BucketOwnerEnforced"
+    assert (_unq(s3[("aws_s3_bucket_ownership_controls", "this")]["rule"][0]["object_ownership"])
+            == "BucketOwnerEnforced")
     gcs = _labelled(_module_docs(GCS_MODULE), "resource")[("google_storage_bucket", "this")]
     assert _unq(gcs["public_access_prevention"]) == "enforced"
     assert gcs["uniform_bucket_level_access"] is True
@@ -355,7 +360,8 @@ def test_s3_trainer_and_evaluator_policies_are_scoped_to_the_prefixes():
 @needs_terraform
 @pytest.mark.parametrize("module_key", ["s3", "gcs"])
 def test_access_prefixes_end_with_a_slash_and_include_the_ephemeral_prefix(tmp_path, module_key):
-    got = _console(tmp_path, module_key, "local.access_prefixes", {"run_prefix": "team-a/runs", "ephemeral_prefix": "scratch"})
+    got = _console(tmp_path, module_key, "local.access_prefixes",
+                   {"run_prefix": "team-a/runs", "ephemeral_prefix": "scratch"})
     assert got == ["team-a/runs/", "scratch/"]
     got = _console(tmp_path, module_key, "local.access_prefixes", {})
     assert got == ["runs/"]
@@ -373,7 +379,8 @@ def test_access_prefixes_end_with_a_slash_and_include_the_ephemeral_prefix(tmp_p
         ("runs", "scratch", False),
     ],
 )
-def test_ephemeral_prefix_that_would_expire_persistent_runs_is_detected(tmp_path, module_key, run_prefix, ephemeral_prefix, covers):
+def test_ephemeral_prefix_that_would_expire_persistent_runs_is_detected(tmp_path, module_key, run_prefix,
+                                                                         ephemeral_prefix, covers):
     got = _console(tmp_path, module_key, "local.ephemeral_covers_runs",
                    {"run_prefix": run_prefix, "ephemeral_prefix": ephemeral_prefix})
     assert got is covers
@@ -401,7 +408,8 @@ def test_save_folder_outputs_point_at_the_run_prefix():
     gcs = _named(_module_docs(GCS_MODULE), "output")
     assert _unq(gcs["save_folder"]["value"]) == "gs://${google_storage_bucket.this.name}/${var.run_prefix}"
     for examples in EXAMPLES.values():
-        assert _unq(_named(_module_docs(examples), "output")["save_folder"]["value"]) == "${module.checkpoints.save_folder}"
+        assert (_unq(_named(_module_docs(examples), "output")["save_folder"]["value"])
+                == "${module.checkpoints.save_folder}")
 
 
 # ---------------------------------------------------------------------------
@@ -449,7 +457,8 @@ def test_every_days_variable_has_a_range_validation(module_key):
     for name, body in _named(_module_docs(MODULES[module_key]), "variable").items():
         if name.endswith("_days"):
             conditions = " ".join(v["condition"] for v in body.get("validation", []))
-            assert "<=" in conditions and ">=" in conditions and "floor(" in conditions, f"{name} lacks a whole-day range check"
+            assert "<=" in conditions and ">=" in conditions and "floor(" in conditions, \
+                f"{name} lacks a whole-day range check"
 
 
 @needs_terraform
@@ -465,7 +474,8 @@ def test_defaults_pass_the_variable_validations(tmp_path, module_key):
     [
         ("s3", {"bucket_name": "team-a-checkpoints", "run_prefix": "team-a/runs", "ephemeral_prefix": "scratch",
                 "kms_key_arn": "arn:aws:kms:us-east-1:123456789012:key/1234abcd-12ab-34cd-56ef-1234567890ab",
-                "transition_days": "30", "transition_storage_class": "STANDARD_IA", "abort_incomplete_multipart_days": "1"}),
+                "transition_days": "30", "transition_storage_class": "STANDARD_IA",
+                "abort_incomplete_multipart_days": "1"}),
         ("gcs", {"bucket_name": "team_a-checkpoints", "ephemeral_prefix": "scratch", "soft_delete_retention_days": "7",
                  "kms_key_name": "projects/p/locations/us-central1/keyRings/r/cryptoKeys/k", "transition_days": "60",
                  "reader_members": '["group:ml@example.com"]'}),

@@ -64,7 +64,8 @@ def secret_scan(request):
         if name in request.fixturenames:
             srv = request.getfixturevalue(name)
             scan.secrets |= {v for k, v in vars(srv).items() if "key" in k and isinstance(v, str)}
-            scan.secrets |= {getattr(type(srv), a) for a in ("access_key", "secret_key") if isinstance(getattr(type(srv), a, None), str)}
+            scan.secrets |= {getattr(type(srv), a) for a in ("access_key", "secret_key")
+                             if isinstance(getattr(type(srv), a, None), str)}
     handler = _Capture(scan)
     root = logging.getLogger()
     old_level = root.level

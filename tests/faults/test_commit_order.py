@@ -40,7 +40,8 @@ def test_the_marker_put_starts_after_every_other_write_of_the_step_was_answered(
     errors = run_ranks(2, workers.save_plain, step, str(tmp_path / "w"), 1, env=checks.rank_env())
     assert errors == [None, None]
     writes = _writes_of(proxy, "run/step1/")
-    markers = [c for c, t in writes if t.rstrip("?&").split("?")[0].endswith(".metadata.json") or "name=run/step1/.metadata.json" in t]
+    markers = [c for c, t in writes
+               if t.rstrip("?&").split("?")[0].endswith(".metadata.json") or "name=run/step1/.metadata.json" in t]
     assert len(markers) == 1, f"exactly one marker write: {[t for _, t in writes]}"
     marker = markers[0]
     data = [(c, t) for c, t in writes if c is not marker and c.method != "DELETE" and ".lock" not in t]
@@ -88,7 +89,8 @@ def test_a_failing_latest_pointer_write_never_hides_the_newest_commit(proxy, fau
     """Step 1 commits with the pointer; the pointer writes of step 2 fail: step 2 still
     commits and discovery finds it (the pointer is removed rather than left behind)."""
     folder = proxy.bucket + "/run"
-    with Checkpointer(work_dir=str(tmp_path / "w"), storage_options=StorageOptions(max_attempts=2, operation_timeout=3)) as ck:
+    with Checkpointer(work_dir=str(tmp_path / "w"),
+                      storage_options=StorageOptions(max_attempts=2, operation_timeout=3)) as ck:
         ck.save(checks.step_dir(folder, 1), checks.step_state(1, 0), {"step": 1})
         assert Checkpointer.latest_checkpoint(folder) == checks.step_dir(folder, 1)
         proxy.add(Rule(fault, method={"PUT", "POST"}, key=POINTER))

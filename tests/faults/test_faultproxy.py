@@ -35,7 +35,8 @@ def test_forwarding_keeps_signatures_valid_and_bodies_intact(proxied, seaweed):
                        aws_secret_access_key="not-the-secret", region_name="us-east-1")
     with pytest.raises(bex.ClientError) as ei:
         bad.list_objects_v2(Bucket=bucket)
-    assert ei.value.response["Error"]["Code"] == "SignatureDoesNotMatch", "the store still checks what the client signed"
+    assert ei.value.response["Error"]["Code"] == "SignatureDoesNotMatch", \
+        "the store still checks what the client signed"
     assert proxy.injected() == {} and proxy.requests == 3
 
 

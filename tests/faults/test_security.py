@@ -37,7 +37,8 @@ def _replace_object(step: str, rel: str, data: bytes) -> None:
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
-def test_train_state_pickle_that_would_run_code_is_refused_and_the_code_does_not_run(backend, request, tmp_path, secret_scan):
+def test_train_state_pickle_that_would_run_code_is_refused_and_the_code_does_not_run(backend, request, tmp_path,
+                                                                                     secret_scan):
     root = str(tmp_path / "ckpt") if backend == "local" else request.getfixturevalue("s3_bucket") + "/run"
     step = urls.join(root, "step1")
     Checkpointer(work_dir=str(tmp_path / "w")).save(step, checks.step_state(1, 0), {"step": 1, "rank": 0})
@@ -102,7 +103,8 @@ def test_the_credential_scan_catches_a_leak():
     """The scan every test of this folder runs under really fails on a credential."""
     scan = SecretScan()
     scan.secrets.add("AKSECRETFORTEST")
-    scan.records.append(logging.LogRecord("cloudckpt.x", logging.INFO, __file__, 1, "using key %s", ("AKSECRETFORTEST",), None))
+    scan.records.append(logging.LogRecord("cloudckpt.x", logging.INFO, __file__, 1, "using key %s",
+                                          ("AKSECRETFORTEST",), None))
     with pytest.raises(AssertionError, match="credential leaked"):
         scan.check()
     scan2 = SecretScan()
