@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import signal
 
-import torch
-
 from cloudckpt import CheckpointConfig
 
 from .workers import gathered, sharded_state

@@ -174,7 +174,8 @@ def train_resumable(rank, world_size, folder, work_dir, steps, mode, kill_after=
         if mode == "manager":
             mgr.maybe_save(step, state, {"step": step})
         elif step % 2 == 0:
-            ck.save(f"{folder}/step{step}", state, {"step": step, "loader": loader.state_dict(), "rng": capture_rng_state()})
+            ck.save(f"{folder}/step{step}", state,
+                    {"step": step, "loader": loader.state_dict(), "rng": capture_rng_state()})
         digests[step] = _digest(model, optim, sched, loader)
         if kill_after == step:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -150,7 +150,8 @@ def test_two_jobs_saving_the_same_step_concurrently_exactly_one_commits(s3_bucke
 
 # ------------------------------------------------------------------ single-process behaviour
 def _plain_state(v: float = 1.0) -> dict:
-    return {"model": {"w": torch.arange(4096, dtype=torch.float32) * v, "b": torch.ones(3)}, "optim": {"m": torch.full((10,), float(v))}, "epoch": 2}
+    return {"model": {"w": torch.arange(4096, dtype=torch.float32) * v, "b": torch.ones(3)},
+            "optim": {"m": torch.full((10,), float(v))}, "epoch": 2}
 
 
 def test_step_folder_without_marker_is_invisible_to_discovery(any_root, tmp_path):
@@ -223,7 +224,8 @@ def test_checksum_mismatch_names_the_object_and_can_be_turned_off(any_root, tmp_
         Checkpointer(work_dir=str(tmp_path / "w"), pre_download=pre_download).load(step, _plain_state(0))
     assert url in str(ei.value) and "CRC32C" in str(ei.value)
     # flipped payload byte loads unchecked
-    Checkpointer(work_dir=str(tmp_path / "w"), verify_checksums=False, pre_download=pre_download).load(step, _plain_state(0))
+    Checkpointer(work_dir=str(tmp_path / "w"), verify_checksums=False,
+                 pre_download=pre_download).load(step, _plain_state(0))
 
 
 @pytest.mark.parametrize("pre_download", [False, True], ids=["streaming", "pre_download"])

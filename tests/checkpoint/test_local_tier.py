@@ -63,7 +63,8 @@ def _first_run(proxy, s3_bucket, tmp_path, **kw):
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_a_replaced_node_recovers_from_its_peers_without_reading_the_bucket_step(proxy, s3_bucket, tmp_path, async_save):
+def test_a_replaced_node_recovers_from_its_peers_without_reading_the_bucket_step(proxy, s3_bucket, tmp_path,
+                                                                                 async_save):
     snaps = _first_run(proxy, s3_bucket, tmp_path, cfg_kw={"async_save": async_save})
     shutil.rmtree(tmp_path / "local" / "node1")  # node 1 replaced: its disk is empty
     before = len(proxy.completed)
@@ -151,7 +152,8 @@ def test_a_rank_killed_while_persisting_leaves_no_bucket_step(proxy, s3_bucket, 
     # the partial upload was removed by resume: every object left belongs to a committed step
     committed = [d + "/" for _, d in discovery.find_checkpoints(s3_bucket + "/run")]
     left = [o.url for o in open_store(s3_bucket).walk(s3_bucket + "/run/")]
-    assert all(any(u.startswith(c) for c in committed) for u in left), [u for u in left if not any(u.startswith(c) for c in committed)]
+    assert all(any(u.startswith(c) for c in committed) for u in left), \
+        [u for u in left if not any(u.startswith(c) for c in committed)]
 
 
 def test_bad_settings_are_typed_errors_naming_the_setting(tmp_path):
@@ -194,7 +196,8 @@ def test_the_node_of_a_rank_is_its_machine_whatever_the_jump():
         on_machines(Replication(4, 1, 4), {"LOCAL_WORLD_SIZE": "3"})
 
 
-def test_with_a_jump_of_a_rack_each_machine_keeps_its_own_folder_and_a_replaced_one_recovers(proxy, s3_bucket, tmp_path):
+def test_with_a_jump_of_a_rack_each_machine_keeps_its_own_folder_and_a_replaced_one_recovers(proxy, s3_bucket,
+                                                                                             tmp_path):
     """4 machines of 1 rank (LOCAL_WORLD_SIZE=1) in 2 racks (replication_jump=2): each
     machine writes ``node{0..3}``, with its part and a copy of the other rack's group
     member's; machine 3 replaced (its folder empty) recovers local step 10 from machine 1."""
@@ -253,7 +256,8 @@ def test_a_local_dir_without_room_for_the_step_is_a_typed_error_naming_it(tmp_pa
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr("cloudckpt.checkpoint.local.tier.shutil.disk_usage", lambda p: usage(2048, 1024, 1024))
     try:
-        with pytest.raises(LocalCapacityError, match=r"local_dir .*local has 1024 bytes free; the next local step needs "
+        with pytest.raises(LocalCapacityError, match=r"local_dir .*local has 1024 bytes free; "
+                                                     r"the next local step needs "
                                                      r"about 40000 .*replication_factor 1"):
             mgr.maybe_save(1, {"w": torch.zeros(100, 100)})
         assert parts.steps_on_disk(str(tmp_path / "local")) == []  # nothing written

@@ -238,8 +238,8 @@ def test_timeouts_are_config_fields_with_env_overrides_and_reach_the_storage_opt
 @pytest.mark.parametrize("kwargs,says", [
     ({"endpoint_url": "127.0.0.1:9000"}, "has no scheme: write http://127.0.0.1:9000"),
     ({"endpoint_url": "ftp://127.0.0.1:9000"}, "is not an http:// or https:// URL"),
-    ({"save_folder": "http://127.0.0.1:9000/bucket/run"}, "write s3://bucket/run and put the endpoint http://127.0.0.1:9000 "
-                                                           "into endpoint_url"),
+    ({"save_folder": "http://127.0.0.1:9000/bucket/run"},
+     "write s3://bucket/run and put the endpoint http://127.0.0.1:9000 into endpoint_url"),
     ({"save_folder": "https://storage.googleapis.com/bucket/run"}, "write gs://bucket/run"),
 ])
 def test_endpoint_and_http_folder_mistakes_are_config_errors_saying_what_to_write(kwargs, says):
@@ -311,7 +311,8 @@ def test_resume_load_step_loads_that_committed_step_or_names_the_nearest(tmp_pat
         assert m.checkpointer.read_train_state(layout.step_dir(folder, 30)) == {"step": 30}
         m.close()
     m = cfg.build()
-    with pytest.raises(NotACheckpoint, match=r"load_step=25: .*step25 is not a committed checkpoint; the nearest committed steps are \[10, 20, 30\]"):
+    with pytest.raises(NotACheckpoint, match=r"load_step=25: .*step25 is not a committed checkpoint; "
+                                             r"the nearest committed steps are \[10, 20, 30\]"):
         m.resume({"w": torch.zeros(3)}, load_step=25)
     m.close()
     with pytest.raises(ConfigError, match="load_step=-1"):

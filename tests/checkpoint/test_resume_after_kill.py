@@ -29,7 +29,7 @@ def _same(a, b, where: str) -> None:
             _same(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _same(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
@@ -51,7 +51,8 @@ def test_resume_after_kill_9_restores_weights_optimizer_scheduler_loader_and_rng
         run_ranks(world_size, resume_workers.train_resumable, folder, str(tmp_path / "w"), STEPS, mode, KILL_AFTER,
                   env=_env())
     assert all("exit code -9" in msg for msg in ei.value.failures.values()), ei.value.failures
-    resumed = run_ranks(world_size, resume_workers.train_resumable, folder, str(tmp_path / "w"), STEPS, mode, env=_env())
+    resumed = run_ranks(world_size, resume_workers.train_resumable, folder, str(tmp_path / "w"), STEPS, mode,
+                        env=_env())
     for r in range(world_size):
         assert resumed[r]["resumed"] == 4
         assert sorted(resumed[r]["digests"]) == [5, 6]

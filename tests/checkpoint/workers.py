@@ -33,7 +33,8 @@ def sharded_state(world_size: int, seed: int = 0, zero: bool = False) -> dict:
 
     return {
         "model": {"w": d("model.w", Shard(0)), "b": d("model.b", Replicate())},
-        "optim": {"state": {"w": {"exp_avg": d("optim.w_exp_avg", Shard(0)), "exp_avg_sq": d("optim.w_exp_avg_sq", Shard(0))}},
+        "optim": {"state": {"w": {"exp_avg": d("optim.w_exp_avg", Shard(0)),
+                                  "exp_avg_sq": d("optim.w_exp_avg_sq", Shard(0))}},
                   "step": 0 if zero else 7},
     }
 
