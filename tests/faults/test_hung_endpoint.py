@@ -108,8 +108,10 @@ def _operations(folder: str, work: str, timeout: float | None) -> dict:
     return {
         "cloudckpt list": lambda: cli("list", folder, *cli_opts),
         "cloudckpt latest": lambda: cli("latest", folder, *cli_opts),
-        "Checkpointer.find_checkpoints": expect_error(lambda: list(Checkpointer.find_checkpoints(folder, storage_options=so))),
-        "Checkpointer.latest_checkpoint": expect_error(lambda: Checkpointer.latest_checkpoint(folder, storage_options=so)),
+        "Checkpointer.find_checkpoints": expect_error(
+            lambda: list(Checkpointer.find_checkpoints(folder, storage_options=so))),
+        "Checkpointer.latest_checkpoint": expect_error(
+            lambda: Checkpointer.latest_checkpoint(folder, storage_options=so)),
         "CheckpointManager.resume": expect_error(resume),
         "Checkpointer.save": expect_error(save),
         "Checkpointer.load": expect_error(load),

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from cloudckpt import Checkpointer, CheckpointConfig
+from cloudckpt import CheckpointConfig, Checkpointer
 from cloudckpt.checkpoint import discovery, layout, retention
 from cloudckpt.errors import NotACheckpoint
 from cloudckpt.storage import clear_cache, open_store
@@ -100,13 +100,15 @@ def assert_no_partial_step_is_visible(folder: str, work_dir: str, *, world_size:
 
 
 @pytest.mark.parametrize("trial", SAVE_TRIALS)
-def test_kill9_of_one_rank_at_a_random_moment_of_a_save_never_exposes_a_partial_step(trial, request, tmp_path, secret_scan):
+def test_kill9_of_one_rank_at_a_random_moment_of_a_save_never_exposes_a_partial_step(trial, request, tmp_path,
+                                                                                      secret_scan):
     backend, mode = COMBOS[trial % len(COMBOS)]
     rng = random.Random(f"{SEED}-save-{trial}")
     folder = _root(backend, request, tmp_path)
     progress = tmp_path / "progress"
     progress.mkdir()
-    job = workers.Job(2, workers.save_loop, folder, str(tmp_path / "work"), mode, list(range(1, 200)), NUMEL, str(progress),
+    job = workers.Job(2, workers.save_loop, folder, str(tmp_path / "work"), mode, list(range(1, 200)), NUMEL,
+                      str(progress),
                       trial % 4 != 3, env=checks.rank_env(), tmp=str(tmp_path))
     try:
         # "ready" comes when step 1 committed on this rank (every 4th trial: when the job starts, so
@@ -143,7 +145,8 @@ def test_kill9_of_one_rank_at_a_random_moment_of_a_save_never_exposes_a_partial_
 
 # ------------------------------------------------------------------ prune and gc
 MAINT_ROUNDS = max(1, KILL_TRIALS // len(COMBOS))  # prune and gc trials per backend
-MAINT = [pytest.param(b, r, id=f"{r}-{b}", marks=_marks(b == "local" and r == 0)) for r in range(MAINT_ROUNDS) for b in BACKENDS]
+MAINT = [pytest.param(b, r, id=f"{r}-{b}", marks=_marks(b == "local" and r == 0))
+         for r in range(MAINT_ROUNDS) for b in BACKENDS]
 # round 0 kills right after the first delete (part-way, whatever the machine's speed: a
 # proxied prune or gc goes on for about a second more); later rounds at a random moment
 # how long after the worker is ready the kill may come: a proxied prune or gc (+40 ms per
@@ -173,7 +176,8 @@ def _unslowed(proxy):
 def _committed_run(folder: str, work_dir: str, steps: range, *, ephemeral_every: int = 2) -> None:
     ck = Checkpointer(work_dir=work_dir)
     for s in steps:
-        ck.save(checks.step_dir(folder, s), checks.step_state(s, 0), {"step": s, "rank": 0}, ephemeral=s % ephemeral_every == 1)
+        ck.save(checks.step_dir(folder, s), checks.step_state(s, 0), {"step": s, "rank": 0},
+                ephemeral=s % ephemeral_every == 1)
     ck.close()
 
 
@@ -257,5 +261,6 @@ def test_kill9_during_gc_never_touches_a_committed_step(backend, trial, request,
     rep = retention.gc(folder, older_than=0)  # a later gc finishes the job
     assert [discovery.dir_is_checkpoint(d) for d in rep.step_dirs] == [False] * len(rep.step_dirs)
     for s, d in discovery.list_step_dirs(folder):
-        # SeaweedFS's filer (and a local folder) keeps emptied folders, so a gc'ed step can still be listed as a prefix: with no object
+        # SeaweedFS's filer (and a local folder) keeps emptied folders, so a gc'ed step can still be listed
+        # as a prefix: with no object
         assert s in before or checks.objects_under(d) == [], f"gc left objects of uncommitted {d}"

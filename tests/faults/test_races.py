@@ -140,7 +140,8 @@ def _plant_stale_lock(step: str) -> None:
     open_store(step).put_bytes(urls.join(step, "model_and_optim", "__0_0.distcp"), b"left over by the dead job")
 
 
-def test_a_slow_second_taker_of_a_stale_lock_does_not_destroy_the_first_takers_commit(tmp_path, secret_scan, monkeypatch):
+def test_a_slow_second_taker_of_a_stale_lock_does_not_destroy_the_first_takers_commit(tmp_path, secret_scan,
+                                                                                      monkeypatch):
     """Job A and job B both find the stale lock of a crashed save; B is slow between judging it
     stale and clearing it. A's committed step must survive B."""
     step = str(tmp_path / "ckpt" / "step1")

@@ -49,12 +49,14 @@ def test_throttle_storm_10pct_503_and_2pct_resets_save_commits_and_loads_bitexac
 
 def test_truncated_and_stalled_downloads_are_retried_and_the_load_is_bitexact(proxy, tmp_path, secret_scan):
     folder = proxy.bucket + "/run"
-    Checkpointer(work_dir=str(tmp_path / "w0")).save(checks.step_dir(folder, 1), checks.step_state(1, 0), {"step": 1, "rank": 0})
+    Checkpointer(work_dir=str(tmp_path / "w0")).save(checks.step_dir(folder, 1), checks.step_state(1, 0),
+                                                     {"step": 1, "rank": 0})
     proxy.add(Rule("truncate", method="GET", key=r"\.distcp", after_bytes=1000, times=2),
               Rule("stall", method="GET", key=r"\.distcp", after_bytes=100, times=1, hold=3))
     # SDK retries off (max_attempts=1): the engine's own retries must cover truncation and stalls, and an
     # abandoned attempt's thread ends at once instead of retrying in the background
-    ck = Checkpointer(work_dir=str(tmp_path / "w"), storage_options=StorageOptions(read_timeout=5, max_attempts=1, **STORAGE),
+    ck = Checkpointer(work_dir=str(tmp_path / "w"),
+                      storage_options=StorageOptions(read_timeout=5, max_attempts=1, **STORAGE),
                       transfer=TransferConfig(stall_timeout=2, **TRANSFER))
     sd = checks.zero_state(1)
     ts = ck.load(checks.step_dir(folder, 1), sd)

@@ -34,7 +34,8 @@ def save_and_load(rank, world_size, folder, work_dir, steps, storage, transfer):
         exact.append(checks.bitexact(sd, s, world_size, ranks=[rank]) and ts == {"step": s, "rank": rank})
     load_stats = ck.engine.stats()
     ck.close()
-    return {"stats": stats, "exact": exact, "load_retries": load_stats.retries, "load_sdk_retries": load_stats.sdk_retries,
+    return {"stats": stats, "exact": exact, "load_retries": load_stats.retries,
+            "load_sdk_retries": load_stats.sdk_retries,
             "logs": logs.text()}
 
 
@@ -61,7 +62,8 @@ def stalled_save_then_recover(rank, world_size, folder, work_dir, storage, trans
     sd = checks.zero_state(world_size, ranks=[rank])
     ck.load(checks.step_dir(folder, 2), sd)
     ck.close()
-    return {"error": error, "failed_after": failed_at - t0, "failed_at": failed_at, "exact": checks.bitexact(sd, 2, world_size, ranks=[rank]),
+    return {"error": error, "failed_after": failed_at - t0, "failed_at": failed_at,
+            "exact": checks.bitexact(sd, 2, world_size, ranks=[rank]),
             "logs": logs.text()}
 
 
@@ -114,7 +116,8 @@ def _mark(progress_dir: str, rank: int, step: int) -> None:
 def _job_rank(rank, world_size, init_file, env, fn, args):
     os.environ.update(env)
     # a killed job's survivors print gloo errors: keep them in a file, not in the test output
-    log = os.open(os.path.join(os.path.dirname(init_file), f"rank{rank}.stderr"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    log = os.open(os.path.join(os.path.dirname(init_file), f"rank{rank}.stderr"),
+                  os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(log, 2)
     from cloudckpt import dist
 
