@@ -143,8 +143,11 @@ def header_bytes(metadata: Metadata, cache: dict | None = None) -> bytes:
         dtype = _DTYPE_NAMES.get(md.properties.dtype)
         if dtype is None:
             raise ValueError(f"{fqn!r}: dtype {md.properties.dtype} has no name in the DCP index")
-        if len(chunks) == 1 and list(chunks[0].sizes) == size and not any(chunks[0].offsets):
-            info = storage[MetadataIndex(fqn, chunks[0].offsets)]
+        # stored whole: one chunk is the whole tensor (the others, if any, are empty: an FSDP
+        # shard of a tensor with fewer rows than ranks); its writer's part leaves it out too
+        whole = next((c for c in chunks if list(c.sizes) == size and not any(c.offsets)), None)
+        if whole is not None:
+            info = storage[MetadataIndex(fqn, whole.offsets)]
             tensors.append([fqn, dtype, size, -1, [info.relative_path, int(info.offset), int(info.length)]])
             continue
         hit = cache.get(fqn)

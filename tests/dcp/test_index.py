@@ -141,6 +141,25 @@ def test_resharded_loads_read_what_dcp_would_and_only_the_parts_they_overlap(new
         assert reads(small, wanted) == reads(md, wanted)
 
 
+def test_a_tensor_with_fewer_rows_than_ranks_is_stored_whole_beside_empty_chunks():
+    """FSDP gives rank 0 the one row of a [1, 32] weight and rank 1 an empty chunk: the
+    writer of the whole chunk leaves it out of its part, so the header holds its item."""
+    md, _ = job(2, tensors=1)
+    sdm = md.state_dict_metadata
+    sdm["model.head"] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([1, 32]), [
+        ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([1, 32])),
+        ChunkStorageMetadata(torch.Size([1, 0]), torch.Size([0, 32]))])
+    md.storage_data[MetadataIndex("model.head", torch.Size([0, 0]))] = StorageInfo("__0_0.distcp", 5000, 300)
+    md.storage_data[MetadataIndex("model.head", torch.Size([1, 0]))] = StorageInfo("__1_0.distcp", 5000, 80)
+    h = header_of(md)
+    assert h.tensors["model.head"].layout == -1 and h.tensors["model.head"].item == ("__0_0.distcp", 5000, 300)
+    for r, box in ((0, ((0, 0), (1, 32))), (1, ((1, 0), (0, 32)))):
+        wanted = {"model.head": [box]}
+        needs, owners = index.select(h, wanted)
+        small = index.build_metadata(h, needs, {}, wanted)
+        assert reads(small, wanted) == reads(md, wanted)
+
+
 def test_a_column_shard_of_a_row_sharded_tensor_and_an_empty_shard():
     md, parts = job(4)
     wanted = {"model.layers.0.w": [((0, 1), (32, 1))], "model.layers.1.w": [((5, 0), (0, 3))]}
