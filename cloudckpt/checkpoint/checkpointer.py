@@ -555,7 +555,8 @@ class Checkpointer:
             # a foreign step: sizes from one listing bound every read; no CRC32C to check
             log.warning("loading %s, written by %s without a manifest: sizes are checked, checksums cannot be "
                         "(run `cloudckpt adopt %s --yes` to record them)", dir, marker.writer, dir)
-        entry = None if full else marker.object(dcp_index.HEADER)
+        # the index of our own steps only: a step another tool wrote (sizes from a listing) plans from .metadata
+        entry = None if full or not marker.verified else marker.object(dcp_index.HEADER)
         if entry is not None:
             url = step.join(dcp_index.HEADER).url
             return marker, read_checked(step.store, url, entry, limit=dcp_index.MAX_INDEX_BYTES, what="DCP index",

@@ -57,14 +57,17 @@ def test_a_collector_the_user_disabled_stays_disabled():
 
 
 def _spy(monkeypatch, name: str) -> list[bool]:
+    """Whether the collector was on whenever DCP's save, or the load (planned on each rank:
+    dcp/planned_load.py), ran."""
     seen: list[bool] = []
-    real = getattr(ckpt_mod.dcp, name)
+    module = ckpt_mod.dcp if name == "save" else ckpt_mod.planned_load
+    real = getattr(module, name)
 
     def spy(*a, **kw):
         seen.append(gc.isenabled())
         return real(*a, **kw)
 
-    monkeypatch.setattr(ckpt_mod.dcp, name, spy)
+    monkeypatch.setattr(module, name, spy)
     return seen
 
 
