@@ -13,12 +13,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from . import errors
 from ._version import __version__
 from .checkpoint.marker import Marker
 from .config import CheckpointConfig
 from .storage import StorageOptions
 from .transfer import TransferConfig
-from . import errors
 
 _LAZY = {
     "AppState": "cloudckpt.checkpoint.app_state",

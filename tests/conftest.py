@@ -7,11 +7,11 @@ import uuid
 from typing import NamedTuple
 
 import pytest
+from memprobe import write_random
 
 from cloudckpt.storage import StorageOptions, clear_cache
 from cloudckpt.testing.servers import FakeGCS, SeaweedFS, free_port
 from cloudckpt.transfer import crc32c_file
-from memprobe import write_random
 
 # Never let a test reach a real cloud: no instance metadata, no default endpoints.
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")

@@ -47,7 +47,7 @@ def probe_subfolders(folder: Where) -> list[tuple[str, Marker | None, str | None
     dirs = subfolders(loc)
     with ThreadPoolExecutor(max_workers=MARKER_READ_THREADS) as pool:
         probes = list(pool.map(lambda d: probe(loc.at(d)), dirs))
-    return [(d, m, problem) for d, (m, problem) in zip(dirs, probes)]
+    return [(d, m, problem) for d, (m, problem) in zip(dirs, probes, strict=True)]
 
 
 def committed(folder: Where) -> list[tuple[str, Marker]]:

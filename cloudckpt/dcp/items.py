@@ -123,7 +123,7 @@ def _holds(tensor: torch.Tensor, storage_offsets, lengths) -> bool:
     """Whether ``tensor`` has the dimensions and extent for the part to be narrowed."""
     shape = tensor.shape
     return len(shape) == len(lengths) == len(storage_offsets) and all(
-        0 <= o and o + n <= s for o, n, s in zip(storage_offsets, lengths, shape))
+        0 <= o and o + n <= s for o, n, s in zip(storage_offsets, lengths, shape, strict=False))
 
 
 def _direct(data: memoryview, storage_offsets, lengths, target: torch.Tensor) -> bool:

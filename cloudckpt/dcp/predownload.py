@@ -134,9 +134,10 @@ class FileDownload(ResumableStream):
         self.fd = -1
         folder, self._name = os.path.split(path)
         try:  # the folder: the user's work_dir resolved once; nothing below it followed
-            self._dir: Folder | None = Folder.open(resolve(folder), create=True, what=f"the pre-download folder {folder}")
+            self._dir: Folder | None = Folder.open(resolve(folder), create=True,
+                                                   what=f"the pre-download folder {folder}")
         except OSError as e:
-            raise self._no_space(e) if e.errno in _FULL else e
+            raise (self._no_space(e) if e.errno in _FULL else e) from None
         try:
             self.fd = self._dir.new_file(self._name, flags=os.O_RDWR)  # O_EXCL: nothing planted is opened
         except FileExistsError:
@@ -166,7 +167,7 @@ class FileDownload(ResumableStream):
                         while view:
                             view = view[os.pwrite(self.fd, view, self.local(pos + len(piece) - len(view))):]
                     except OSError as e:
-                        raise self._no_space(e) if e.errno in _FULL else e
+                        raise (self._no_space(e) if e.errno in _FULL else e) from None
                 pos += len(piece)
                 got += len(piece)
                 with self.shared:

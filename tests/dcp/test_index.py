@@ -153,7 +153,7 @@ def test_a_tensor_with_fewer_rows_than_ranks_is_stored_whole_beside_empty_chunks
     md.storage_data[MetadataIndex("model.head", torch.Size([1, 0]))] = StorageInfo("__1_0.distcp", 5000, 80)
     h = header_of(md)
     assert h.tensors["model.head"].layout == -1 and h.tensors["model.head"].item == ("__0_0.distcp", 5000, 300)
-    for r, box in ((0, ((0, 0), (1, 32))), (1, ((1, 0), (0, 32)))):
+    for box in (((0, 0), (1, 32)), ((1, 0), (0, 32))):
         wanted = {"model.head": [box]}
         needs, owners = index.select(h, wanted)
         small = index.build_metadata(h, needs, {}, wanted)

@@ -23,7 +23,7 @@ from typing import Callable
 import google_crc32c
 import torch
 
-from .tries import honest_state, zero_state  # the honest step every case starts from
+from .tries import honest_state  # the honest step every case starts from
 
 MODEL = "model_and_optim"
 META = f"{MODEL}/.metadata"
@@ -50,7 +50,8 @@ class Step:
         return as_part_list(json.loads(self.get(".metadata.json")))
 
     def put_marker(self, d: dict | bytes) -> None:
-        self.store.put_bytes(self.join(self.url, ".metadata.json"), d if isinstance(d, bytes) else json.dumps(d).encode())
+        body = d if isinstance(d, bytes) else json.dumps(d).encode()
+        self.store.put_bytes(self.join(self.url, ".metadata.json"), body)
 
     def put(self, rel: str, data: bytes, *, listed_as: str | None = None) -> None:
         """Write ``data`` at ``rel`` and make the manifest entry ``listed_as`` (default
@@ -391,7 +392,8 @@ CASES: list[Case] = [
     Case("marker-json-deep", "marker", "a marker nested 100000 deep (JSON bomb)",
          lambda s, c: s.put_marker(b"[" * 100_000 + b"]" * 100_000)),
     Case("marker-big-int", "marker", "a step of 100000 digits",
-         lambda s, c: s.put_marker(s.get(".metadata.json").replace(b'"step":', b'"step":' + b"9" * 100_000 + b", \"x\":"))),
+         lambda s, c: s.put_marker(s.get(".metadata.json").replace(
+             b'"step":', b'"step":' + b"9" * 100_000 + b", \"x\":"))),
     # --- train state and DCP byte items
     Case("train-state-gadget", "train_state", "a train state whose pickle calls builtins.open",
          lambda s, c: s.put(TRAIN, torch_saved({"step": 1, "x": _Runs(c.sentinel)}))),
@@ -430,7 +432,8 @@ _PARSES = {
 _OVERRIDES = {
     # only the train state's declared size lies: readers of the train state refuse, and so do
     # verify and download (size compare); export and list do not read it
-    "marker-size-lie": {"load", "load_pre_download", "resume", "lightning", "cli_inspect", "cli_verify", "cli_download"},
+    "marker-size-lie": {"load", "load_pre_download", "resume", "lightning", "cli_inspect", "cli_verify",
+                        "cli_download"},
     "link-as-step": set(),  # step1 itself is honest; the link beside it is never followed (see test_links)
     "link-as-shard": {"load", "load_pre_download", "resume", "lightning", "cli_verify", "cli_export", "cli_download"},
     "link-as-train-dir": {"load", "load_pre_download", "resume", "lightning", "cli_inspect", "cli_verify",

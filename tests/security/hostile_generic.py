@@ -108,7 +108,8 @@ def _case(name: str, what: str, apply, refusing: set[str], *, s3: bool = False) 
 #  who reads its bytes (refuses random bytes of its size, or a missing or short object), variants)
 _OBJECTS = (
     (META, "metadata", METADATA_READERS, METADATA_READERS, ("truncated", "empty", "random", "missing")),
-    (SHARD0, "model-shard", METADATA_READERS, DCP_READERS | {"cli_export"}, ("truncated", "random", "missing", "short")),
+    (SHARD0, "model-shard", METADATA_READERS, DCP_READERS | {"cli_export"},
+     ("truncated", "random", "missing", "short")),
     (SHARD1, "optim-shard", METADATA_READERS, DCP_READERS, ("random",)),
     (TRAIN, "train-state", TRAIN_READERS, TRAIN_READERS, ("truncated", "empty", "random", "missing", "short")),
 )

@@ -26,7 +26,8 @@ from .tries import Try, cli, honest_step, outside_untouched, zero_state
 MOD = "tests.security.hostile_https"
 SHARD = "model_and_optim/__0_0.distcp"
 MARKER = ".metadata.json"
-CAP = 128 << 20  # a hostile body stops here (or past the bound of the try): a client without a bound reads all of it (a finding)
+# a hostile body stops here (or past the bound of the try): a client without a bound reads all of it (a finding)
+CAP = 128 << 20
 SLACK = 16 << 20  # what socket buffers may take from a server after the client stopped reading
 TIB = 1 << 40
 
@@ -42,10 +43,10 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *a) -> None:
         pass
 
-    def do_HEAD(self) -> None:  # noqa: N802
+    def do_HEAD(self) -> None:
         self._answer(head=True)
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         self._answer(head=False)
 
     # ------------------------------------------------------------ honest files
@@ -325,7 +326,7 @@ def _tries() -> list[Try]:
         ("endless-chunked", "no Content-Length, a chunked body that never ends", "endless-chunked", 0, "refused"),
         ("trickle", "a body of one byte every 0.5 s (--timeout 3)", "trickle", 0, "refused"),
     ]
-    for case, what, mode, longer, expect in bodies:
+    for case, what, mode, _longer, expect in bodies:
         for entry in ("cli_download", "cli_verify", "load"):
             out.append(Try(6, f"https-{case}-{entry}", f"https: {what}", entry, f"{MOD}:body",
                            {"mode": mode, "entry": entry}, expect=expect, timeout=60))
@@ -345,7 +346,8 @@ def _tries() -> list[Try]:
         ("other-port", "a redirect to another port of 127.0.0.1", "http://127.0.0.1:{other}{path}", 302),
         ("other-port-307", "a 307 redirect to another port", "http://127.0.0.1:{other}{path}", 307),
         ("protocol-relative", "a protocol-relative redirect to another port", "//127.0.0.1:{other}{path}", 301),
-        ("userinfo", "a redirect whose user-info names this origin", "http://127.0.0.1:{port}@127.0.0.1:{other}{path}", 302),
+        ("userinfo", "a redirect whose user-info names this origin",
+         "http://127.0.0.1:{port}@127.0.0.1:{other}{path}", 302),
         ("scheme", "a redirect to https on the same host and port", "https://127.0.0.1:{port}{path}", 308),
         ("file", "a redirect to file:///etc/passwd", "file:///etc/passwd", 302),
     ]

@@ -160,8 +160,9 @@ CASES: dict[str, tuple[str, object, set[str]]] = {
     "part-missing": ("the part deleted, the marker still lists it", _missing, PART_READERS),
     "part-deep-json": ("the part is JSON nested 100,000 deep", _raw_part(b"[" * 100_000 + b"]" * 100_000),
                        PART_READERS),
-    "part-infinity": ("the part's first size is Infinity", _raw_part(b'{"format": "cloudckpt-part", "format_version": 2, '
-                                                                    b'"step": 1, "rank": 0, "objects": [{"size": Infinity}]}'),
+    "part-infinity": ("the part's first size is Infinity",
+                      _raw_part(b'{"format": "cloudckpt-part", "format_version": 2, '
+                                b'"step": 1, "rank": 0, "objects": [{"size": Infinity}]}'),
                       PART_READERS),
     "part-huge-count": ("the part lists its entries 20,000 times over", _edit_part(
         lambda p: {**p, "objects": p["objects"] * 20_000}), PART_READERS),

@@ -539,7 +539,6 @@ def _titan_folder(tmp: str, s: Step) -> str:
 def _import(tmp: str, root: str, src: str) -> None:
     _titan_available()
     from cloudckpt.integrations.torchtitan import import_torchtitan_step
-
     from cloudckpt.storage import url as urls
 
     import_torchtitan_step(src, urls.join(root, "imported"), work_dir=os.path.join(tmp, "work"))
@@ -549,9 +548,9 @@ def attack(tmp: str, root: str, case: str, entry: str) -> None:
     import pickle as stock
 
     from cloudckpt.storage import open_store
+    from cloudckpt.storage import url as urls
 
     from .tries import cached, honest_step, run_entry
-    from cloudckpt.storage import url as urls
 
     step = honest_step(root)
     s = Step(open_store(step), step, urls.join)

@@ -279,7 +279,7 @@ def _log_handler():
     import traceback
 
     class Formatter(logging.Formatter):
-        def formatException(self, ei) -> str:  # noqa: N802 - logging's name
+        def formatException(self, ei) -> str:
             return "".join(traceback.format_exception_only(ei[0], ei[1])).rstrip()
 
     handler = logging.StreamHandler(sys.stderr)
@@ -294,7 +294,7 @@ def _zygote() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import boto3  # noqa: F401 - imported once here so each try only forks
     import numpy  # noqa: F401
-    import torch  # noqa: F401
+    import torch
     import torch.distributed.checkpoint  # noqa: F401
 
     _warm()

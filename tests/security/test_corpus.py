@@ -46,7 +46,8 @@ CASES_BY_BACKEND = [(c, b) for b in ("local", "s3") for c in corpus.CASES if not
 
 
 @pytest.mark.parametrize("case,backend", CASES_BY_BACKEND, ids=[f"{b}-{c.name}" for c, b in CASES_BY_BACKEND])
-def test_crafted_checkpoint_is_refused_by_every_entry_point_and_touches_nothing_outside(case, backend, tmp_path, request,
+def test_crafted_checkpoint_is_refused_by_every_entry_point_and_touches_nothing_outside(case, backend, tmp_path,
+                                                                                        request,
                                                                                         sandbox):
     root = str(tmp_path / "saves") if backend == "local" else request.getfixturevalue("s3_bucket") + "/saves"
     outside = plant(str(tmp_path))
@@ -90,7 +91,8 @@ def test_a_planted_step_link_is_refused_by_load_and_save_and_nothing_is_written_
     with pytest.raises((UnsafeCheckpoint, NotACheckpoint)):
         Checkpointer(work_dir=str(tmp_path / "w")).load(os.path.join(folder, "step99"), corpus.zero_state())
     with pytest.raises(Exception) as ei:  # SaveFailed or UnsafeCheckpoint, depending on which step meets the link
-        Checkpointer(work_dir=str(tmp_path / "w")).save(os.path.join(folder, "step20"), corpus.honest_state(), {"step": 20})
+        Checkpointer(work_dir=str(tmp_path / "w")).save(os.path.join(folder, "step20"), corpus.honest_state(),
+                                                        {"step": 20})
     assert "link" in str(ei.value), ei.value
     assert snapshot(outside) == before, "a save wrote through a planted link"
     assert [s for s, _ in Checkpointer.find_checkpoints(folder)] == [1]

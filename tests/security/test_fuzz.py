@@ -42,12 +42,14 @@ def _honest_metadata() -> bytes:
 HONEST = _honest_metadata()
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(1 << 70), max_value=1 << 70) | st.floats() | st.text(max_size=40),
+    st.none() | st.booleans() | st.integers(min_value=-(1 << 70), max_value=1 << 70) | st.floats()
+    | st.text(max_size=40),
     lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=12), children, max_size=5),
     max_leaves=30,
 )
-paths = st.sampled_from(["../x", "/etc/passwd", "a\\b", "a\x00b", "a//b", ".", "..", "x/../y", "\uff0e\uff0e/x",
-                         "model_and_optim/.metadata", "model_and_optim/__0_0.distcp", "train/rank0.pt"]) | st.text(max_size=40)
+paths = (st.sampled_from(["../x", "/etc/passwd", "a\\b", "a\x00b", "a//b", ".", "..", "x/../y", "\uff0e\uff0e/x",
+                          "model_and_optim/.metadata", "model_and_optim/__0_0.distcp", "train/rank0.pt"])
+         | st.text(max_size=40))
 good_paths = st.from_regex(r"[a-z_]{1,8}(/[a-z0-9_.]{1,8}){0,2}", fullmatch=True).filter(
     lambda p: all(s not in (".", "..") for s in p.split("/")))
 
@@ -66,7 +68,8 @@ def markers(draw):
                 break
             chunks.append([pos, n, "0a1b2c3d"])
             pos += n
-        objects.append({"path": path, "size": size, "crc32c": draw(st.sampled_from([None, "0a1b2c3d"])), "chunks": chunks})
+        crc = draw(st.sampled_from([None, "0a1b2c3d"]))
+        objects.append({"path": path, "size": size, "crc32c": crc, "chunks": chunks})
     d = {"format": "cloudckpt", "format_version": 1, "step": draw(st.integers(0, 1 << 40)),
          "ephemeral": draw(st.booleans()), "world_size": draw(st.integers(1, 1024)),
          "created_unix": draw(st.floats(0, 2e9)), "objects": objects}

@@ -104,7 +104,8 @@ def documents(draw, near=None):
         data = data[:draw(st.integers(0, len(data) - 1))]
     elif op == "splice":
         i = draw(st.integers(0, len(data)))
-        data = data[:i] + draw(st.binary(max_size=6) | st.sampled_from([b"[", b"]", b'"', b"\\", b"\xff", b"{"])) + data[i:]
+        junk = draw(st.binary(max_size=6) | st.sampled_from([b"[", b"]", b'"', b"\\", b"\xff", b"{"]))
+        data = data[:i] + junk + data[i:]
     elif op == "wrap":
         n = draw(st.integers(1, 200))
         data = b"[" * n + data + b"]" * n
@@ -178,7 +179,8 @@ MARKER_FIELDS = {"format": ['"cloudckpt"', '"other"'], "format_version": ["1", "
                  "created_unix": ["1.7e9", "0", "Infinity", "-Infinity", "NaN", "1e308", "253402300800", "-1",
                                   '"nan"', "true", "9" * 4000],
                  "objects": ["[]", '[{"path": "train/rank0.pt", "size": 4, "crc32c": "0a1b2c3d"}]',
-                             '[{"path": "a", "size": 10, "crc32c": null, "chunks": [[0, 4, "0a1b2c3d"], [2, 4, null]]}]',
+                             '[{"path": "a", "size": 10, "crc32c": null, '
+                             '"chunks": [[0, 4, "0a1b2c3d"], [2, 4, null]]}]',
                              '[{"path": "../x", "size": 1, "crc32c": null}]'],
                  "adopted": ['{"writer": "olmo-core", "marker_crc32c": "0a1b2c3d"}', '{"writer": "../x"}'],
                  "version": ['"3.0.0"', "3", '"\\u001b[31m"']}

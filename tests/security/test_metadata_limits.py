@@ -11,8 +11,14 @@ import pickle
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from cloudckpt._torch_compat import StorageInfo
 from cloudckpt.dcp.items import check_item_tensor, decode_item_tensor
@@ -87,7 +93,8 @@ def test_honest_chunk_layouts_load(name, tensors):
      "overlap"),
     ("a gap", {"w": ([8], [([0], [4])])}, "hold 4 elements"),
     ("outside", {"w": ([8], [([0], [4]), ([6], [4])])}, "lies outside"),
-    ("too many dims", {"w": ([1] * (MAX_TENSOR_DIMS + 1), [([0] * (MAX_TENSOR_DIMS + 1), [1] * (MAX_TENSOR_DIMS + 1))])},
+    ("too many dims",
+     {"w": ([1] * (MAX_TENSOR_DIMS + 1), [([0] * (MAX_TENSOR_DIMS + 1), [1] * (MAX_TENSOR_DIMS + 1))])},
      "torch.Size takes at most 64"),
 ])
 def test_chunks_must_be_distinct_disjoint_inside_and_cover_the_tensor(name, tensors, match):
@@ -133,7 +140,8 @@ def test_a_layout_that_takes_quadratic_work_to_check_stops_at_the_budget():
 def test_numbers_are_checked_before_they_are_multiplied_or_printed():
     md, files = _md({"w": ([4], [([0], [4])])})
     info = md.storage_data[MetadataIndex("w", torch.Size([0]))]
-    for field, value in (("offset", 10**4800), ("length", 10**4800), ("offset", -1), ("length", 1 << 63), ("offset", 1.0)):
+    for field, value in (("offset", 10**4800), ("length", 10**4800), ("offset", -1), ("length", 1 << 63),
+                         ("offset", 1.0)):
         saved = getattr(info, field)
         setattr(info, field, value)
         with pytest.raises(UnsafeCheckpoint, match=r"byte range that is not two ints in \[0, 2\^63\)") as ei:

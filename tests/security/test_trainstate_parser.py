@@ -54,7 +54,7 @@ def _same(a, b) -> bool:
         return (type(a) is type(b) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
                 and list(attrs[0]) == list(attrs[1]) and all(_same(attrs[0][k], attrs[1][k]) for k in attrs[0]))
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return type(a) is type(b) and (a == b or (a != a and b != b))
 
 
@@ -295,7 +295,8 @@ def _zip64_archive(recs: dict[str, bytes]) -> bytes:
     for name, data in recs.items():
         n = name.encode()
         off = len(body)
-        body += struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 45, 0, 0, 0, 0, 0, len(data), len(data), len(n), 0) + n + data
+        body += struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 45, 0, 0, 0, 0, 0, len(data), len(data), len(n), 0) \
+            + n + data
         extra = struct.pack("<HHQQQ", 1, 24, len(data), len(data), off)
         central += struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 45, 45, 0, 0, 0, 0, 0, 0xFFFFFFFF, 0xFFFFFFFF,
                                len(n), len(extra), 0, 0, 0, 0, 0xFFFFFFFF) + n + extra
@@ -340,7 +341,8 @@ def test_the_numpy_rng_state_is_admitted_only_whole():
     got = _load(h.saved({"rng": honest}))["rng"]
     assert got[0] == "MT19937" and (got[1] == honest[1]).all() and got[2:] == honest[2:]
     for bad in (("MT19937", honest[1], 625, 0, 0.0), ("MT19937", honest[1], 0, 2, 0.0),
-                ("MT19937", honest[1], 0, 0, 1), ("PCG64", honest[1], 0, 0, 0.0), ("MT19937", honest[1][:623], 0, 0, 0.0)):
+                ("MT19937", honest[1], 0, 0, 1), ("PCG64", honest[1], 0, 0, 0.0),
+                ("MT19937", honest[1][:623], 0, 0, 0.0)):
         with pytest.raises(UnsafeCheckpoint):
             _load(h.saved({"rng": bad}))
 
@@ -498,7 +500,7 @@ def test_crafted_tensor_fields_give_a_tensor_inside_its_storage_or_a_typed_error
     _COUNTS["tensor fields accepted"] += 1
     assert t.untyped_storage().nbytes() == nbytes
     if t.numel():
-        last = t.storage_offset() + sum((d - 1) * s for d, s in zip(t.shape, t.stride()))
+        last = t.storage_offset() + sum((d - 1) * s for d, s in zip(t.shape, t.stride(), strict=True))
         assert (last + 1) * 4 <= nbytes
         assert t.numel() * 4 <= nbytes
         assert t.sum().item() == pytest.approx(t.numel() * struct.unpack("<f", b"\x01" * 4)[0])
