@@ -8,6 +8,7 @@ demo: setup
 	.venv/bin/python examples/demo.py
 
 test: setup
+	.venv/bin/ruff check .
 	.venv/bin/python -m pytest -q -ra -n 2 --dist loadfile
 
 test-fast: setup

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from cloudckpt import Checkpointer
-from cloudckpt.ops import export as export_mod
 from cloudckpt.errors import AlreadyExists, CorruptCheckpoint, MissingKeys, NotACheckpoint
+from cloudckpt.ops import export as export_mod
 from cloudckpt.ops.export import export_weights
 from cloudckpt.storage import open_store
 from cloudckpt.testing.multiprocess import run_ranks
@@ -99,7 +99,8 @@ def test_sharded_tensors_are_assembled_from_their_chunks(s3_bucket, tmp_path):
     out = str(tmp_path / "model.safetensors")
     info = export_weights(step, out, dtype="bf16")
     got = safetensors_torch.load_file(out)
-    assert torch.equal(got["w"], full["model.w"].to(torch.bfloat16)) and torch.equal(got["b"], full["model.b"].to(torch.bfloat16))
+    assert torch.equal(got["w"], full["model.w"].to(torch.bfloat16)) \
+        and torch.equal(got["b"], full["model.b"].to(torch.bfloat16))
     out = str(tmp_path / "optim.safetensors")
     export_weights(step, out, key_prefix="optim")
     assert torch.equal(safetensors_torch.load_file(out)["state.w.exp_avg"], full["optim.w_exp_avg"])
@@ -162,7 +163,8 @@ def test_peak_memory_is_bounded_by_the_largest_tensor_not_the_model(s3_bucket, t
         ckpt.save(step, {"model": {f"t{i}": torch.full(shape, float(i)) for i in range(n)}})
     out = str(tmp_path / "big.safetensors")
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 * _MiB))
-    r = subprocess.run([sys.executable, "-c", _MEASURE, step, out], env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", _MEASURE, step, out], env=env, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
     m = json.loads(r.stdout.strip().splitlines()[-1])
     print(f"peak RSS growth {m['grown'] / _MiB:.1f} MiB for a {n * 16} MiB model (largest tensor 16 MiB)")
@@ -207,7 +209,8 @@ def test_export_detects_a_corrupt_shard(step_in_bucket, tmp_path):
 
 
 def test_export_example_runs_and_seeds_a_run(s3_bucket):
-    spec = importlib.util.spec_from_file_location("export_and_seed", Path(__file__).parent / "examples" / "export_and_seed.py")
+    spec = importlib.util.spec_from_file_location("export_and_seed",
+                                                  Path(__file__).parent / "examples" / "export_and_seed.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     info = mod.main(s3_bucket + "/example-run")

@@ -84,7 +84,8 @@ def test_register_leaves_an_implementation_registered_before(monkeypatch):
 def test_register_defers_to_installed_s3fs_and_gcsfs(monkeypatch):
     for proto in ("s3", "s3a", "gs", "gcs"):
         monkeypatch.delitem(_reg._registry, proto, raising=False)
-    monkeypatch.setattr(_fsspec.importlib.util, "find_spec", lambda name: object() if name in ("s3fs", "gcsfs") else None)
+    monkeypatch.setattr(_fsspec.importlib.util, "find_spec",
+                        lambda name: object() if name in ("s3fs", "gcsfs") else None)
     assert _fsspec.register() == []
     assert "s3" not in _reg.registry and "gs" not in _reg.registry
 

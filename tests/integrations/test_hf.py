@@ -23,8 +23,9 @@ try:
 except ImportError as e:  # the hf extra is installed by scripts/setup.sh: missing means a broken install
     raise ImportError("transformers/accelerate are not installed; pip install -e '.[test,hf]'") from e
 
-from checkpoint.test_resume_after_kill import _same as _assert_same  # noqa: E402  (tests/ is on sys.path)
-from cloudckpt import Checkpointer  # noqa: E402
+from checkpoint.test_resume_after_kill import _same as _assert_same
+
+from cloudckpt import Checkpointer
 
 WORKER = Path(__file__).parent / "hf_workers.py"
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,7 +188,8 @@ def test_the_resume_folder_is_removed_once_read_at_exit_and_after_a_kill(tmp_pat
     trainer, cloud = example.make_trainer(folder, max_steps=4, output_dir=str(tmp_path / "out2"), callbacks=[Probe()])
     path = cloud.prepare_resume()
     base = os.path.dirname(path)
-    assert os.path.basename(base).startswith(f"hf-resume-{os.getpid()}-") and os.path.isfile(f"{path}/model.safetensors")
+    assert os.path.basename(base).startswith(f"hf-resume-{os.getpid()}-") \
+        and os.path.isfile(f"{path}/model.safetensors")
     trainer.train(resume_from_checkpoint=path)
     cloud.close()
     assert trainer.state.global_step == 4 and seen == [(2, False), (3, False)], seen

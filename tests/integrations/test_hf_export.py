@@ -15,10 +15,10 @@ try:
 except ImportError as e:  # the hf extra is installed by scripts/setup.sh: missing means a broken install
     raise ImportError("transformers/accelerate are not installed; pip install -e '.[test,hf]'") from e
 
-from cloudckpt import AppState, Checkpointer  # noqa: E402
-from cloudckpt.errors import AlreadyExists, ConfigError, IncompatibleCheckpoint  # noqa: E402
-from cloudckpt.integrations.hf_accelerate import AcceleratorCheckpointer  # noqa: E402
-from cloudckpt.integrations.hf_export import export_hf  # noqa: E402
+from cloudckpt import AppState, Checkpointer
+from cloudckpt.errors import AlreadyExists, ConfigError, IncompatibleCheckpoint
+from cloudckpt.integrations.hf_accelerate import AcceleratorCheckpointer
+from cloudckpt.integrations.hf_export import export_hf
 
 
 def _config(**kw) -> LlamaConfig:
@@ -40,7 +40,8 @@ def trained(s3_bucket, tmp_path):
         optimizer.step()
         optimizer.zero_grad()
     folder = s3_bucket + "/acc"
-    with AcceleratorCheckpointer(accelerator, folder, model=model, optimizer=optimizer, work_dir=str(tmp_path / "w")) as c:
+    with AcceleratorCheckpointer(accelerator, folder, model=model, optimizer=optimizer,
+                                 work_dir=str(tmp_path / "w")) as c:
         c.save_state(3, {"step": 3})
     return accelerator.unwrap_model(model).eval(), folder + "/step3"
 

@@ -15,14 +15,14 @@ try:
 except ImportError as e:  # a declared test dependency: missing means a broken install, not a reason to skip
     raise ImportError("lightning is not installed; it is in the test extra: pip install -e '.[test]'") from e
 
-from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning.pytorch.callbacks import Callback
 
-from cloudckpt.checkpoint import discovery, layout  # noqa: E402
-from cloudckpt.errors import BucketNotFound, NotACheckpoint  # noqa: E402
-from cloudckpt.ops.export import export_weights  # noqa: E402
-from cloudckpt.integrations import lightning as cl  # noqa: E402
-from cloudckpt.storage import open_store  # noqa: E402
-from cloudckpt.storage import url as urls  # noqa: E402
+from cloudckpt.checkpoint import discovery, layout
+from cloudckpt.errors import BucketNotFound, NotACheckpoint
+from cloudckpt.integrations import lightning as cl
+from cloudckpt.ops.export import export_weights
+from cloudckpt.storage import open_store
+from cloudckpt.storage import url as urls
 
 _spec = importlib.util.spec_from_file_location("lightning_fit", Path(__file__).parent / "examples" / "lightning_fit.py")
 example = importlib.util.module_from_spec(_spec)
@@ -69,7 +69,7 @@ def test_fit_checkpoints_to_the_bucket_then_resume_from_it_and_continue(backend,
     for k, v in saved["state_dict"].items():
         assert torch.equal(start.weights[k], v), f"{k} at resume equals the checkpoint's"
     want_exp_avg = [s["exp_avg"] for s in saved["optimizer_states"][0]["state"].values()]
-    assert all(torch.equal(a, b) for a, b in zip(start.exp_avg, want_exp_avg)), "optimizer state restored"
+    assert all(torch.equal(a, b) for a, b in zip(start.exp_avg, want_exp_avg, strict=True)), "optimizer state restored"
     assert second.global_step == 12
     assert _names(root)[-1] == "epoch=1-step=12.ckpt" and _committed(root + "/checkpoints/epoch=1-step=12.ckpt")
     # Lightning's CSVLogger wrote through the fsspec shim into the same bucket
@@ -87,7 +87,8 @@ def test_async_saves_commit_in_finalize_and_all_are_committed_when_fit_returns(s
 
     monkeypatch.setattr(cl.AsyncCloudCheckpointIO, "save_checkpoint", spy)
     trainer = example.fit(root, max_steps=12, async_save=True)
-    assert sorted(urls.basename(p) for p in at_return) == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt", "epoch=1-step=12.ckpt"]
+    assert sorted(urls.basename(p) for p in at_return) == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt",
+                                                           "epoch=1-step=12.ckpt"]
     assert not any(at_return.values()), "save_checkpoint returns before the commit (it happens in finalize)"
     assert all(_committed(p) for p in at_return), "every checkpoint is committed when fit() returns"
     io = trainer.strategy.checkpoint_io
@@ -117,7 +118,8 @@ def test_split_and_join_round_trip_a_lightning_checkpoint(s3_bucket):
     assert torch.equal(got["state_dict"]["layer.weight"], ckpt["state_dict"]["layer.weight"])
     group = got["optimizer_states"][0]["param_groups"][0]
     assert group == {"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}
-    assert torch.equal(got["optimizer_states"][0]["state"][0]["exp_avg"], ckpt["optimizer_states"][0]["state"][0]["exp_avg"])
+    assert torch.equal(got["optimizer_states"][0]["state"][0]["exp_avg"],
+                       ckpt["optimizer_states"][0]["state"][0]["exp_avg"])
     # the model tensors are the DCP "model" key, so export works on Lightning checkpoints
     info = export_weights(s3_bucket + "/c/epoch=0-step=3.ckpt", s3_bucket + "/c/export/")
     assert info["tensors"] == 1
@@ -131,7 +133,8 @@ def test_remove_checkpoint_deletes_the_marker_first(s3_bucket, monkeypatch):
     calls: list[str] = []
     real_delete, real_many = store.delete, store.delete_many
     monkeypatch.setattr(store, "delete", lambda u: (calls.append(urls.relative(u, path)), real_delete(u))[1])
-    monkeypatch.setattr(store, "delete_many", lambda us: real_many([calls.append(urls.relative(u, path)) or u for u in us]))
+    monkeypatch.setattr(store, "delete_many",
+                        lambda us: real_many([calls.append(urls.relative(u, path)) or u for u in us]))
     io.remove_checkpoint(path)
     assert calls[0] == layout.MARKER, calls
     assert list(store.walk(urls.as_prefix(path))) == []

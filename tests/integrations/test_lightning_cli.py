@@ -76,4 +76,5 @@ def test_inspect_and_verify_take_a_lightning_checkpoint_folder(lightning_folder,
     code, out, err = _run(capsys, "inspect", "--json", lightning_folder + "/epoch=0-step=6.ckpt")
     assert code == 0, err
     info = json.loads(out)
-    assert info["marker"]["step"] == 6 and any(t["key"] == "model.layer.weight" for t in info["tensors"]), info["tensors"]
+    assert info["marker"]["step"] == 6 and any(t["key"] == "model.layer.weight" for t in info["tensors"]), \
+        info["tensors"]

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from checkpoint.test_resume_after_kill import _same
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from checkpoint.test_resume_after_kill import _same  # noqa: E402  (tests/ is on sys.path)
 from cloudckpt.checkpoint import layout
 from cloudckpt.integrations import lightning as cl
 from cloudckpt.storage import open_store
@@ -40,7 +40,8 @@ def _children(folder: str) -> list[str]:
     """Names of the folders under ``folder`` that hold objects (SeaweedFS keeps emptied folders as prefixes)."""
     prefix = urls.as_prefix(folder)
     store = open_store(prefix)
-    return sorted(urls.basename(e.url) for e in store.list(prefix) if e.is_prefix and next(iter(store.walk(e.url)), None))
+    return sorted(urls.basename(e.url) for e in store.list(prefix)
+                  if e.is_prefix and next(iter(store.walk(e.url)), None))
 
 
 def _committed(path: str) -> bool:
@@ -84,7 +85,8 @@ def test_ckpt_path_last_resumes_from_the_newest_committed_checkpoint_without_a_v
     assert started == 8, "resumed at the newest committed checkpoint, not from step 0"
     assert trainer.ckpt_path == root + "/checkpoints/last.ckpt"  # step 8, committed after epoch=0-step=8.ckpt
     assert trainer.global_step == 12
-    assert _children(root + "/checkpoints") == ["epoch=1-step=12.ckpt", "last.ckpt"], "no last-v1.ckpt beside the real one"
+    assert _children(root + "/checkpoints") == ["epoch=1-step=12.ckpt", "last.ckpt"], \
+        "no last-v1.ckpt beside the real one"
     assert cl.CloudCheckpointIO().load_checkpoint(root + "/checkpoints/last.ckpt")["global_step"] == 12
 
 

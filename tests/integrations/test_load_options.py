@@ -41,7 +41,8 @@ def test_exclude_from_loading_keeps_excluded_keys_untouched_and_loads_the_rest(s
     with Checkpointer(work_dir=str(tmp_path / "w")) as ckpt:
         ts = ckpt.load(saved, target, exclude_from_loading=["optim", "extra"])
     want = _state(0)
-    assert torch.equal(target["model"]["w"], want["model"]["w"]) and torch.equal(target["model"]["b"], want["model"]["b"])
+    assert torch.equal(target["model"]["w"], want["model"]["w"]) \
+        and torch.equal(target["model"]["b"], want["model"]["b"])
     assert torch.count_nonzero(target["optim"]["exp_avg"]) == 0, "excluded key keeps its current value"
     assert torch.count_nonzero(target["extra"]["ema"]) == 0
     assert ts == {"step": 5, "lr": 0.1}, "exclude_from_loading is about the DCP state dict; train state still loads"

@@ -209,7 +209,8 @@ def test_a_folder_both_wrote_resumes_the_newest_step_and_olmo_core_reads_ours_af
     assert pointer.read(folder) == (20, False)  # OLMo-core does not move our pointer
 
     r = cli("latest", folder, "--pointer")
-    assert r.stdout.strip() == layout.step_dir(folder, 30) and "newer than step20 named by the latest pointer" in r.stderr
+    assert r.stdout.strip() == layout.step_dir(folder, 30) \
+        and "newer than step20 named by the latest pointer" in r.stderr
     cfg = CheckpointConfig(save_folder=folder, save_interval=10, work_dir=work, async_save=False, max_checkpoints=1,
                            gc_grace_seconds=0, exact_resume=False)  # train state exactly as given: compared below
     ref30 = load_reference(tmp_path / "ref30.pt")

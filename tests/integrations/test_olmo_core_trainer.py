@@ -47,7 +47,8 @@ def _env(tmp: Path) -> dict:
 def train(py: str, folder: str, tmp: Path, out: str, *args: str) -> str:
     p = subprocess.run([py, str(TOOL), "train", folder, "--work", str(tmp / "work"), "--out", str(tmp / out), *args],
                        env=_env(tmp), capture_output=True, text=True, timeout=300, cwd=tmp)
-    assert p.returncode == 0 and "DONE" in p.stdout, f"trainer failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-5000:]}"
+    assert p.returncode == 0 and "DONE" in p.stdout, \
+        f"trainer failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-5000:]}"
     return p.stdout
 
 

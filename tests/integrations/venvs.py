@@ -72,5 +72,5 @@ def diff(a, b, path="") -> list[str]:
             return [f"{path}: keys {sorted(map(str, a.keys() ^ b.keys()))}"]
         return [d for k in a for d in diff(a[k], b[k], f"{path}.{k}")]
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in diff(x, y, f"{path}[{i}]")]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in diff(x, y, f"{path}[{i}]")]
     return [] if a == b else [f"{path}: {a!r} != {b!r}"]

@@ -36,7 +36,7 @@ def main(folder: str) -> dict:
         seeded_optim = torch.optim.AdamW(seeded.parameters())
         assert ckpt.load(f"{folder}/step100", AppState(seeded, seeded_optim), model_only=True) is None
         assert not seeded_optim.state, "the fresh optimizer is kept"
-    assert all(torch.equal(a, b) for a, b in zip(seeded.parameters(), model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(seeded.parameters(), model.parameters(), strict=True))
     return info
 
 

@@ -49,7 +49,8 @@ def fit(root: str, max_steps: int, *, ckpt_path: str | None = None, async_save: 
         log_every_n_steps=2,
         plugins=[plugin],
         # each checkpoint is a committed folder {root}/checkpoints/epoch=…-step=….ckpt/
-        callbacks=[ModelCheckpoint(dirpath=f"{root}/checkpoints", every_n_train_steps=4, save_top_k=-1), *extra, *callbacks],
+        callbacks=[ModelCheckpoint(dirpath=f"{root}/checkpoints", every_n_train_steps=4, save_top_k=-1),
+                   *extra, *callbacks],
         accelerator="cpu",
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -23,9 +23,9 @@ from lightning.pytorch import seed_everything
 from lightning.pytorch.callbacks import Callback
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lightning_fit import fit  # noqa: E402
+from lightning_fit import fit
 
-from cloudckpt.integrations.lightning import last_checkpoint  # noqa: E402
+from cloudckpt.integrations.lightning import last_checkpoint
 
 
 def snapshot(trainer) -> dict:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from cloudckpt import Checkpointer
 
 from .olmo_tool import _diff, _zeros_like, load_reference

@@ -106,7 +106,7 @@ def _diff(a, b, path="") -> list[str]:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return [f"{path}: lengths {len(a)} != {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{path}[{i}]")]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _diff(x, y, f"{path}[{i}]")]
     return [] if (type(a) is type(b) and a == b) else [f"{path}: {a!r} != {b!r}"]
 
 
@@ -131,7 +131,8 @@ def cmd_train(a) -> dict:
     if rank == 0 and not tokens.exists():
         np.random.default_rng(0).integers(2, 128, size=64 * 200, dtype=np.uint16).tofile(tokens)
     torch.distributed.barrier()
-    ds = NumpyFSLDatasetConfig(paths=[str(tokens)], sequence_length=32, tokenizer=tok, work_dir=str(work / "ds")).build()
+    ds = NumpyFSLDatasetConfig(paths=[str(tokens)], sequence_length=32, tokenizer=tok,
+                               work_dir=str(work / "ds")).build()
     model = TransformerConfig.olmo2_1M(vocab_size=128).build(init_device="cpu")
     dp = TransformerDataParallelConfig(name=DataParallelType.fsdp) if a.fsdp else None
     tm = TransformerTrainModuleConfig(rank_microbatch_size=4 * 32, max_sequence_length=32, optim=AdamWConfig(lr=1e-3),
@@ -176,7 +177,6 @@ def cmd_save(a) -> dict:
 
 
 def cmd_check(a) -> dict:
-    import torch
     from olmo_core.train.checkpoint import Checkpointer
 
     out: dict = {"ok": True, "found": [[s, str(p)] for s, p in Checkpointer.find_checkpoints(a.folder)]}

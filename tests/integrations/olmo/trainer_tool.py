@@ -53,7 +53,8 @@ def main() -> None:
     tokens = work / "tokens.npy"
     if not tokens.exists():
         np.random.default_rng(0).integers(2, 128, size=64 * 200, dtype=np.uint16).tofile(tokens)
-    ds = NumpyFSLDatasetConfig(paths=[str(tokens)], sequence_length=32, tokenizer=tok, work_dir=str(work / "ds")).build()
+    ds = NumpyFSLDatasetConfig(paths=[str(tokens)], sequence_length=32, tokenizer=tok,
+                               work_dir=str(work / "ds")).build()
     model = TransformerConfig.olmo2_1M(vocab_size=128).build(init_device="cpu")
     tm = TransformerTrainModuleConfig(rank_microbatch_size=4 * 32, max_sequence_length=32,
                                       optim=AdamWConfig(lr=1e-3)).build(model, device=torch.device("cpu"))
