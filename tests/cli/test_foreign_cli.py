@@ -41,7 +41,7 @@ def test_a_folder_with_olmo_core_steps_through_the_cli(stores, tmp_path_factory,
     assert r.code == 0 and r.json()["dry_run"] and not r.json()["written"], r.err
     assert not open_store(step30).exists(urls.join(step30, ADOPTED_MANIFEST))
     r = cli("adopt", step30, "--yes", "--json")
-    assert r.code == 0 and r.json()["written"] and r.json()["object_count"] == 5, r.err
+    assert r.code == 0 and r.json()["written"] and r.json()["object_count"] == 6, r.err
     assert cli("adopt", step30, "--yes").out.endswith("already has a manifest (adopted): nothing to do\n")
     assert cli("verify", step30).code == 0
     assert open_store(step30).get_bytes(layout.marker_url(step30)) == OLMO_MARKER  # OLMo-core's marker untouched

@@ -39,7 +39,7 @@ def test_list_returns_every_one_of_1200_committed_steps_flagged(stores, tmp_path
     assert [s["step"] for s in steps] == sorted(expected)
     assert all(s["status"] == "committed" for s in steps)
     assert {s["step"]: s["ephemeral"] for s in steps} == expected
-    assert {s["step"]: s["object_count"] for s in steps if s["step"] in REAL} == {REAL[0]: 5, REAL[1]: 5}
+    assert {s["step"]: s["object_count"] for s in steps if s["step"] in REAL} == {REAL[0]: 6, REAL[1]: 6}
 
     r_all = cli("list", folder, "--all", "--json")
     incomplete = [s["step"] for s in r_all.lines() if s["status"] == "incomplete"]

@@ -49,11 +49,13 @@ def test_download_resumes_removes_an_interrupted_runs_staging_and_leaves_only_th
     progress = _Recorder()
     plan = ops.prepare_download(folder + "/step5", str(dest))
     assert not (dest / STAGING).exists()  # removed before anything is fetched
-    assert [i.entry.path for i in plan.todo] == ["train/rank0.pt"] and len(plan.skipped) == 4  # the part too
+    # the part and the DCP index header too
+    assert [i.entry.path for i in plan.todo] == ["train/rank0.pt"] and len(plan.skipped) == 5
     rep = ops.run_download(plan, progress=progress)
     assert rep.ok and rep.downloaded == ["train/rank0.pt"]
     assert progress.total == progress.moved == plan.bytes_to_fetch > 0
     assert _files(dest) == {".metadata.json", "train/rank0.pt", "model_and_optim/.metadata", "manifest/rank0.json",
+                            "index/header.json",
                             "model_and_optim/__0_0.distcp", "model_and_optim/__0_1.distcp"}
 
 

@@ -23,7 +23,7 @@ from cloudckpt.storage import url as urls
 
 from . import corpus
 from .sandbox import BOMB, CRASH, HANG, OK, REFUSED, UNTYPED
-from .tries import plant, snapshot
+from .tries import plant, snapshot, zero_state
 
 FINDINGS = (CRASH, BOMB, HANG, UNTYPED)
 
@@ -89,7 +89,7 @@ def test_a_planted_step_link_is_refused_by_load_and_save_and_nothing_is_written_
     os.symlink(outside, os.path.join(folder, "step20"))
     before = snapshot(outside)
     with pytest.raises((UnsafeCheckpoint, NotACheckpoint)):
-        Checkpointer(work_dir=str(tmp_path / "w")).load(os.path.join(folder, "step99"), corpus.zero_state())
+        Checkpointer(work_dir=str(tmp_path / "w")).load(os.path.join(folder, "step99"), zero_state())
     with pytest.raises(Exception) as ei:  # SaveFailed or UnsafeCheckpoint, depending on which step meets the link
         Checkpointer(work_dir=str(tmp_path / "w")).save(os.path.join(folder, "step20"), corpus.honest_state(),
                                                         {"step": 20})
@@ -105,7 +105,7 @@ def test_the_users_own_link_above_the_save_folder_is_followed(tmp_path):
     step = str(tmp_path / "mine" / "run" / "step1")
     with Checkpointer(work_dir=str(tmp_path / "w")) as ck:
         ck.save(step, corpus.honest_state(), {"step": 1})
-        state = corpus.zero_state()
+        state = zero_state()
         assert ck.load(step, state) == {"step": 1}
     assert torch.equal(state["model"]["w"], corpus.honest_state()["model"]["w"])
     assert (real / "run" / "step1" / ".metadata.json").is_file()
