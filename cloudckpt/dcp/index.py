@@ -335,17 +335,15 @@ def _layout(x: Any) -> Layout:
 def _check_layout(lay: Layout, size: tuple[int, ...], fqn: str) -> None:
     """The chunks lie inside ``size``, are distinct, disjoint and cover it (once per
     layout and size). Sorted sweep: linear and logarithmic for sharding's grids."""
-    from ..untrusted.unpickle import _Budget, _disjoint
+    from ..untrusted.unpickle import _Budget, _disjoint, _numel
 
     nd = len(size)
     if lay.lo.shape[1] != nd:
         raise ValueError(f"{_shown(fqn)} has {nd} dimensions, its layout {lay.lo.shape[1]}")
     if nd and np.any(lay.hi > np.array(size, dtype=np.int64)):
         raise ValueError(f"a chunk of {_shown(fqn)} lies outside its size {list(size)}")
-    numel = 1
-    for s in size:
-        numel *= s
-    vols = [_prod(r) for r in (lay.hi - lay.lo).tolist()]
+    numel = _numel(size)
+    vols = [_numel(r) for r in (lay.hi - lay.lo).tolist()]
     if sum(vols) != numel:
         raise ValueError(f"the chunks of {_shown(fqn)} hold {sum(vols)} elements, its size {list(size)} has {numel}")
     boxes = [(tuple(lo), tuple(h - o for h, o in zip(hi, lo, strict=True)))
@@ -354,13 +352,6 @@ def _check_layout(lay: Layout, size: tuple[int, ...], fqn: str) -> None:
         raise ValueError(f"two chunks of {_shown(fqn)} start at the same offsets")
     if len(boxes) > 1 and not _disjoint(boxes, 0, nd, _Budget(10 ** 8, "")):
         raise ValueError(f"chunks of {_shown(fqn)} overlap (and so leave part of it unwritten)")
-
-
-def _prod(v: list[int]) -> int:
-    n = 1
-    for x in v:
-        n *= x
-    return n
 
 
 def parse_part(data: bytes, *, url: str, rank: int) -> dict[tuple[str, tuple], tuple[tuple, str, int, int]]:
