@@ -100,7 +100,8 @@ def _index_metadata(step: Location, manifest: "discovery.StepManifest", header_b
 
     from .._torch_compat import flatten_for_load
 
-    header = dcp_index.parse_header(header_bytes, url=step.join(dcp_index.HEADER).url)
+    header = dcp_index.parse_header(header_bytes, url=step.join(dcp_index.HEADER).url,
+                                   writers=len(manifest.marker.parts))
     wanted = dcp_index.wanted_boxes(flatten_for_load(flat_sd))
     needs, owners = dcp_index.select(header, wanted)
     rels = {r: dcp_index.part_name(r) for r in sorted(owners)}

@@ -40,21 +40,30 @@ def flag_words(text: str) -> str:
     return text
 
 
+def _local_path(url: str) -> str | None:
+    """``url.local_path``, and None for a malformed URL too (a hint never raises)."""
+    from ..errors import InvalidURL
+    from ..storage import url as urls
+
+    try:
+        return urls.local_path(url)
+    except InvalidURL:
+        return None
+
+
 def is_local(url: str) -> bool:
-    return "://" not in url or url.startswith("file://")
-
-
-def _local_path(url: str) -> str:
-    return url.removeprefix("file://")
+    """Whether ``url`` names a local path (a plain path or ``file://``)."""
+    return _local_path(url) is not None
 
 
 def missing_local(given: str, resolved: str) -> str | None:
     """When ``resolved`` is a local path that does not exist: one line saying so (for a
     relative path without a scheme, also how to name a bucket). None otherwise."""
-    if not is_local(resolved) or os.path.lexists(_local_path(resolved)):
+    path = _local_path(resolved)
+    if path is None or os.path.lexists(path):
         return None
     text = f"{resolved} does not exist"
-    if "://" not in given and not os.path.isabs(given):
+    if _local_path(given) == given and not os.path.isabs(given):  # a plain path as typed, relative
         first, _, rest = given.partition("/")
         bucket = f"{first}/{rest}" if rest else first
         text += (f" (`{given}` is read as a local path relative to {os.getcwd()}; for a bucket write "
@@ -104,7 +113,7 @@ def not_a_step(args, given: str, url: str) -> str | None:
     name_step = layout.step_of_name(urls.basename(url))
     parent = urls.parent(url)
     gone = missing_local(given, url)
-    if gone and (name_step is None or not os.path.isdir(_local_path(parent))):
+    if gone and (name_step is None or not os.path.isdir(_local_path(parent) or "")):
         return gone
     if name_step is None:
         steps, dirs = _committed(args, url)

@@ -38,7 +38,9 @@ to name a path outside ``model_and_optim/``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -60,7 +62,9 @@ from ..untrusted import loads_json
 from ..untrusted.limits import MAX_DIM, MAX_TENSOR_DIMS
 
 FORMAT = "cloudckpt-dcp-index"
-VERSION = 1
+VERSION = 1  # of a rank's part
+HEADER_VERSION = 2  # 2: a layout may be a grid (``cuts``)
+HEADER_VERSIONS = (1, 2)
 HEADER = "index/header.json"
 MAX_INDEX_BYTES = 1 << 30  # a header or a part; the manifest's CRC-checked size bounds each read first
 MAX_KEY_CHARS = 4096
@@ -120,14 +124,15 @@ def part_bytes(rank: int, items: list[list]) -> bytes:
                       separators=(",", ":")).encode()
 
 
-def header_bytes(metadata: Metadata, cache: dict | None = None) -> bytes:
+def header_bytes(metadata: Metadata, cache: dict | None = None, *, compact: bool = True) -> bytes:
     """The header of a step from DCP's global ``Metadata`` (on the coordinator, once
     its ``storage_data`` is set: in the writer's ``finish``).
 
     Finding each chunk's layout touches every chunk of every sharded tensor (R x T);
     ``cache`` (a dict kept across saves) keeps each tensor's layout while DCP hands the
     same chunk list again (its plan caching reuses the global metadata), so a repeated
-    save costs O(T) here."""
+    save costs O(T) here. ``compact``: a layout that is a grid is written as its cuts
+    (:func:`_layout_doc`); False writes every layout as boxes (both forms are read)."""
     storage = metadata.storage_data
     cache = {} if cache is None else cache
     layouts: dict[tuple, int] = {}
@@ -165,32 +170,120 @@ def header_bytes(metadata: Metadata, cache: dict | None = None) -> bytes:
         lid = layouts.setdefault(key, len(layouts))
         users.setdefault(lid, []).append((fqn, chunks))
         tensors.append([fqn, dtype, size, lid, None])
-    docs = [{"ndim": nd, "boxes": list(flat), "owners": list(owners)} for (nd, flat, owners) in layouts]
+    docs, orders = [], []
+    for nd, flat, owners in layouts:
+        doc, order = _layout_doc(nd, flat, owners, compact)
+        docs.append(doc)
+        orders.append(order)
     for lid, used in users.items():
         if len(used) == 1:  # a layout of one tensor (its own shape, or a replicated tensor cut in pieces)
             fqn, chunks = used[0]
             items = []
-            for c in chunks:
-                info = storage[MetadataIndex(fqn, c.offsets)]
+            for k in orders[lid] if orders[lid] is not None else range(len(chunks)):
+                info = storage[MetadataIndex(fqn, chunks[k].offsets)]
                 items.append([info.relative_path, int(info.offset), int(info.length)])
             docs[lid]["items"] = items
     doc = {
-        "format": FORMAT, "version": VERSION, "dcp_version": getattr(metadata, "version", None),
+        "format": FORMAT, "version": HEADER_VERSION, "dcp_version": getattr(metadata, "version", None),
         "layouts": docs, "tensors": tensors, "values": values,
     }
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
+def _layout_doc(nd: int, flat: tuple, owners: tuple, compact: bool) -> tuple[dict, list[int] | None]:
+    """A layout as the header writes it, and the order of its chunks there (None: as given).
+
+    A layout whose non-empty chunks form a grid (every combination of one interval per
+    dimension, exactly once: FSDP's rows, tensor parallel's columns, both) is written
+    as its ``cuts``, each dimension's chunk boundaries from 0 to the tensor's size,
+    with the owners of the chunks in row-major order; owners that step evenly (rank
+    ``k`` wrote chunk ``k``) are written as ``{"start", "step"}``. That is
+    ``O(sum of cuts)`` numbers instead of ``2 x ndim x chunks + chunks``, and constant
+    in R for an even split. Empty chunks (an FSDP shard of a tensor with fewer rows than
+    ranks) hold nothing to read and are left out. Anything else is written as boxes."""
+    boxes = {"ndim": nd, "boxes": list(flat), "owners": list(owners)}
+    n = len(owners)
+    if not compact or n < 2 or nd == 0:
+        return boxes, None
+    arr = np.array(flat, dtype=np.int64).reshape(n, 2, nd)
+    keep = np.flatnonzero(np.all(arr[:, 1, :] > 0, axis=1))
+    lo, sz = arr[keep, 0, :], arr[keep, 1, :]
+    cuts, idx = [], []
+    for d in range(nd):
+        starts = np.unique(lo[:, d])
+        if not len(starts) or starts[0] != 0:
+            return boxes, None
+        c = np.append(starts, (lo[:, d] + sz[:, d]).max())
+        i = np.searchsorted(starts, lo[:, d])
+        if np.any(c[i + 1] - c[i] != sz[:, d]):  # every chunk spans exactly one interval
+            return boxes, None
+        cuts.append(c)
+        idx.append(i)
+    dims = tuple(len(c) - 1 for c in cuts)
+    if math.prod(dims) != len(keep):
+        return boxes, None
+    lin = np.ravel_multi_index(idx, dims)
+    order = np.argsort(lin, kind="stable")
+    if np.any(lin[order] != np.arange(len(keep))):
+        return boxes, None  # two chunks in one cell
+    own = np.array(owners, dtype=np.int64)[keep][order]
+    steps = np.diff(own)
+    if len(own) > 1 and steps[0] >= 1 and np.all(steps == steps[0]):
+        rule: Any = {"start": int(own[0]), "step": int(steps[0])}
+    else:
+        rule = own.tolist()
+    return {"ndim": nd, "cuts": [c.tolist() for c in cuts], "owners": rule}, keep[order].tolist()
+
+
 # ============================================================================ reading
 @dataclass(frozen=True)
 class Layout:
-    """The chunks of a sharded tensor: ``lo``/``hi`` (n x ndim int64, end exclusive) and
-    the rank that wrote each."""
+    """The chunks of a sharded tensor, numbered ``0 .. n - 1``: either ``lo``/``hi``
+    (n x ndim int64, end exclusive: the boxes form) or ``cuts`` (each dimension's
+    boundaries: the grid form, chunk ``k`` the ``k``-th cell in row-major order, never
+    materialised); the rank that wrote each (``owner_list``, or ``start + k * step``)."""
 
-    lo: np.ndarray
-    hi: np.ndarray
-    owners: np.ndarray
+    ndim: int
+    n: int
+    lo: np.ndarray | None = None
+    hi: np.ndarray | None = None
+    cuts: tuple[np.ndarray, ...] | None = None
+    owner_list: np.ndarray | None = None
+    owner_rule: tuple[int, int] | None = None
     items: list | None = None  # a layout of one tensor: each chunk's item (no part to read)
+
+    def owners_of(self, ks: list[int]) -> list[int]:
+        if self.owner_rule is not None:
+            start, step = self.owner_rule
+            return [start + k * step for k in ks]
+        return self.owner_list[ks].tolist()
+
+    def boxes(self, ks: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """The offsets and the sizes of chunks ``ks``."""
+        if self.cuts is None:
+            lo, hi = self.lo[ks], self.hi[ks]
+        else:
+            idx = np.unravel_index(np.asarray(ks, dtype=np.int64), tuple(len(c) - 1 for c in self.cuts))
+            lo = np.stack([c[i] for c, i in zip(self.cuts, idx, strict=True)], axis=1)
+            hi = np.stack([c[i + 1] for c, i in zip(self.cuts, idx, strict=True)], axis=1)
+        return lo.tolist(), (hi - lo).tolist()
+
+    def pick(self, off: tuple[int, ...], sz: tuple[int, ...]) -> list[int]:
+        """The chunks the box ``off``/``sz`` overlaps, by DCP's rule (in every dimension
+        the chunk starts before the box ends and ends after the box starts)."""
+        lo = np.array(off, dtype=np.int64)
+        hi = lo + np.array(sz, dtype=np.int64)
+        if self.cuts is None:
+            return np.flatnonzero(np.all((self.lo < hi) & (lo < self.hi), axis=1)).tolist()
+        ranges = []
+        for c, a, b in zip(self.cuts, lo.tolist(), hi.tolist(), strict=True):
+            i0 = max(0, int(np.searchsorted(c, a, side="right")) - 1)
+            i1 = min(len(c) - 1, int(np.searchsorted(c, b, side="left")))
+            if i1 <= i0:
+                return []
+            ranges.append(np.arange(i0, i1))
+        dims = tuple(len(c) - 1 for c in self.cuts)
+        return np.ravel_multi_index(np.meshgrid(*ranges, indexing="ij"), dims).ravel().tolist()
 
 
 @dataclass(frozen=True)
@@ -251,12 +344,14 @@ def _shown(x: Any) -> str:
     return ascii(text[:60] + ("..." if len(text) > 60 else ""))
 
 
-def parse_header(data: bytes, *, url: str) -> Header:
+def parse_header(data: bytes, *, url: str, writers: int = 0) -> Header:
     """The checked header of a step (bytes already checked against the manifest).
-    Raises CorruptCheckpoint."""
+    ``writers``: how many ranks wrote parts (the marker's part count): a grid layout
+    whose owners are given by a rule (not listed) has at most that many chunks, so
+    nothing is built beyond what the step's bytes carry. Raises CorruptCheckpoint."""
     d = loads_json(data, url=url, what="DCP index", limit=MAX_INDEX_BYTES)
-    if type(d) is not dict or d.get("format") != FORMAT or d.get("version") != VERSION:
-        raise _bad(url, f"not a {FORMAT} of version {VERSION}")
+    if type(d) is not dict or d.get("format") != FORMAT or d.get("version") not in HEADER_VERSIONS:
+        raise _bad(url, f"not a {FORMAT} header of version {' or '.join(map(str, HEADER_VERSIONS))}")
     try:
         dv = d.get("dcp_version")
         if dv is not None and (type(dv) is not str or len(dv) > 32):
@@ -264,7 +359,7 @@ def parse_header(data: bytes, *, url: str) -> Header:
         raw_layouts, raw_tensors, raw_values = d["layouts"], d["tensors"], d["values"]
         if not all(type(x) is list for x in (raw_layouts, raw_tensors, raw_values)):
             raise ValueError("layouts, tensors and values must be lists")
-        layouts = [_layout(x) for x in raw_layouts]
+        layouts = [_layout(x, writers, grids=d["version"] >= 2) for x in raw_layouts]
         tensors: dict[str, Tensor] = {}
         checked: set[tuple[int, tuple]] = set()
         itemized: set[int] = set()  # layouts with items, each used by one tensor
@@ -307,39 +402,92 @@ def parse_header(data: bytes, *, url: str) -> Header:
     return Header(url, layouts, tensors, values, dv)
 
 
-def _layout(x: Any) -> Layout:
-    if type(x) is not dict or not {"ndim", "boxes", "owners"} <= set(x) <= {"ndim", "boxes", "owners", "items"}:
-        raise ValueError("a layout is not {ndim, boxes, owners[, items]}")
+def _layout(x: Any, writers: int, *, grids: bool) -> Layout:
+    if type(x) is not dict:
+        raise ValueError("a layout is not an object")
+    if "cuts" in x and grids:
+        return _grid(x, writers)
+    if not {"ndim", "boxes", "owners"} <= set(x) <= {"ndim", "boxes", "owners", "items"}:
+        raise ValueError("a layout is not {ndim, boxes, owners[, items]} or {ndim, cuts, owners[, items]}")
     nd = _int(x["ndim"], 1, MAX_TENSOR_DIMS)
     boxes, owners = x["boxes"], x["owners"]
     if type(boxes) is not list or type(owners) is not list or not owners or len(boxes) != 2 * nd * len(owners):
         raise ValueError("a layout's boxes and owners do not agree in number")
     if not all(type(v) is int and 0 <= v <= MAX_DIM for v in boxes):
         raise ValueError("a layout's offsets and sizes are not integers in [0, 2^63)")
-    if not all(type(v) is int and 0 <= v < MAX_RANKS for v in owners):
-        raise ValueError(f"a layout's owners are not ranks in [0, {MAX_RANKS})")
+    own = _owner_list(owners)
     arr = np.array(boxes, dtype=np.uint64).reshape(len(owners), 2, nd)
     lo, sz = arr[:, 0, :], arr[:, 1, :]
     if np.any(sz > np.uint64(MAX_DIM) - lo):
         raise ValueError("a layout's chunk ends past 2^63")
-    items = None
-    if "items" in x:
-        if type(x["items"]) is not list or len(x["items"]) != len(owners):
-            raise ValueError("a layout's items and owners do not agree in number")
-        items = [_item(i) for i in x["items"]]
-        if any(_owner(rel) != o for (rel, _, _), o in zip(items, owners, strict=True)):
-            raise ValueError("a layout's item lies in a file of another rank than the chunk's owner")
-    return Layout(lo.astype(np.int64), (lo + sz).astype(np.int64), np.array(owners, dtype=np.int64), items)
+    lay = Layout(nd, len(owners), lo=lo.astype(np.int64), hi=(lo + sz).astype(np.int64), owner_list=own)
+    return _with_items(lay, x)
+
+
+def _owner_list(owners: list) -> np.ndarray:
+    if not all(type(v) is int and 0 <= v < MAX_RANKS for v in owners):
+        raise ValueError(f"a layout's owners are not ranks in [0, {MAX_RANKS})")
+    return np.array(owners, dtype=np.int64)
+
+
+def _grid(x: dict, writers: int) -> Layout:
+    """A layout in the grid form: ``cuts`` per dimension (ascending, from 0; the end is
+    checked against each tensor's size), owners listed or ``{"start", "step"}``."""
+    if not {"ndim", "cuts", "owners"} <= set(x) <= {"ndim", "cuts", "owners", "items"}:
+        raise ValueError("a layout is not {ndim, cuts, owners[, items]}")
+    nd = _int(x["ndim"], 1, MAX_TENSOR_DIMS)
+    raw = x["cuts"]
+    if type(raw) is not list or len(raw) != nd:
+        raise ValueError(f"a layout's cuts are not {nd} lists")
+    cuts = []
+    for c in raw:
+        if type(c) is not list or len(c) < 2 or c[0] != 0 or not all(type(v) is int and 0 <= v <= MAX_DIM for v in c):
+            raise ValueError("a layout's cuts are not lists of at least 2 integers in [0, 2^63) from 0")
+        arr = np.array(c, dtype=np.int64)
+        if np.any(arr[1:] <= arr[:-1]):
+            raise ValueError("a layout's cuts do not ascend (an empty or overlapping chunk)")
+        cuts.append(arr)
+    n = math.prod(len(c) - 1 for c in cuts)  # bounded below: by the owners listed, or by the writers
+    owners = x["owners"]
+    if type(owners) is list:
+        if len(owners) != n:
+            raise ValueError(f"a layout's cuts make {n} chunks, its owners are {len(owners)}")
+        return _with_items(Layout(nd, n, cuts=tuple(cuts), owner_list=_owner_list(owners)), x)
+    if type(owners) is not dict or sorted(owners) != ["start", "step"]:
+        raise ValueError("a layout's owners are neither a list nor {start, step}")
+    start, step = _int(owners["start"], 0, MAX_RANKS), _int(owners["step"], 1, MAX_RANKS)
+    if n > writers or start + (n - 1) * step >= MAX_RANKS:
+        raise ValueError(f"a layout's cuts make {n} chunks, owned by ranks {start}, {start + step}, ...: more chunks "
+                         f"than the {writers} ranks that wrote parts, or ranks past {MAX_RANKS}")
+    return _with_items(Layout(nd, n, cuts=tuple(cuts), owner_rule=(start, step)), x)
+
+
+def _with_items(lay: Layout, x: dict) -> Layout:
+    if "items" not in x:
+        return lay
+    if type(x["items"]) is not list or len(x["items"]) != lay.n:
+        raise ValueError("a layout's items and chunks do not agree in number")
+    items = [_item(i) for i in x["items"]]
+    if any(_owner(rel) != o for (rel, _, _), o in zip(items, lay.owners_of(list(range(lay.n))), strict=True)):
+        raise ValueError("a layout's item lies in a file of another rank than the chunk's owner")
+    return dataclasses.replace(lay, items=items)
 
 
 def _check_layout(lay: Layout, size: tuple[int, ...], fqn: str) -> None:
     """The chunks lie inside ``size``, are distinct, disjoint and cover it (once per
-    layout and size). Sorted sweep: linear and logarithmic for sharding's grids."""
+    layout and size). A grid: its cuts end at the size (ascending from 0, checked when
+    parsed, they cover it exactly once). Boxes: a sorted sweep, linear and logarithmic
+    for sharding's grids."""
     from ..untrusted.unpickle import _Budget, _disjoint, _numel
 
     nd = len(size)
-    if lay.lo.shape[1] != nd:
-        raise ValueError(f"{_shown(fqn)} has {nd} dimensions, its layout {lay.lo.shape[1]}")
+    if lay.ndim != nd:
+        raise ValueError(f"{_shown(fqn)} has {nd} dimensions, its layout {lay.ndim}")
+    if lay.cuts is not None:
+        if any(int(c[-1]) != s for c, s in zip(lay.cuts, size, strict=True)):
+            raise ValueError(f"the chunks of {_shown(fqn)} end at {[int(c[-1]) for c in lay.cuts]}, its size is "
+                             f"{list(size)}")
+        return
     if nd and np.any(lay.hi > np.array(size, dtype=np.int64)):
         raise ValueError(f"a chunk of {_shown(fqn)} lies outside its size {list(size)}")
     numel = _numel(size)
@@ -405,20 +553,18 @@ def select(header: Header, wanted: Wanted) -> tuple[dict[str, list[int]], set[in
         lay = header.layouts[t.layout]
         picked: set[int] = set()
         for off, sz in boxes:
-            if len(off) != lay.lo.shape[1]:
+            if len(off) != lay.ndim:
                 continue
             key = (t.layout, off, sz)
             hit = memo.get(key)
             if hit is None:
-                lo = np.array(off, dtype=np.int64)
-                hi = lo + np.array(sz, dtype=np.int64)
-                hit = memo[key] = np.flatnonzero(np.all((lay.lo < hi) & (lo < lay.hi), axis=1)).tolist()
+                hit = memo[key] = lay.pick(off, sz)
             picked.update(hit)
         if picked:
             ks = sorted(picked)
             needs[fqn] = ks
             if lay.items is None:
-                owners.update(lay.owners[ks].tolist())
+                owners.update(lay.owners_of(ks))
     return needs, owners
 
 
@@ -437,9 +583,9 @@ def build_metadata(header: Header, needs: dict[str, list[int]], parts: dict[int,
                 storage[MetadataIndex(fqn, offs)] = StorageInfo(*t.item)
         else:
             lay = header.layouts[t.layout]
-            for k in needs.get(fqn, ()):
-                lo, hi, owner = lay.lo[k].tolist(), lay.hi[k].tolist(), int(lay.owners[k])
-                sizes = tuple(h - o for h, o in zip(hi, lo, strict=True))
+            ks = needs.get(fqn, [])
+            for k, owner, lo, sizes in zip(ks, lay.owners_of(ks), *lay.boxes(ks), strict=True):
+                sizes = tuple(sizes)
                 got = (sizes, *lay.items[k]) if lay.items is not None else parts[owner].get((fqn, tuple(lo)))
                 if got is None or got[0] != sizes:
                     raise _bad(header.url, f"the index part of rank {owner} lacks the chunk of {_shown(fqn)} at "

@@ -22,6 +22,7 @@ from .. import Checkpointer
 from ..errors import AlreadyExists, ConfigError, CorruptCheckpoint, IncompatibleCheckpoint
 from ..ops.export import export_weights
 from ..storage import StorageOptions
+from ..storage import url as urls
 from ._hf import HF_KEY
 
 WEIGHTS_NAME = "model.safetensors"
@@ -126,11 +127,11 @@ def export_hf(
     config is not a model config), AlreadyExists (``out_dir`` has a model or config and
     not ``overwrite``), storage errors.
     """
-    out_dir = os.fspath(out_dir)
-    if "://" in out_dir and not out_dir.startswith("file://"):
+    local = urls.local_path(os.fspath(out_dir))
+    if local is None:
         raise ConfigError(f"export_hf writes a local folder (from_pretrained reads one), got {out_dir}; "
                           "export locally, then upload the folder")
-    out_dir = out_dir.removeprefix("file://")
+    out_dir = local
     weights, config_path = os.path.join(out_dir, WEIGHTS_NAME), os.path.join(out_dir, CONFIG_NAME)
     if not overwrite:
         for p in (weights, config_path):

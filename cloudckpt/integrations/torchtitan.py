@@ -194,10 +194,11 @@ def import_torchtitan_step(src: str, save_folder: str, *, step: int | None = Non
     rank. Raises ConfigError, a ValueError (``src`` is not a local torchtitan folder, or no
     step number), UnsafeCheckpoint / CorruptCheckpoint (refused or unreadable input),
     CheckpointExists (the step is already committed), storage errors."""
-    if not urls.is_plain_path(src) and not src.startswith("file://"):
+    local = urls.local_path(src)
+    if local is None:
         raise ConfigError(f"import_torchtitan_step reads a local folder; download {src} first "
                          "(e.g. `aws s3 cp --recursive` or `gcloud storage cp -r`)")
-    src = src[len("file://"):] if src.startswith("file://") else src
+    src = local
     if step is None:
         name = os.path.basename(os.path.normpath(src))
         if not (name.startswith("step-") and name[5:].isdigit()):

@@ -104,7 +104,7 @@ def prepare_download(step: Where, dest: str, *, jobs: int = 8) -> DownloadPlan:
     is the step folder; otherwise the step goes into ``DEST/step{N}``.
     Raises InvalidURL (DEST not local), NotACheckpoint, CorruptCheckpoint /
     UnsafeCheckpoint (a refused marker), storage errors, OSError."""
-    if urls.scheme_of(dest) != "file":
+    if urls.local_path(dest) is None:
         raise InvalidURL(f"DEST {dest!r} is not a local path: `cloudckpt download` writes to a local folder")
     loc = Location.of(step).resolved_step()
     marker, raw = discovery.read_marker_bytes(loc)

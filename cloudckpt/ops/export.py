@@ -348,7 +348,7 @@ def export_weights(
                     ", ".join(skipped[:10]))
     meta = {"format": "pt", "cloudckpt_step": str(marker.step)}
 
-    local = urls.is_plain_path(dest_url) or urls.scheme_of(dest_url) == "file"
+    local = urls.local_path(dest_url) is not None
     if local:
         final = urls.parse_url(dest_url).key
         tmp_dir = os.path.dirname(final) or "."

@@ -67,8 +67,13 @@ def job(R: int, *, rows: int = 8, cols: int = 3, tensors: int = 3, grid: bool = 
     return md, parts
 
 
-def header_of(md) -> index.Header:
-    return index.parse_header(index.header_bytes(md), url=URL)
+def writers(md) -> int:
+    """The ranks of a job's shard files (the marker's part count for a real step)."""
+    return 1 + max(int(i.relative_path.split("_")[2]) for i in md.storage_data.values())
+
+
+def header_of(md, *, compact: bool = True) -> index.Header:
+    return index.parse_header(index.header_bytes(md, compact=compact), url=URL, writers=writers(md))
 
 
 def parts_of(parts) -> dict[int, dict]:
@@ -92,8 +97,8 @@ def reads(md: Metadata, wanted) -> set:
     return out
 
 
-def via_index(md, parts, wanted):
-    h = header_of(md)
+def via_index(md, parts, wanted, *, compact: bool = True):
+    h = header_of(md, compact=compact)
     needs, owners = index.select(h, wanted)
     small = index.build_metadata(h, needs, {r: p for r, p in parts_of(parts).items() if r in owners}, wanted)
     return small, owners
@@ -115,20 +120,22 @@ def rank_wanted(R, r, *, rows=8, cols=3, tensors=3, grid=False, values=True):
     return w
 
 
+@pytest.mark.parametrize("compact", [True, False], ids=["cuts", "boxes"])
 @pytest.mark.parametrize("grid", [False, True])
-def test_a_rank_with_the_saved_layout_reads_what_dcp_would_from_its_own_part_only(grid):
+def test_a_rank_with_the_saved_layout_reads_what_dcp_would_from_its_own_part_only(grid, compact):
     R = 8
     md, parts = job(R, grid=grid)
     for r in range(R):
         wanted = rank_wanted(R, r, grid=grid)
-        small, owners = via_index(md, parts, wanted)
+        small, owners = via_index(md, parts, wanted, compact=compact)
         assert owners == {r}
         assert reads(small, wanted) == reads(md, wanted)
         assert set(small.state_dict_metadata) == set(md.state_dict_metadata)  # every key: leftovers judged as before
 
 
+@pytest.mark.parametrize("compact", [True, False], ids=["cuts", "boxes"])
 @pytest.mark.parametrize("new_R", [1, 3, 5, 16])
-def test_resharded_loads_read_what_dcp_would_and_only_the_parts_they_overlap(new_R):
+def test_resharded_loads_read_what_dcp_would_and_only_the_parts_they_overlap(new_R, compact):
     R, rows, cols = 8, 8, 3
     md, parts = job(R, rows=rows, cols=cols)
     total = R * rows
@@ -136,7 +143,7 @@ def test_resharded_loads_read_what_dcp_would_and_only_the_parts_they_overlap(new
         lo, hi = total * r // new_R, total * (r + 1) // new_R
         wanted = {f"model.layers.{t}.w": [((lo, 0), (hi - lo, cols))] for t in range(3)}
         wanted["model.bias"] = [((0,), (cols,))]
-        small, owners = via_index(md, parts, wanted)
+        small, owners = via_index(md, parts, wanted, compact=compact)
         assert owners == {s for s in range(R) if s * rows < hi and lo < (s + 1) * rows}
         assert reads(small, wanted) == reads(md, wanted)
 
@@ -200,8 +207,8 @@ def test_a_layout_of_one_tensor_carries_its_items_and_its_loads_read_no_part():
         assert reads(small, wanted) == reads(md, wanted)
 
 
-def _doc(md) -> dict:
-    return json.loads(index.header_bytes(md))
+def _doc(md, *, compact: bool = False) -> dict:
+    return json.loads(index.header_bytes(md, compact=compact))
 
 
 def _bytes(doc) -> bytes:
@@ -242,7 +249,7 @@ def _crafted():
         "dimension count of layout and tensor differ": edit(lambda d: d["tensors"][0].__setitem__(2, [32, 3, 1])),
         "65 dimensions": edit(lambda d: d["tensors"][3].__setitem__(2, [1] * 65)),
         "another format": edit(lambda d: d.__setitem__("format", "x")),
-        "another version": edit(lambda d: d.__setitem__("version", 2)),
+        "another version": edit(lambda d: d.__setitem__("version", 3)),
         "no layouts": edit(lambda d: d.pop("layouts")),
         "tensors not a list": edit(lambda d: d.__setitem__("tensors", {})),
         "an extra layout field": edit(lambda d: lay(d).__setitem__("x", 1)),
@@ -250,9 +257,10 @@ def _crafted():
     }
 
 
-def test_crafted_layout_items_are_typed_errors():
+@pytest.mark.parametrize("compact", [True, False], ids=["cuts", "boxes"])
+def test_crafted_layout_items_are_typed_errors(compact):
     md, _ = job(4, tensors=1)
-    base = _doc(md)
+    base = _doc(md, compact=compact)
     for name, fn in {
         "items of another rank's file": lambda d: d["layouts"][0]["items"][0].__setitem__(0, "__3_0.distcp"),
         "fewer items than chunks": lambda d: d["layouts"][0]["items"].pop(),
@@ -262,19 +270,20 @@ def test_crafted_layout_items_are_typed_errors():
         d = json.loads(json.dumps(base))
         fn(d)
         with pytest.raises(CorruptCheckpoint, match="s3://b"):
-            index.parse_header(_bytes(d), url=URL)
+            index.parse_header(_bytes(d), url=URL, writers=4)
         assert name
 
 
 @pytest.mark.parametrize("name", sorted(_crafted()))
 def test_a_crafted_header_is_a_typed_error_naming_it(name):
     with pytest.raises(CorruptCheckpoint, match="s3://b/run/step1/index/header.json"):
-        index.parse_header(_bytes(_crafted()[name]), url=URL)
+        index.parse_header(_bytes(_crafted()[name]), url=URL, writers=4)
 
 
-def test_the_honest_header_parses():
+@pytest.mark.parametrize("compact", [True, False], ids=["cuts", "boxes"])
+def test_the_honest_header_parses(compact):
     md, _ = job(4)
-    h = index.parse_header(_bytes(_doc(md)), url=URL)
+    h = index.parse_header(_bytes(_doc(md, compact=compact)), url=URL, writers=4)
     assert len(h.keys()) == 6
 
 
@@ -317,18 +326,18 @@ def test_an_owner_part_that_lacks_a_chunk_the_header_gives_it_is_a_typed_error()
         index.build_metadata(h, needs, p, wanted)
 
 
-_HONEST = _bytes(_doc(job(4)[0]))
+_HONEST = {c: _bytes(_doc(job(4)[0], compact=c)) for c in (True, False)}
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_mutated_headers_are_parsed_or_refused_with_a_typed_error(data):
-    b = bytearray(_HONEST)
+    b = bytearray(_HONEST[data.draw(st.booleans())])
     for _ in range(data.draw(st.integers(1, 6))):
         i = data.draw(st.integers(0, len(b) - 1))
         b[i] = data.draw(st.sampled_from(b'0123456789-[]{},":.eEax '))
     try:
-        h = index.parse_header(bytes(b), url=URL)
+        h = index.parse_header(bytes(b), url=URL, writers=4)
     except CloudCkptError:
         return
     # what parses is usable: selecting for any rank's boxes does not fail untyped
@@ -351,3 +360,164 @@ def test_select_and_build_stay_small_for_a_rank_of_a_large_job():
     assert owners == {r} and all(len(v) == 1 for v in needs.values())
     small = index.build_metadata(h, needs, {r: parts_of({r: parts[r]})[r]}, wanted)
     assert sum(len(m.chunks) for m in small.state_dict_metadata.values() if hasattr(m, "chunks")) == 4 + 2
+
+
+# ============================================================================ the grid form
+def _layout_of(md, fqn="model.layers.0.w", compact=True) -> dict:
+    d = json.loads(index.header_bytes(md, compact=compact))
+    t = next(t for t in d["tensors"] if t[0] == fqn)
+    return d["layouts"][t[3]]
+
+
+def test_an_even_split_is_written_as_cuts_with_owners_by_rule_and_its_size_does_not_grow_with_ranks():
+    lay = _layout_of(job(8)[0])
+    assert lay["cuts"] == [[0, 8, 16, 24, 32, 40, 48, 56, 64], [0, 3]]
+    assert lay["owners"] == {"start": 0, "step": 1}
+    sizes = {R: len(index.header_bytes(job(R, tensors=4, rows=2)[0])) for R in (64, 4096)}
+    # the cuts grow by one number per rank; the boxes form (2 x ndim + 1 numbers per rank) did 5
+    boxes = {R: len(index.header_bytes(job(R, tensors=4, rows=2)[0], compact=False)) for R in (64, 4096)}
+    assert sizes[4096] - sizes[64] < (boxes[4096] - boxes[64]) / 3
+    grid = _layout_of(job(8, grid=True)[0])
+    assert grid["cuts"] == [[0, 8, 16], [0, 3, 6, 9, 12]]
+    # rank r holds cell (r % 2, r // 2): row-major cell k = (i, j) is rank 2 j + i
+    assert grid["owners"] == [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def test_owners_that_do_not_step_evenly_are_listed():
+    md, parts = job(4)
+    for t in range(3):  # the chunks written by the ranks in another order
+        fqn = f"model.layers.{t}.w"
+        for c in md.state_dict_metadata[fqn].chunks:
+            info = md.storage_data[MetadataIndex(fqn, c.offsets)]
+            r = int(info.relative_path.split("_")[2])
+            md.storage_data[MetadataIndex(fqn, c.offsets)] = StorageInfo(f"__{(r * 3) % 4}_0.distcp", info.offset,
+                                                                          info.length)
+    assert _layout_of(md)["owners"] == [0, 3, 2, 1]
+    h = header_of(md)
+    assert index.select(h, {"model.layers.0.w": [((8, 0), (8, 3))]})[1] == {3}
+
+
+def test_an_irregular_layout_is_written_as_boxes_and_reads_what_dcp_would():
+    """Rows 0-4 whole, rows 4-8 cut in two columns: not a grid."""
+    md, _ = job(3, tensors=1)
+    fqn = "model.odd"
+    chunks = [((0, 0), (4, 3), 0), ((4, 0), (4, 1), 1), ((4, 1), (4, 2), 2)]
+    md.state_dict_metadata[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([8, 3]),
+                                                        [ChunkStorageMetadata(torch.Size(o), torch.Size(z))
+                                                         for o, z, _ in chunks])
+    for o, _z, r in chunks:
+        md.storage_data[MetadataIndex(fqn, torch.Size(o))] = StorageInfo(f"__{r}_0.distcp", 9000, 40)
+    assert "boxes" in _layout_of(md, fqn)
+    h = header_of(md)
+    for box in (((0, 0), (8, 3)), ((3, 1), (2, 1)), ((5, 0), (3, 3))):
+        wanted = {fqn: [box]}
+        needs, owners = index.select(h, wanted)
+        assert reads(index.build_metadata(h, needs, {}, wanted), wanted) == reads(md, wanted)
+
+
+def test_empty_chunks_are_left_out_of_the_cuts_and_every_shard_reads_what_dcp_would():
+    """FSDP of a [3, 5] weight over 4 ranks: a row each for ranks 0-2, an empty chunk for 3."""
+    md, _ = job(4, tensors=1)
+    fqn = "model.short"
+    boxes = [((r, 0), (1, 5)) for r in range(3)] + [((3, 0), (0, 5))]
+    md.state_dict_metadata[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([3, 5]),
+                                                        [ChunkStorageMetadata(torch.Size(o), torch.Size(z))
+                                                         for o, z in boxes])
+    for r, (o, z) in enumerate(boxes):
+        md.storage_data[MetadataIndex(fqn, torch.Size(o))] = StorageInfo(f"__{r}_0.distcp", 9000, 20 * z[0] + 10)
+    lay = _layout_of(md, fqn)
+    assert lay["cuts"] == [[0, 1, 2, 3], [0, 5]] and lay["owners"] == {"start": 0, "step": 1}
+    h = header_of(md)
+    for wanted in [{fqn: [b]} for b in boxes] + [{fqn: [((0, 0), (3, 5))]}, {fqn: [((1, 2), (0, 3))]}]:
+        needs, owners = index.select(h, wanted)
+        assert set(needs.get(fqn, [])) <= {0, 1, 2}  # three cells: the empty chunk is not one
+        assert reads(index.build_metadata(h, needs, {}, wanted), wanted) == reads(md, wanted)
+
+
+@given(st.data())
+@settings(max_examples=150, deadline=None)
+def test_any_grid_reads_what_dcp_would_for_any_box(data):
+    """Random cuts in 1-3 dimensions, owners shuffled or by rank, random boxes (empty
+    ones too): the cuts form selects exactly the chunks DCP's planner reads."""
+    nd = data.draw(st.integers(1, 3))
+    cuts = [sorted(set([0, *data.draw(st.lists(st.integers(1, 11), max_size=4))])) for _ in range(nd)]
+    size = [c[-1] + data.draw(st.integers(1, 3)) for c in cuts]
+    cuts = [[*c, s] for c, s in zip(cuts, size, strict=True)]
+    import itertools
+    cells = list(itertools.product(*[range(len(c) - 1) for c in cuts]))
+    owners = list(range(len(cells)))
+    if data.draw(st.booleans()):
+        data.draw(st.randoms(use_true_random=False)).shuffle(owners)
+    fqn = "t"
+    chunks, storage = [], {}
+    for cell, r in zip(cells, owners, strict=True):
+        o = [c[i] for c, i in zip(cuts, cell, strict=True)]
+        z = [c[i + 1] - c[i] for c, i in zip(cuts, cell, strict=True)]
+        chunks.append(ChunkStorageMetadata(torch.Size(o), torch.Size(z)))
+        storage[MetadataIndex(fqn, torch.Size(o))] = StorageInfo(f"__{r}_0.distcp", 0, 4 * math_prod(z))
+    md = Metadata(state_dict_metadata={fqn: TensorStorageMetadata(TensorProperties(dtype=torch.float32),
+                                                                  torch.Size(size), chunks)},
+                  storage_data=storage)
+    h = header_of(md)
+    assert h.layouts[0].cuts is not None if len(cells) > 1 else True
+    for _ in range(4):
+        lo = [data.draw(st.integers(0, s)) for s in size]
+        z = [data.draw(st.integers(0, s - o)) for o, s in zip(lo, size, strict=True)]
+        wanted = {fqn: [(tuple(lo), tuple(z))]}
+        needs, _ = index.select(h, wanted)
+        assert reads(index.build_metadata(h, needs, {}, wanted), wanted) == reads(md, wanted)
+
+
+def math_prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def _grid_doc(**layout) -> bytes:
+    d = {"format": index.FORMAT, "version": index.HEADER_VERSION, "dcp_version": None,
+         "layouts": [{"ndim": 1, "cuts": [[0, 4, 8]], "owners": {"start": 0, "step": 1}, **layout}],
+         "tensors": [["w", "float32", [8], 0, None]], "values": []}
+    return json.dumps({k: v for k, v in d.items() if v is not ...}).encode()
+
+
+@pytest.mark.parametrize("case,layout,writers", [
+    ("cuts not ascending", {"cuts": [[0, 4, 4, 8]], "owners": [0, 1, 2]}, 4),
+    ("cuts not from 0", {"cuts": [[1, 4, 8]]}, 4),
+    ("cuts ending before the size", {"cuts": [[0, 4, 7]]}, 4),
+    ("cuts past the size", {"cuts": [[0, 4, 9]]}, 4),
+    ("cuts of another dimension count", {"cuts": [[0, 4, 8], [0, 1]]}, 4),
+    ("a float cut", {"cuts": [[0, 4.0, 8]]}, 4),
+    ("a cut past 2^63", {"cuts": [[0, 4, 1 << 64]]}, 4),
+    ("owners listed, too few", {"owners": [0]}, 4),
+    ("owners by rule, more chunks than writers", {}, 1),
+    ("owners by rule, no writers known", {}, 0),
+    ("owners by rule, a step of 0", {"owners": {"start": 0, "step": 0}}, 4),
+    ("owners by rule, past 2^24", {"owners": {"start": (1 << 24) - 1, "step": 1}}, 4),
+    ("owners by rule, an extra field", {"owners": {"start": 0, "step": 1, "x": 1}}, 4),
+    ("a grid of a billion chunks", {"cuts": [list(range(0, 1001)), list(range(0, 1001)), list(range(0, 1001))],
+                                    "ndim": 3}, 4),
+    ("items fewer than chunks", {"items": [["__0_0.distcp", 0, 16]]}, 4),
+    ("an item in another rank's file", {"items": [["__0_0.distcp", 0, 16], ["__0_0.distcp", 16, 16]]}, 4),
+])
+def test_a_crafted_grid_is_a_typed_error(case, layout, writers):
+    data = _grid_doc(**layout)
+    with pytest.raises(CorruptCheckpoint, match="s3://b/run/step1/index/header.json"):
+        index.parse_header(data, url=URL, writers=writers)
+    assert case
+
+
+def test_a_grid_in_a_version_1_header_is_refused_and_a_version_1_boxes_header_still_reads():
+    d = json.loads(_grid_doc())
+    d["version"] = 1
+    with pytest.raises(CorruptCheckpoint, match="not {ndim, boxes, owners"):
+        index.parse_header(json.dumps(d).encode(), url=URL, writers=4)
+    md, parts = job(4)
+    old = json.loads(index.header_bytes(md, compact=False))
+    old["version"] = 1
+    h = index.parse_header(json.dumps(old).encode(), url=URL, writers=4)
+    wanted = rank_wanted(4, 1)
+    needs, owners = index.select(h, wanted)
+    small = index.build_metadata(h, needs, parts_of(parts), wanted)
+    assert owners == {1} and reads(small, wanted) == reads(md, wanted)
