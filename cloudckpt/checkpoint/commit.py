@@ -148,7 +148,8 @@ class StepCommit:
     def prepare(self) -> None:
         """Check the step and take its lock. Raises CheckpointExists (committed and no
         ``save_overwrite``), SaveInProgress (another save holds a fresh lock, or took a
-        stale one over first), CorruptCheckpoint (an oversized lock: not ours), storage
+        stale one over first, or the store cannot take a stale lock over: its
+        ``conditional_replace`` is False), CorruptCheckpoint (an oversized lock: not ours), storage
         errors (BucketNotFound included)."""
         store, dir, marker, lock = self.store, self.dir, self.marker_url, self.lock_url
         store.check_bucket(dir)  # a clear BucketNotFound; some S3-compatible stores would create it on PUT
@@ -175,7 +176,10 @@ class StepCommit:
             if store.stat(lock).size > MAX_LOCK_BYTES:
                 raise CorruptCheckpoint(f"{lock} is {store.stat(lock).size} bytes: not a cloudckpt save lock (ours are "
                                         f"under {MAX_LOCK_BYTES} bytes); delete it to save {dir}")
-            data, version = store.get_bytes_versioned(lock)  # the exact lock we judge below
+            if store.conditional_replace:
+                data, version = store.get_bytes_versioned(lock)  # the exact lock we judge below
+            else:
+                data, version = read_capped(store, lock, limit=MAX_LOCK_BYTES, what="save lock"), None
         except NotFound:
             data, version = None, None  # released meanwhile: compete for it again below
         age = self._age(data)
@@ -184,6 +188,14 @@ class StepCommit:
                 f"another save of {dir} is in progress (its lock is {age:.0f}s old); "
                 "if that job is dead, wait until the "
                 f"lock is {self.stale_lock_seconds:.0f}s old, delete {lock}, or pass save_overwrite=True"
+            )
+        if data is not None and not store.conditional_replace:
+            # Without a compare-and-swap two jobs that judged the lock stale could both take
+            # it (each deleting what the other writes): refuse instead of guessing.
+            raise SaveInProgress(
+                f"{lock} holds a save lock ({'of unknown age' if age is None else f'{age:.0f}s old'}) and "
+                f"{type(store).__name__} cannot replace an object conditionally (its conditional_replace is "
+                f"False), so the lock is not taken over; if no other save of {dir} runs, delete {lock} and save again"
             )
         log.warning("taking over %s: clearing an abandoned save (lock %s old)", dir,
                     "of unknown age" if age is None else f"{age:.0f}s")
