@@ -50,7 +50,7 @@ from .exchange import for_coordinator
 from .items import load_tensor_into
 from .predownload import read_predownloaded
 from .resumable import coalesce  # noqa: F401 - imported from here too (dcp/__init__, callers)
-from .streaming import _ItemStream, _Stopped, _Tally, read_streamed  # noqa: F401 - the streams' parts, also by this path
+from .streaming import read_streamed
 
 log = logging.getLogger(__name__)
 _MiB = 1024 * 1024

@@ -14,6 +14,7 @@ import torch
 
 from cloudckpt import Checkpointer
 from cloudckpt.dcp import reader as R
+from cloudckpt.dcp import streaming as S
 from cloudckpt.errors import CorruptCheckpoint, Transient
 from cloudckpt.storage import open_store
 from cloudckpt.storage.s3 import S3Store
@@ -108,8 +109,8 @@ def _stream(data, parts, sums, tally=None, placed=None):
     reader = R.StreamingReader("s3://b/ck/model_and_optim", lambda *a: None, get_bytes=lambda u: b"",
                                checksums={"__0_0.distcp": sums})
     reader._consume = placed if placed is not None else Placed()
-    tally = tally or R._Tally(1 << 30)
-    st = R._ItemStream(reader, None, tally, URL, "__0_0.distcp", parts[0][0], parts[-1][0] + parts[-1][1], parts)
+    tally = tally or S._Tally(1 << 30)
+    st = S._ItemStream(reader, None, tally, URL, "__0_0.distcp", parts[0][0], parts[-1][0] + parts[-1][1], parts)
     return st, tally, reader._consume
 
 
@@ -141,7 +142,7 @@ def test_a_superseded_attempt_that_wakes_up_puts_nothing_in_place():
     def first():
         try:
             st(lambda pos: Body(data, pos, block_at=parts[1][0] + 10, gate=gate, reached=reached), lambda n: None)
-        except R._Stopped:
+        except S._Stopped:
             errors.append("stopped")
 
     t = threading.Thread(target=first, daemon=True)
@@ -160,7 +161,7 @@ def test_streams_share_the_byte_budget_and_a_waiting_one_says_it_is_alive():
     """Two streams, a budget of one item: while stream A puts an item in place
     (held), stream B waits before reading, reporting progress(0) to the watchdog."""
     data, parts, sums = _items(n=2, size=1000)
-    tally = R._Tally(1500)
+    tally = S._Tally(1500)
     placed = Placed(hold="item0")
     a, _, _ = _stream(data, parts[:1], sums, tally, placed)
     b, _, _ = _stream(data, parts[1:], sums, tally, placed)
@@ -186,7 +187,7 @@ def test_a_stream_from_a_store_that_fetches_it_whole_reserves_all_of_it_first():
     stream holds all of it from then on, so it reserves all of it before opening."""
     data, parts, sums = _items(n=3, size=1000)
     placed = Placed(hold="item0")
-    st, tally, _ = _stream(data, parts, sums, R._Tally(1500), placed)
+    st, tally, _ = _stream(data, parts, sums, S._Tally(1500), placed)
     st.reader.streamed = False
     t = threading.Thread(target=lambda: st(lambda pos: Body(data, pos), lambda n: None))
     t.start()
@@ -214,7 +215,7 @@ def test_a_truncated_object_or_a_corrupt_item_is_a_corrupt_checkpoint_naming_the
 
 def test_an_error_putting_an_item_in_place_fails_the_stream_and_frees_its_budget():
     data, parts, sums = _items()
-    st, tally, placed = _stream(data, parts, sums, R._Tally(1500), Placed(fail="item2"))
+    st, tally, placed = _stream(data, parts, sums, S._Tally(1500), Placed(fail="item2"))
     with pytest.raises(CorruptCheckpoint, match="item2"):
         st(lambda pos: Body(data, pos), lambda n: None)
     assert tally._held == 0 and tally._busy == 0
@@ -230,7 +231,7 @@ def test_closing_stops_streams_before_their_next_item_and_waits_for_the_one_bein
     def run():
         try:
             st(lambda pos: Body(data, pos), lambda n: None)
-        except R._Stopped:
+        except S._Stopped:
             stopped.append(True)
 
     t = threading.Thread(target=run)
