@@ -8,11 +8,14 @@ the bucket and sends it to the others over a dedicated gloo group.
 rank sends or receives grows with the world size R beyond two lists of R counts):
 
 1. each needed range ``(file, offset, length)`` goes to an *owner* rank, a hash of the
-   file and the range's 8 MiB block, so the ranges of one block meet at one rank;
+   file and the range's 1 GiB block (in effect the file: the writer's files are about
+   256 MiB), so the ranges of one file meet at one rank; a tiny range (a replicated
+   scalar, which all R ranks need) goes to an owner of its own (``owner_of``);
 2. the owner groups the ranges of a block by the set of ranks that need them, cuts each
    group into contiguous runs of about equal bytes, one per rank of the set (never
-   splitting an item; the runs go to the ranks the owner has given the fewest bytes so
-   far, starting at a point that depends on the block), and answers each request with
+   splitting an item: an item goes to the run holding most of it; the runs go to the
+   ranks the owner has given the fewest bytes so far, starting at a point that depends
+   on the block), and answers each request with
    the rank that reads it (and, to that rank, how many others need it);
 3. the reading rank receives, from the owner, the ranks it sends each range to.
 
@@ -51,7 +54,8 @@ from ..storage import url as urls
 
 log = logging.getLogger(__name__)
 _MiB = 1024 * 1024
-BLOCK = 8 * _MiB  # ranges of one block of a file meet at one owner (contiguous runs)
+BLOCK = 1024 * _MiB  # ranges of one block of a file meet at one owner (contiguous runs)
+TINY = 64  # a range shorter than this meets at an owner of its own (owner_of)
 ENABLED = True  # tests and benchmarks switch the exchange off here to compare (not a user setting)
 
 Key = tuple[int, int, int]  # (file id, offset, length)
@@ -63,8 +67,13 @@ def file_id(rel: str) -> int:
                           signed=True)
 
 
-def owner_of(fid: int, offset: int, world_size: int) -> int:
-    h = hashlib.blake2b(struct.pack("<qq", fid, offset // BLOCK), digest_size=8).digest()
+def owner_of(fid: int, offset: int, length: int, world_size: int) -> int:
+    """The rank that decides who reads the range: a hash of the file and the range's
+    block; for a tiny range (under ``TINY`` bytes: replicated scalars, which every rank
+    of the job needs), of the file and its offset, so the R requests for each scalar
+    meet at ranks of their own instead of all at the owner of their block."""
+    where = offset // BLOCK if length >= TINY else -1 - offset
+    h = hashlib.blake2b(struct.pack("<qq", fid, where), digest_size=8).digest()
     return int.from_bytes(h, "little") % world_size
 
 
@@ -108,8 +117,9 @@ def assign(requests: dict[Key, list[int]], load: dict[int, int]) -> dict[Key, in
         order = sorted(ranks, key=lambda r: (load.get(r, 0), (ranks.index(r) - start) % len(ranks)))
         run, acc = 0, 0
         for k in keys:
-            # the next run starts once this one holds its share of the bytes
-            while run < n - 1 and acc >= total * (run + 1) / n:
+            # the next run starts where this one holds its share of the bytes (an item
+            # across the boundary goes to the run holding more of it)
+            while run < n - 1 and acc + k[2] / 2 >= total * (run + 1) / n:
                 run += 1
             reader = order[run]
             out[k] = reader
@@ -147,7 +157,7 @@ class Exchange:
         keys = sorted({(file_id(rel), off, n) for rel, spans in needed.items() for off, n in spans})
         by_owner: list[list[Key]] = [[] for _ in range(R)]
         for k in keys:
-            by_owner[owner_of(k[0], k[1], R)].append(k)
+            by_owner[owner_of(k[0], k[1], k[2], R)].append(k)
         send_n = [len(b) for b in by_owner]
         recv_n = self.coord.all_to_all_int64(torch.tensor(send_n, dtype=torch.int64), [1] * R, [1] * R).tolist()
         # 2. the requests, to their owners
