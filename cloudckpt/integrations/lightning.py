@@ -18,9 +18,11 @@ checkpoint *folder*, committed by its marker like any cloudckpt step::
 so ``cloudckpt list/latest/inspect/verify/export`` work on Lightning checkpoints too
 (``export`` takes the ``model`` tensors: the LightningModule's state dict).
 
-Importing this module registers the fsspec shim for ``s3://``/``gs://`` (logs,
+Importing this module changes nothing global. Building a plugin (``CloudCheckpointIO``,
+``AsyncCloudCheckpointIO``) registers the fsspec shim for ``s3://``/``gs://`` (logs,
 folder checks: see ``_fsspec``) and makes ``fit(ckpt_path="last")`` resolve to
-:func:`last_checkpoint` of the ``ModelCheckpoint``'s folder (:func:`install_last_resolution`).
+:func:`last_checkpoint` of the ``ModelCheckpoint``'s folder (:func:`install_last_resolution`);
+both are done once per process, whatever the number of plugins.
 
 Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0 only,
 so the plugin's Checkpointer acts alone (``distributed=False``); every rank loads
@@ -74,12 +76,10 @@ __all__ = ["AsyncCloudCheckpointIO", "AsyncFinalizerCallback", "CloudCheckpointI
 
 def register_fsspec(storage_options: StorageOptions | None = None) -> list[str]:
     """Serve ``s3://``/``gs://`` in fsspec with cloudckpt's stores where s3fs/gcsfs are
-    not installed (never replacing a registered class). Done on import of this module;
-    call it again to set the storage options the shim uses. Returns the protocols served."""
+    not installed (never replacing a registered class). Done when a plugin is built (with
+    its ``storage_options``); call it again to set the storage options the shim uses.
+    Returns the protocols served."""
     return _fsspec.register(storage_options)
-
-
-register_fsspec()
 
 
 # ---------------------------------------------------------------- checkpoint dict <-> (DCP state, train state)
@@ -185,7 +185,8 @@ def last_checkpoint(dirpath: str, *, storage_options: StorageOptions | None = No
 def install_last_resolution() -> bool:
     """Make ``fit(ckpt_path="last")`` resolve to :func:`last_checkpoint` of each
     ``ModelCheckpoint``'s folder when that folder holds committed cloudckpt
-    checkpoints. Done on import of this module; returns whether it is in place.
+    checkpoints. Done when a plugin is built (once: the wrapper is never wrapped again);
+    returns whether it is in place.
 
     Lightning finds "last" candidates by listing the folder with fsspec and passing
     each name through ``os.path.normpath``, which turns ``s3://b/…`` into a local
@@ -219,9 +220,6 @@ def install_last_resolution() -> bool:
     return True
 
 
-install_last_resolution()
-
-
 # ---------------------------------------------------------------- sync plugin
 class CloudCheckpointIO(CheckpointIO):
     """Saves and loads Lightning checkpoints through cloudckpt (local paths, ``s3://``, ``gs://``).
@@ -242,8 +240,8 @@ class CloudCheckpointIO(CheckpointIO):
         self._options = dict(checkpointer_options, storage_options=storage_options, save_overwrite=save_overwrite,
                              distributed=False)
         self._ckpt: Checkpointer | None = None
-        if storage_options is not None:
-            register_fsspec(storage_options)
+        register_fsspec(storage_options)  # what Lightning reaches through fsspec (logs, folder checks)
+        install_last_resolution()  # fit(ckpt_path="last") for a URL
 
     @property
     def checkpointer(self) -> Checkpointer:
