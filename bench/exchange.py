@@ -148,19 +148,31 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
                 target = state(layout, rank, args["items"], args["numel"], zero=True)
                 ck.coord.all_gather(None)  # start together
                 before = snapshot()
-                t0 = time.perf_counter()
+                server0 = _cpu_of(args.get("server_pid"))
+                c0, t0 = time.process_time(), time.perf_counter()
                 ck.load(step, target)
-                seconds = time.perf_counter() - t0
+                seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+                ck.coord.all_gather(None)  # every rank done: the server's CPU of this load
+                server = _cpu_of(args.get("server_pid")) - server0 if rank == 0 and server0 is not None else None
                 after = snapshot()
                 got = flat(target)
                 if not all(torch.equal(want[k], got[k]) for k in want):
                     raise AssertionError(f"rank {rank}: {layout} load (exchange {on}) is not bit-exact")
                 ex = exchange.for_coordinator(ck.coord) if on else None
-                rows.append({"rep": rep, "exchange": on, "seconds": seconds,
+                rows.append({"rep": rep, "exchange": on, "seconds": seconds, "cpu_s": cpu, "server_cpu_s": server,
                              "bucket": {k: after[k] - before[k] for k in after},
                              "census_s": ex.last_census_seconds if ex else None})
         out[layout] = rows
     return out
+
+
+def _cpu_of(pid: int | None) -> float | None:
+    """CPU seconds (user + system, with its waited-for children) of process ``pid``."""
+    if pid is None:
+        return None
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def summarize(ranks: list[dict], data_bytes: dict[str, int]) -> list[dict]:
@@ -179,6 +191,9 @@ def summarize(ranks: list[dict], data_bytes: dict[str, int]) -> list[dict]:
                 "data_gets": statistics.mean(sum(x["bucket"]["data_gets"] for x in load) for load in loads),
                 "load_s": statistics.median(max(x["seconds"] for x in load) for load in loads),
                 "census_s": statistics.median(max(x["census_s"] for x in load) for load in loads) if on else None,
+                "rank_cpu_s": statistics.median(sum(x["cpu_s"] for x in load) for load in loads),
+                "server_cpu_s": (statistics.median(load[0]["server_cpu_s"] for load in loads)
+                                 if loads[0][0].get("server_cpu_s") is not None else None),
                 "spread": max(per_rank) / min(per_rank) if min(per_rank) else None,
             })
     return rows
@@ -389,15 +404,17 @@ def markdown(meta: dict, rows: list[dict], sim: list[dict]) -> str:
             f"{meta['cpus']} cores shared by the ranks and SeaweedFS; load average before {meta['load_before']}.",
             f"Per replica: {meta['items']} tensors of {meta['numel'] * 4 / MiB:.2f} MiB.", "",
             "| layout | exchange | data bytes | bucket bytes / checkpoint | GETs per load (data) "
-            "| load s (slowest rank, median) | census s | reading max/min over ranks |",
-            "|---|---|---:|---:|---:|---:|---:|---:|",
+            "| load s (slowest rank, median) | census s | reading max/min over ranks "
+            "| CPU s per load: ranks + SeaweedFS |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in rows:
             census = "-" if r["census_s"] is None else f"{r['census_s']:.4f}"
             spread = "-" if r["spread"] is None else f"{r['spread']:.2f}"
+            server = "?" if r.get("server_cpu_s") is None else f"{r['server_cpu_s']:.2f}"
             lines.append(f"| {r['layout']} | {'on' if r['exchange'] else 'off'} | {r['data_bytes']:,} | "
                          f"{r['bucket_over_ckpt']:.3f} | {r['gets']:.0f} ({r['data_gets']:.0f}) | "
-                         f"{r['load_s']:.3f} | {census} | {spread} |")
+                         f"{r['load_s']:.3f} | {census} | {spread} | {r['rank_cpu_s']:.2f} + {server} |")
         lines.append("")
     if sim:
         lines += sim_markdown(meta, sim)
@@ -468,7 +485,7 @@ def main(argv=None) -> int:
             os.environ.update(s3.env())
             with tempfile.TemporaryDirectory(prefix="cloudckpt-exchange-bench-") as work:
                 args = {"root": root, "work": work, "layouts": ["ddp", "hsdp"], "items": items, "numel": numel,
-                        "reps": reps}
+                        "reps": reps, "server_pid": s3.proc.pid}
                 print(f"exchange bench: {items} x {numel * 4 / MiB:.2f} MiB per replica, {a.ranks} ranks, {reps} "
                       "loads each way", flush=True)
                 ranks = run_ranks(a.ranks, rank_main, args, env=dict(os.environ), timeout=3600)

@@ -43,6 +43,7 @@ import logging
 import struct
 import threading
 import time
+import warnings
 import weakref
 from typing import Callable
 
@@ -59,6 +60,10 @@ TINY = 64  # a range shorter than this meets at an owner of its own (owner_of)
 ENABLED = True  # tests and benchmarks switch the exchange off here to compare (not a user setting)
 
 Key = tuple[int, int, int]  # (file id, offset, length)
+# an item read from the bucket (bytes) is sent as it is, without a copy: the send only
+# reads it (torch warns, once per process, that the buffer is not writable)
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=__name__)
 
 
 def file_id(rel: str) -> int:
@@ -240,7 +245,9 @@ class Exchange:
         streams = _Worker(self, "cloudckpt-exchange-read")
         streams.run = lambda: read_streamed(reader, mine, planner, max_gap=0, hold=sender)
         workers = (streams, sender, receiver)
+        wake = threading.Event()  # a worker ended
         for w in workers:
+            w.wake = wake
             w.start()
         try:
             while not all(w.done for w in workers):
@@ -248,7 +255,8 @@ class Exchange:
                 for w in workers:
                     if w.error is not None:
                         raise w.error
-                time.sleep(0.02)
+                wake.wait(0.02)
+                wake.clear()
             for w in workers:
                 w.join()
         except BaseException as e:  # noqa: BLE001 - re-raised (peers told which rank failed)
@@ -280,6 +288,7 @@ class _Worker:
         self.ex = exchange
         self.error: BaseException | None = None
         self._stopped = threading.Event()
+        self._ended = False
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
 
     def start(self) -> None:
@@ -287,13 +296,19 @@ class _Worker:
 
     @property
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self._ended
+
+    wake: threading.Event | None = None  # set when the thread ends
 
     def _main(self) -> None:
         try:
             self.run()
         except BaseException as e:  # noqa: BLE001 - raised by join on the loading thread
             self.error = e
+        finally:
+            self._ended = True
+            if self.wake is not None:
+                self.wake.set()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -440,7 +455,7 @@ class _Sender(_Worker):
         key = (file_id(rel), off, length)
         if not self.plan.reads.get(key):
             return False
-        buf = data if isinstance(data, bytearray) else bytearray(data)
+        buf = data if isinstance(data, (bytes, bytearray)) else bytes(data)
         with self._cv:
             if self._stopped.is_set() or key in self._read:  # (an item two ReadItems of the plan share: sent once)
                 return False
