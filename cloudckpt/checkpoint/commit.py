@@ -13,8 +13,7 @@ Call order (``C``: the coordinator, rank 0, alone; ``R``: every rank)::
     ref = c.publish_part(rank, entries)   # R  upload this rank's manifest part
     ... "agree": every rank's outcome and ``ref`` travel to the coordinator ...
     marker = c.marker(parts, objects, ephemeral=...)   # C  the header listing the parts
-    c.commit(marker)         # C  pointer "pending", marker (conditional create),
-                             #    pointer final, release the lock
+    c.commit(marker)         # C  the marker (conditional create), then release the lock
     c.abort()                # C  on any failure after prepare(): remove what this
                              #    attempt uploaded, if it still holds the lock
 
@@ -59,7 +58,7 @@ from ..errors import (
 from ..storage import Location
 from ..storage import url as urls
 from ..untrusted import loads_json, read_capped
-from . import layout, pointer
+from . import layout
 from .marker import FORMAT_VERSION, ManifestPart, Marker, ObjectEntry, PartRef
 
 log = logging.getLogger(__name__)
@@ -277,8 +276,8 @@ class StepCommit:
                       save_id=self.save_id, format_version=FORMAT_VERSION)
 
     def commit(self, marker: Marker) -> Marker:
-        """Write the marker last (conditional create) and release the lock; the ``latest``
-        pointer goes to "pending" before and final after. Raises SaveFailed (a marker
+        """Write the marker last (conditional create) and release the lock: 2 requests (no
+        ``latest`` pointer: ``pointer.py`` says why). Raises SaveFailed (a marker
         this library could not read back), CheckpointExists (another save committed
         the step meanwhile), storage errors."""
         store, url = self.store, self.marker_url
@@ -288,9 +287,6 @@ class StepCommit:
             Marker.from_bytes(data, url=url)  # what readers will parse: checked before it is written
         except CorruptCheckpoint as e:
             raise SaveFailed(f"the marker of {self.dir} would not be readable: {e}") from None
-        folder = self.loc.parent() if layout.step_of_name(self.loc.name) == marker.step else None
-        if folder is not None:
-            self._advance_pointer(folder, marker.step, pending=True)
         try:
             store.put_bytes(url, data, if_absent=True)
         except AlreadyExists:
@@ -303,27 +299,12 @@ class StepCommit:
             if theirs is None or theirs.save_id != marker.save_id:
                 raise CheckpointExists(f"{self.dir} was committed by another save while this one ran; "
                                        "this save was not committed") from None
-        if folder is not None:
-            self._advance_pointer(folder, marker.step, pending=False)
         self.locked = False
         try:
             store.delete(self.lock_url)
         except CloudCkptError as e:
             log.warning("committed %s but could not remove its lock (%s); it is harmless", self.dir, e)
         return marker
-
-    @staticmethod
-    def _advance_pointer(folder: Location, step: int, *, pending: bool) -> None:
-        """Keep the ``latest`` pointer from ever lagging behind the newest commit. If it
-        cannot be advanced before the commit, remove it (readers then list)."""
-        if not folder.store.conditional_replace:
-            return  # backend without conditional replace: no pointer, discovery lists
-        try:
-            pointer.advance(folder, step, pending=pending)
-        except CloudCkptError as e:
-            log.warning("could not advance the latest pointer of %s to step %d (%s)", folder.url, step, e)
-            if pending:
-                pointer.best_effort_clear(folder)
 
     # ------------------------------------------------------------ coordinator: abort
     def abort(self) -> None:

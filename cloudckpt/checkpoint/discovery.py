@@ -238,7 +238,7 @@ def find_checkpoints(
         yield (step, dir, m) if with_markers else (step, dir)
 
 
-def latest_checkpoint(folder: Where, *, use_pointer: bool = True) -> str:
+def latest_checkpoint(folder: Where, *, use_pointer: bool = False) -> str:
     """The newest committed step folder, ours or foreign. Raises NotACheckpoint (a
     FileNotFoundError) if none; CorruptCheckpoint / UnsafeCheckpoint /
     IncompatibleCheckpoint naming the step when a step above every readable one has a
@@ -246,10 +246,10 @@ def latest_checkpoint(folder: Where, *, use_pointer: bool = True) -> str:
 
     One LIST of the folder's step prefixes (a page per 1000), then markers from the
     highest step down: 2 requests when the newest step folder is committed by
-    cloudckpt (LIST, GET marker), one more LIST when it is a foreign step. The
-    ``latest`` pointer never decides alone: other tools (OLMo-core) commit steps
-    without moving it. With ``use_pointer``, when the step found is foreign and newer
-    than the step the pointer names, that is logged (one more GET, of the pointer).
+    cloudckpt (LIST, GET marker), one more LIST when it is a foreign step. No
+    ``latest`` pointer decides: saves no longer write one (``pointer.py``). With
+    ``use_pointer`` (``cloudckpt latest --pointer``), a pointer an older version left
+    is read (one more GET) and a warning says when it names another step.
     Local folders are resolved to their real path first (the local backend follows
     no links inside them); the step folder returned is under the resolved path."""
     loc = Location.of(folder).resolved()
@@ -258,15 +258,28 @@ def latest_checkpoint(folder: Where, *, use_pointer: bool = True) -> str:
         m = _newest_candidate(loc.at(dir), folder)
         if m is None:
             continue
-        if use_pointer and m.foreign:
-            from . import pointer
-
-            p = pointer.read(loc)
-            if p is not None and p[0] < step:
-                log.warning("%s: using step%d, newer than step%d named by the latest pointer: %s wrote it%s", folder,
-                            step, p[0], m.writer, "" if m.verified else " (no manifest: unverified)")
+        if use_pointer:
+            _say_pointer(loc, step, m)
         return dir
     raise NotACheckpoint(f"no committed checkpoint in {folder}")
+
+
+def _say_pointer(loc: Location, step: int, m: Marker) -> None:
+    """Log what the ``latest`` pointer an older version left says, when it names
+    another step than ``step`` (the newest committed one, found by listing)."""
+    from . import pointer
+
+    p = pointer.read(loc)  # a planted or oversized pointer: None, with a warning
+    if p is None or p[0] == step:
+        return
+    if p[0] > step:
+        why = "that step is not committed (pruned, removed, or a planted pointer)"
+    elif m.foreign:
+        why = f"{m.writer} wrote it{'' if m.verified else ' (no manifest: unverified)'}"
+    else:
+        why = "an older cloudckpt wrote the pointer; saves no longer move it"
+    log.warning("%s: using step%d, %s than step%d named by the latest pointer: %s", loc.url, step,
+                "newer" if p[0] < step else "older", p[0], why)
 
 
 def newest_usable(folder: Where, *, skip_refused: bool) -> tuple[str | None, list[tuple[int, str, str]]]:

@@ -198,8 +198,8 @@ def register(command) -> None:
                 "3 if the folder holds no step folder at all.")
     s.add_argument("folder", metavar="FOLDER")
     s.add_argument("--pointer", action="store_true",
-                   help="also read the folder's `latest` pointer and warn when a step another tool wrote is newer "
-                        "than it (the answer always comes from listing)")
+                   help="also read the `latest` pointer an earlier cloudckpt wrote (saves no longer write one) and "
+                        "warn when it names another step (the answer always comes from listing)")
 
     s = command("rm", cmd_rm, "delete one step folder, marker first (dry run unless --yes)",
                 "Delete one step folder (named step{N}, committed or not): its marker first, then every object, "

@@ -583,7 +583,7 @@ class ObjectStoreConformance:
         assert backend.store.get_bytes(u) == b"written by the copy"
 
     # ------------------------------------------------------------ the commit protocol
-    # cloudckpt.checkpoint.commit drives the step's lock, marker and pointer through the
+    # cloudckpt.checkpoint.commit drives the step's lock and marker through the
     # store alone: every backend runs the protocol here, without ranks.
     def _attempt(self, backend: StoreUnderTest, step: int = 1, **kw):
         from ..checkpoint.commit import StepCommit

@@ -5,8 +5,8 @@ local and SeaweedFS, 1 and 2 ranks:
   cloudckpt finds, lists (FORMAT olmo-core) and loads bit-exactly what OLMo-core itself
   reads back (model, optimizer, every rank's train state with numpy's RNG state), on
   1 rank and on 2; `adopt` then `verify` passes and OLMo-core still finds and loads it.
-- A folder both wrote: cloudckpt steps, then a newer OLMo-core step with the `latest`
-  pointer still on ours; cloudckpt resumes from the OLMo-core step, goes on saving,
+- A folder both wrote: cloudckpt steps (and the `latest` pointer an earlier cloudckpt
+  left on them), then a newer OLMo-core step; cloudckpt resumes from the OLMo-core step, goes on saving,
   prunes and gcs without touching it; then OLMo-core reads the step cloudckpt wrote
   after it, bit-exactly.
 - A crafted OLMo-style step with a hostile global in `.metadata` or in the train state
@@ -206,7 +206,9 @@ def test_a_folder_both_wrote_resumes_the_newest_step_and_olmo_core_reads_ours_af
     work = str(tmp_path / "w")
     _save_ours(folder, [10, 20], work)
     olmo(olmo_python, "save", layout.step_dir(folder, 30), str(tmp_path / "ref30.pt"), "--seed", "30", tmp=tmp_path)
-    assert pointer.read(folder) == (20, False)  # OLMo-core does not move our pointer
+    assert pointer.read(folder) is None  # saves no longer write one
+    # the pointer an earlier cloudckpt left on step 20: `latest --pointer` says the step found is newer
+    open_store(folder).put_bytes(pointer.pointer_url(folder), b'{"step": 20, "pending": false}')
 
     r = cli("latest", folder, "--pointer")
     assert r.stdout.strip() == layout.step_dir(folder, 30) \

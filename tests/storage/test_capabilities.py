@@ -1,7 +1,7 @@
 """Conditional replace is a capability a backend declares (``ObjectStore.conditional_replace``):
 the declaration holds against the real servers, a store without it gets a typed error from
-the base methods, and a save to it commits without a ``latest`` pointer (the checkpointer
-reads the capability; it does not call and catch)."""
+the base methods, and a save to it commits without calling them (the checkpointer reads
+the capability; it does not call and catch)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_a_store_without_the_capability_raises_a_typed_error_naming_the_url():
         assert "conditional_replace" in str(ei.value) and type(ei.value) is StorageError
 
 
-def test_a_save_to_a_store_without_the_capability_commits_without_a_pointer(tmp_path, monkeypatch):
+def test_a_save_to_a_store_without_the_capability_commits_without_calling_it(tmp_path, monkeypatch):
     folder = str(tmp_path / "run")
     asked: list[str] = []
     monkeypatch.setattr(LocalStore, "conditional_replace", False)
@@ -76,16 +76,7 @@ def test_a_save_to_a_store_without_the_capability_commits_without_a_pointer(tmp_
     for step in (1, 2):
         ck.save(layout.step_dir(folder, step), {"w": torch.full((4,), float(step))}, {"step": step})
     assert not os.path.exists(pointer.pointer_url(folder)) and asked == []
-    assert not pointer.advance(folder, 3, pending=True) and asked == []
     assert discovery.latest_checkpoint(folder) == layout.step_dir(folder, 2)  # found by listing
     target = {"w": torch.zeros(4)}
     assert ck.load(layout.step_dir(folder, 2), target) == {"step": 2}
     assert torch.equal(target["w"], torch.full((4,), 2.0))
-
-
-def test_the_same_saves_keep_the_pointer_where_the_store_can(tmp_path):
-    folder = str(tmp_path / "run")
-    ck = Checkpointer(work_dir=str(tmp_path / "w"))
-    for step in (1, 2):
-        ck.save(layout.step_dir(folder, step), {"w": torch.full((4,), float(step))}, {"step": step})
-    assert pointer.read(folder) == (2, False)
