@@ -12,12 +12,11 @@ Other code that reads a scheme, and why:
   naming rule of each scheme, ``local_path``, the hint for an ``http(s)://`` save
   location); each backend refuses a URL of another scheme; ``http.py`` keeps a
   redirect within its origin.
-- above ``storage/``, to tell a local path from an object-store URL (a download's
-  destination or an export for ``from_pretrained`` must be a local folder); these
-  should ask ``url.local_path`` instead of spelling the test themselves:
-  ``ops/downloads.py`` (``prepare_download``), ``ops/export.py`` (the destination),
-  ``cli/hints.py`` (``is_local``), ``integrations/hf_export.py`` (``export_hf``),
-  ``integrations/torchtitan.py`` (the folder and ``import_torchtitan_step``).
+- above ``storage/``, code that must have a local folder (a download's destination,
+  an export for ``from_pretrained``, a torchtitan folder to import) asks
+  ``url.local_path`` and never spells the test itself: ``ops/downloads.py``,
+  ``ops/export.py``, ``cli/hints.py``, ``integrations/hf_export.py``,
+  ``integrations/torchtitan.py``.
 - ``config.py`` checks ``save_folder``'s scheme against :func:`known_schemes` and
   refuses a bucket root of an object-store URL.
 """
