@@ -96,13 +96,17 @@ def _env() -> dict:
     return env()
 
 
+def bucket_and_tmp(seaweed, tmp_path_factory, name: str):
+    """A fresh bucket's ``.../run`` (SeaweedFS's env set for the ranks) and a temporary folder."""
+    for k, v in seaweed.env().items():
+        os.environ[k] = v
+    return seaweed.create_bucket(f"{name}-{os.getpid()}") + "/run", tmp_path_factory.mktemp(name)
+
+
 @pytest.fixture(scope="module")
 def saved(seaweed, tmp_path_factory):
     """One run: DDP and HSDP saved, each loaded without then with the exchange."""
-    for k, v in seaweed.env().items():
-        os.environ[k] = v
-    root = seaweed.create_bucket(f"exchange-{os.getpid()}") + "/run"
-    tmp = tmp_path_factory.mktemp("exchange")
+    root, tmp = bucket_and_tmp(seaweed, tmp_path_factory, "exchange")
     reports = run_ranks(WORLD, save_and_load, root, str(tmp / "w1"), ["ddp", "hsdp"], env=_env(), timeout=120)
     return root, reports, tmp
 
