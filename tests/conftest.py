@@ -38,6 +38,27 @@ def _started(make, attempts: int = 3):
                 raise
 
 
+@pytest.fixture(scope="session", autouse=True)
+def warm_ranks():
+    """``run_ranks`` forks its ranks from a forkserver that imported torch once, each rank
+    made what a spawned one is before it runs (warm_ranks.py): a rank starts in
+    milliseconds instead of a Python start-up with torch (seconds). ``RANKS_SPAWN=1`` keeps
+    run_ranks' own spawn (to tell a rank's problem from this start-up's)."""
+    if os.environ.get("RANKS_SPAWN") == "1":
+        yield
+        return
+    from warm_ranks import WarmSpawn
+
+    from cloudckpt.testing import multiprocess
+
+    real = multiprocess.mp
+    multiprocess.mp = WarmSpawn()
+    try:
+        yield
+    finally:
+        multiprocess.mp = real
+
+
 @pytest.fixture(scope="session")
 def seaweed():
     s = _started(SeaweedFS)
