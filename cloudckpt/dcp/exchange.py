@@ -141,6 +141,9 @@ class Exchange:
         self.last_error: ExchangeFailed | None = None
         self.last_census_seconds = 0.0
         self.loads = 0  # census calls: the same count on every rank (a collective each)
+        # reader of a load -> (its keys, the plan): a census made before its read (plan_ahead);
+        # kept with the load's reader, so a load that failed before reading leaves nothing behind
+        self._ahead: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def rank(self) -> int:
@@ -220,12 +223,13 @@ class Exchange:
         from .streaming import read_streamed
 
         needed = {rel: [(off, n) for off, n, _ in reqs] for rel, reqs in per_file.items()}
-        try:
-            plan = self.census(needed)
-        except RuntimeError as e:  # a collective of the census failed (a peer died or timed out)
-            why = f"the census (an all_to_all of the group) failed: {e}; a rank died or did not join within " \
-                  f"{self.coord.timeout:g} s"
-            raise self._raised(self._failed({"?": why})) from None
+        ahead = self._ahead.pop(reader, None)
+        if ahead is None:
+            plan = self._census(needed)
+        elif ahead[0] != _keys(needed):  # (the same plan on every rank: cannot happen)
+            raise RuntimeError("the load reads other ranges than its census (plan_ahead) was made for")
+        else:
+            plan = ahead[1]
         if not plan.shared:
             plain(per_file)
             return
@@ -272,6 +276,29 @@ class Exchange:
         except ExchangeFailed as e:
             raise self._raised(e) from None
 
+    def plan_ahead(self, needed: dict[str, list[tuple[int, int]]], reader) -> dict[str, list[tuple[int, int]]]:
+        """The census of the load of ``reader``, made before its reading (collective, as
+        :meth:`census`: on every rank or none), kept for its :meth:`read`. Returns the
+        ranges of ``needed`` this rank reads from storage itself (the others come from
+        peers): what the node-local tier's recovery fetches before the read."""
+        plan = self._census(needed)
+        self._ahead[reader] = (_keys(needed), plan)
+        mine: dict[str, list[tuple[int, int]]] = {}
+        for rel, spans in needed.items():
+            fid = file_id(rel)
+            kept = [(off, n) for off, n in spans if (fid, off, n) in plan.reads]
+            if kept:
+                mine[rel] = kept
+        return mine
+
+    def _census(self, needed: dict[str, list[tuple[int, int]]]) -> Plan:
+        try:
+            return self.census(needed)
+        except RuntimeError as e:  # a collective of the census failed (a peer died or timed out)
+            why = f"the census (an all_to_all of the group) failed: {e}; a rank died or did not join within " \
+                  f"{self.coord.timeout:g} s"
+            raise self._raised(self._failed({"?": why})) from None
+
     def _raised(self, e: BaseException) -> BaseException:
         if isinstance(e, ExchangeFailed):
             self.last_error = e
@@ -279,6 +306,10 @@ class Exchange:
 
     def _failed(self, failures: dict) -> ExchangeFailed:
         return ExchangeFailed("read-once exchange", failures)
+
+
+def _keys(needed: dict[str, list[tuple[int, int]]]) -> frozenset:
+    return frozenset((file_id(rel), off, n) for rel, spans in needed.items() for off, n in spans)
 
 
 class _Worker:

@@ -15,8 +15,10 @@ with their number:
 2. LEFTOVERS: one all_reduce of a bit per key of the checkpoint (asked for by some
    rank?) and per top-level key; every rank then judges the keys no rank loads the
    same way (KeysNotLoaded on every rank, or the list of keys not loaded).
-3. ``before_read`` (the node-local tier's collective fetch from peers), then READ:
-   every rank reads its items; AGREE again, so a rank's read error reaches all.
+3. ``before_read`` (the node-local tier's collective fetch from peers) with the
+   ranges this rank reads from storage (with the read-once exchange: its share, the
+   exchange's census made first), then READ: every rank reads its items; AGREE
+   again, so a rank's read error reaches all.
 
 The order of the public planner and reader calls is DCP's own
 (``state_dict_loader._load_state_dict``, torch 2.13): reset, set_up_planner,
@@ -66,7 +68,8 @@ def load(state_dict: dict, *, reader: Any, planner: Any, coord: Any,
     (local,) = planner.create_global_plan([local])
     (local,) = reader.prepare_global_plan([local])
     if before_read is not None:
-        before_read(ranges)
+        ex = getattr(reader, "exchange", None)  # read-once: this rank reads its share (the census, made now)
+        before_read(ex.plan_ahead(ranges, reader) if ex is not None else ranges)
 
     def read():
         final = planner.finish_plan(local)
