@@ -15,7 +15,7 @@ rank sends or receives grows with the world size R beyond two lists of R counts)
    group into contiguous runs of about equal bytes, one per rank of the set (never
    splitting an item: an item goes to the run holding most of it; the runs go to the
    ranks the owner has given the fewest bytes so far, starting at a point that depends
-   on the block), and answers each request with
+   on the group's first range), and answers each request with
    the rank that reads it (and, to that rank, how many others need it);
 3. the reading rank receives, from the owner, the ranks it sends each range to.
 
@@ -111,14 +111,16 @@ def assign(requests: dict[Key, list[int]], load: dict[int, int]) -> dict[Key, in
     for key, ranks in requests.items():
         groups[(key[0], key[1] // BLOCK, tuple(sorted(set(ranks))))].append(key)
     out: dict[Key, int] = {}
-    for (fid, block, ranks), keys in sorted(groups.items()):
+    for (fid, _block, ranks), keys in sorted(groups.items()):
         if len(ranks) == 1:
             out.update((k, ranks[0]) for k in keys)
             continue
         keys.sort(key=lambda k: (k[1], k[2]))
         total = sum(k[2] for k in keys)
         n = min(len(ranks), len(keys))
-        start = int.from_bytes(hashlib.blake2b(struct.pack("<qq", fid, block), digest_size=4).digest(), "little")
+        # (of the group's first range: the tiny ranges of one block, each at an owner of its
+        # own, start at different ranks)
+        start = int.from_bytes(hashlib.blake2b(struct.pack("<qq", fid, keys[0][1]), digest_size=4).digest(), "little")
         order = sorted(ranks, key=lambda r: (load.get(r, 0), (ranks.index(r) - start) % len(ranks)))
         run, acc = 0, 0
         for k in keys:
