@@ -26,6 +26,7 @@ import types
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Union, get_args, get_origin, get_type_hints
 
+from . import rules
 from .errors import ConfigError, InvalidURL
 from .storage import StorageOptions
 from .storage import url as urls
@@ -70,89 +71,242 @@ def default_work_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"cloudckpt-work-{uid}")
 
 
+# ---------------------------------------------------------------- the groups
+@dataclass(frozen=True)
+class LocalTierConfig:
+    """The node-local tier (docs/local-tier.md): ``CheckpointConfig.local``.
+
+    Attributes:
+        local_dir: the tier's folder on each node, e.g. ``/dev/shm/ckpt`` (``{node}`` is
+            replaced by the node index); None: no local tier.
+        local_save_interval: a local step every N steps (needs ``local_dir``); steps due
+            for the bucket are written locally too and persisted from the local files.
+        keep_last_local: complete local steps kept (>= 1).
+        replication_factor: copies of each rank's part on distinct nodes, its own included
+            (None: 2 when there are two nodes or more, else 1).
+        replication_jump: ranks per failure domain, a node or a rack (a multiple of
+            ``LOCAL_WORLD_SIZE``; None: ``LOCAL_WORLD_SIZE``, else 1).
+    """
+
+    local_dir: Optional[str] = None
+    local_save_interval: Optional[int] = None
+    keep_last_local: int = 2
+    replication_factor: Optional[int] = None
+    replication_jump: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        rules.check("local tier option ", self, LOCAL_RULES)
+        if self.local_save_interval is not None and self.local_dir is None:
+            raise ConfigError(f"local_save_interval={self.local_save_interval} needs local_dir (a node-local "
+                              "folder such as /dev/shm/ckpt) to write local steps to")
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """What the manager keeps and garbage-collects after each save: ``CheckpointConfig.retention``.
+
+    Attributes:
+        keep_last_ephemeral: ephemeral checkpoints kept (>= 1).
+        max_checkpoints: persistent checkpoints kept (>= 1; None: all).
+        keep_every: persistent steps divisible by this are never pruned (None: off).
+        gc_grace_seconds: uncommitted step folders and multipart uploads older than this
+            are garbage-collected.
+    """
+
+    keep_last_ephemeral: int = 1
+    max_checkpoints: Optional[int] = None
+    keep_every: Optional[int] = None
+    gc_grace_seconds: float = 3600.0
+
+    def __post_init__(self) -> None:
+        rules.check("retention option ", self, RETENTION_RULES)
+
+
+@dataclass(frozen=True)
+class ShutdownConfig:
+    """What the manager does on SIGTERM: ``CheckpointConfig.shutdown``.
+
+    Attributes:
+        sigterm: ``"finish"`` the in-flight saves (up to ``sigterm_timeout`` seconds) or
+            ``"abandon"`` them; either way the process then exits with the signal.
+        sigterm_timeout: seconds to wait for in-flight saves with ``"finish"``.
+    """
+
+    sigterm: str = "finish"
+    sigterm_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        rules.check("shutdown option ", self, SHUTDOWN_RULES)
+
+
+@dataclass(frozen=True)
+class CheckpointerOptions:
+    """Every setting of a :class:`~cloudckpt.Checkpointer`, in one object.
+
+    ``Checkpointer(options)`` takes it; ``Checkpointer(work_dir=..., ...)`` builds one
+    from the same names; ``CheckpointConfig.checkpointer_options()`` builds one from a
+    config (its fields of the same names, ``storage_options`` from ``storage``).
+
+    Attributes:
+        work_dir: local scratch: each rank writes its files into a private (0700) folder
+            here before upload (None: :func:`default_work_dir`).
+        save_overwrite: allow replacing a committed step.
+        storage_options: endpoint, credentials profile, region, part size, timeouts
+            (:class:`~cloudckpt.storage.StorageOptions`; None: the defaults).
+        transfer: concurrency, byte budget, bandwidth limit, stall watchdog, retries
+            (:class:`~cloudckpt.transfer.TransferConfig`; None: the defaults).
+        verify_checksums: check the CRC32C of everything loaded.
+        pre_download: download each rank's items to ``work_dir`` before putting them in
+            place instead of streaming ranges (``load(pre_download=)`` decides per call).
+        load_exchange: a load on several ranks reads each stored byte range from the
+            bucket once and passes it to the other ranks that need it (the read-once
+            exchange); False: every rank reads everything it needs from the bucket.
+        thread_count: threads writing DCP files per rank.
+        stale_lock_seconds: a step's ``.lock`` older than this is taken over.
+        collective_timeout: seconds a rank waits for the others in a save's or load's
+            collective steps.
+        max_in_flight: async saves staged or running at most; a new save waits.
+    """
+
+    work_dir: Optional[str] = None
+    save_overwrite: bool = False
+    storage_options: Optional[StorageOptions] = None
+    transfer: Optional[TransferConfig] = None
+    verify_checksums: bool = True
+    pre_download: bool = False
+    load_exchange: bool = True
+    thread_count: int = 2
+    stale_lock_seconds: float = 600.0
+    collective_timeout: float = 600.0
+    max_in_flight: int = 1
+
+    def __post_init__(self) -> None:
+        work_dir = default_work_dir() if self.work_dir is None else self.work_dir
+        object.__setattr__(self, "work_dir", os.fspath(work_dir) if isinstance(work_dir, os.PathLike) else work_dir)
+        object.__setattr__(self, "storage_options", self.storage_options or StorageOptions())
+        object.__setattr__(self, "transfer", self.transfer or TransferConfig())
+        rules.check("checkpointer option ", self, CHECKPOINTER_RULES)
+
+
+def _local_path(v: str) -> bool:
+    return "://" not in v
+
+
+LOCAL_RULES: dict[str, rules.Rule] = {
+    "local_dir": rules.text(none="for no local tier", ok=_local_path,
+                            allowed="use a node-local path such as /dev/shm/ckpt, not a URL (the bucket is "
+                                    "save_folder)"),
+    "local_save_interval": rules.integer(1, none="for no local steps"),
+    "keep_last_local": rules.integer(1, why=" (0 would delete the newest local step)"),
+    "replication_factor": rules.integer(1, none="for 2 with two nodes or more, else 1"),
+    "replication_jump": rules.integer(1, none="for LOCAL_WORLD_SIZE"),
+}
+RETENTION_RULES: dict[str, rules.Rule] = {
+    "keep_last_ephemeral": rules.integer(1, why=" (0 would delete the newest ephemeral checkpoint, which may be "
+                                                "the newest checkpoint)"),
+    "max_checkpoints": rules.integer(1, why=" (0 would delete the newest checkpoint)", none="to keep all"),
+    "keep_every": rules.integer(1, none="to turn it off"),
+    "gc_grace_seconds": rules.number(0, finite=False),
+}
+SHUTDOWN_RULES: dict[str, rules.Rule] = {
+    "sigterm": rules.choice("finish", "abandon"),
+    "sigterm_timeout": rules.number(0),
+}
+CHECKPOINTER_RULES: dict[str, rules.Rule] = {
+    "work_dir": rules.text(allowed="use a local folder path"),
+    "save_overwrite": rules.boolean(),
+    "storage_options": rules.instance(StorageOptions),
+    "transfer": rules.instance(TransferConfig),
+    "verify_checksums": rules.boolean(),
+    "pre_download": rules.boolean(),
+    "load_exchange": rules.boolean(),
+    "thread_count": rules.integer(1),
+    "stale_lock_seconds": rules.number(0, finite=False),
+    "collective_timeout": rules.number(0, strict=True),
+    "max_in_flight": rules.integer(1),
+}
+
 #: Flat names kept for dicts, YAML, environment variables and keyword arguments: each is
-#: the field of the same name in ``storage`` (StorageOptions) or ``transfer`` (TransferConfig).
+#: the field of the same name in one group. storage and transfer have more fields than
+#: flat names (the rest: a mapping or the object); every field of the other groups is one.
 FLAT_STORAGE = ("endpoint_url", "profile", "region", "addressing_style", "part_size", "sign_payload",
                 "connect_timeout", "read_timeout", "operation_timeout")
 FLAT_TRANSFER = ("max_concurrency", "bandwidth_limit", "stall_timeout", "request_rate")
-_NESTED = {"storage": (StorageOptions, FLAT_STORAGE), "transfer": (TransferConfig, FLAT_TRANSFER)}
+GROUPS: dict[str, tuple[type, tuple[str, ...]]] = {
+    "storage": (StorageOptions, FLAT_STORAGE),
+    "transfer": (TransferConfig, FLAT_TRANSFER),
+    "local": (LocalTierConfig, tuple(f.name for f in fields(LocalTierConfig))),
+    "retention": (RetentionConfig, tuple(f.name for f in fields(RetentionConfig))),
+    "shutdown": (ShutdownConfig, tuple(f.name for f in fields(ShutdownConfig))),
+}
+_FLAT = {flat: group for group, (_, names) in GROUPS.items() for flat in names}  # flat name -> its group
 
 
 @dataclass(frozen=True, init=False)
 class CheckpointConfig:
-    """Every field with its default. Intervals are in training steps.
+    """The trainer's checkpoint settings; ``build()`` makes the :class:`~cloudckpt.CheckpointManager`.
+
+    Intervals are in training steps. Every name below is accepted as a keyword argument,
+    a key of a dict or YAML file, and a ``CLOUDCKPT_<NAME>`` environment variable, and
+    reads back as an attribute (``config.keep_last_local is config.local.keep_last_local``).
+
+    Own fields:
 
     - ``save_folder``: where steps go: a local path, ``file://``, ``s3://bucket/prefix`` or
       ``gs://bucket/prefix`` (required).
-    - ``work_dir``: local scratch for staging files before upload (default: :func:`default_work_dir`).
     - ``save_interval``: persistent checkpoint every N steps (None: never).
     - ``ephemeral_save_interval``: ephemeral checkpoint every N steps (None: never); a step due for both is persistent.
-    - ``keep_last_ephemeral``: ephemeral checkpoints kept (>= 1).
-    - ``max_checkpoints``: persistent checkpoints kept (None: all).
-    - ``keep_every``: persistent steps divisible by this are never pruned (None: off).
     - ``async_save``: save in the background after a staging copy to host memory.
-    - ``max_in_flight``: async saves in flight at most; a new save waits for the previous one.
-    - ``save_overwrite``: allow replacing a committed step.
-    - ``gc_grace_seconds``: uncommitted step folders and multipart uploads older than this are garbage-collected.
-    - ``verify_checksums``: check CRC32C of what is loaded.
-    - ``pre_download``: download needed files to work_dir before loading instead of streaming ranges.
-    - ``exact_resume``: capture and restore RNG states (Python, NumPy, torch) in the train state.
-    - ``sigterm``: on SIGTERM, ``"finish"`` the in-flight save (up to ``sigterm_timeout`` s) or ``"abandon"`` it.
-    - ``local_dir``: the node-local tier's folder (``{node}`` is replaced by the node index); None: no local tier.
-    - ``local_save_interval``: a local step every N steps (needs ``local_dir``); steps due for the bucket are written
-      locally too and persisted from the local files.
-    - ``keep_last_local``: complete local steps kept (>= 1).
-    - ``replication_factor``: copies of each rank's part on distinct nodes, its own included (None: 2 when there are two
-      nodes or more, else 1); ``replication_jump``: ranks per failure domain, a node or a rack (a multiple of
-      ``LOCAL_WORLD_SIZE``; None: ``LOCAL_WORLD_SIZE``, else 1).
+    - ``exact_resume``: capture and restore RNG states (Python, NumPy, torch) and data loaders in the train state.
     - ``load_step``: ``resume()`` loads this committed step instead of the newest (None: the newest).
     - ``strict_resume``: a newest step that fails its checks stops ``resume()`` (CorruptCheckpoint) instead of
       being logged, recorded in ``CheckpointManager.skipped_steps`` and skipped for the previous committed step.
-    - ``thread_count``: threads writing DCP files per rank; ``stale_lock_seconds``: a step's ``.lock`` older than
-      this is taken over; ``collective_timeout`` (s): how long a rank waits for the others in a save/load step.
-    - ``storage``: a :class:`~cloudckpt.storage.StorageOptions` (endpoint, credentials profile, region, part size,
-      timeouts, ...). ``transfer``: a :class:`~cloudckpt.transfer.TransferConfig` (concurrency, byte budget,
-      bandwidth limit, stall watchdog, retries).
 
-    The flat names of the storage and transfer knobs users set most are accepted
-    everywhere a field is (keyword arguments, dicts, YAML, ``CLOUDCKPT_*``) and read
-    back as attributes: ``endpoint_url``, ``profile``, ``region``, ``addressing_style``,
-    ``part_size`` (None: the backend's default, S3 64 MiB, GCS 16 MiB), ``sign_payload``,
-    ``connect_timeout``, ``read_timeout``, ``operation_timeout`` go to ``storage``;
-    ``max_concurrency``, ``bandwidth_limit`` (bytes/s or '200MB/s'), ``stall_timeout``
-    (s), ``request_rate`` (requests/s per prefix for the whole job; None: the store's
-    default, 0: no pacing) go to ``transfer``. A dict or YAML may also give ``storage:`` / ``transfer:``
-    mappings of any of their fields.
+    The Checkpointer's settings: every field of :class:`CheckpointerOptions` (described
+    there) is a field of the config of the same name, but ``storage_options`` and
+    ``transfer``, which are the ``storage`` and ``transfer`` groups; ``checkpointer_options()``
+    hands them to the Checkpointer as one object.
+
+    Groups (a group's object, or a mapping of its fields in a dict or YAML; a flat name
+    given as well wins):
+
+    - ``storage``: a :class:`~cloudckpt.storage.StorageOptions`; flat names ``endpoint_url``, ``profile``,
+      ``region``, ``addressing_style``, ``part_size``, ``sign_payload``, ``connect_timeout``, ``read_timeout``,
+      ``operation_timeout``.
+    - ``transfer``: a :class:`~cloudckpt.transfer.TransferConfig`; flat names ``max_concurrency``,
+      ``bandwidth_limit`` (bytes/s or '200MB/s'), ``stall_timeout``, ``request_rate``.
+    - ``local``: a :class:`LocalTierConfig` (the node-local tier): ``local_dir``, ``local_save_interval``,
+      ``keep_last_local``, ``replication_factor``, ``replication_jump``.
+    - ``retention``: a :class:`RetentionConfig`: ``keep_last_ephemeral``, ``max_checkpoints``, ``keep_every``,
+      ``gc_grace_seconds``.
+    - ``shutdown``: a :class:`ShutdownConfig`: ``sigterm``, ``sigterm_timeout``.
+
+    Raises:
+        ConfigError: a value not allowed (naming the field, the value and what is
+            allowed), an unknown name, or an unknown ``CLOUDCKPT_*`` variable.
     """
 
     save_folder: str
     work_dir: Optional[str] = None
     save_interval: Optional[int] = None
     ephemeral_save_interval: Optional[int] = None
-    keep_last_ephemeral: int = 1
-    max_checkpoints: Optional[int] = None
-    keep_every: Optional[int] = None
     async_save: bool = False
     max_in_flight: int = 1
     save_overwrite: bool = False
-    gc_grace_seconds: float = 3600.0
     verify_checksums: bool = True
     pre_download: bool = False
+    load_exchange: bool = True
     exact_resume: bool = True
-    sigterm: str = "finish"
-    sigterm_timeout: float = 120.0
     load_step: Optional[int] = None
     strict_resume: bool = False
-    local_dir: Optional[str] = None
-    local_save_interval: Optional[int] = None
-    keep_last_local: int = 2
-    replication_factor: Optional[int] = None
-    replication_jump: Optional[int] = None
     thread_count: int = 2
     stale_lock_seconds: float = 600.0
     collective_timeout: float = 600.0
     storage: StorageOptions = field(default_factory=StorageOptions)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    local: LocalTierConfig = field(default_factory=LocalTierConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
 
     # ------------------------------------------------------------ construction
     def __init__(self, save_folder: Any = None, *, _env: Mapping[str, str] | None = None, **kw: Any) -> None:
@@ -170,12 +324,13 @@ class CheckpointConfig:
             _log.info("checkpoint config: environment overrides %s",
                       ", ".join(f"{ENV_PREFIX}{n.upper()}" for n in sorted(overrides)))
         own = {f.name: f for f in fields(self)}
-        flat = {k: kw.pop(k) for k in list(kw) if k in FLAT_STORAGE + FLAT_TRANSFER}
+        flat = {k: kw.pop(k) for k in list(kw) if k in _FLAT}
         unknown = sorted(set(kw) - set(own))
         if unknown:
             raise ConfigError(f"unknown checkpoint config field(s) {unknown}; allowed: {', '.join(self.field_names())}")
         if save_folder is None:
             raise ConfigError("checkpoint config needs save_folder (a local path, s3://bucket/prefix or gs://bucket/prefix)")
+        hints = get_type_hints(type(self))
         for name, f in own.items():
             if name == "save_folder":
                 v = save_folder
@@ -183,8 +338,10 @@ class CheckpointConfig:
                 v = kw[name]
             else:
                 v = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if name not in GROUPS:
+                v = _coerce(name, v, hints[name])
             object.__setattr__(self, name, v)
-        for name, (cls, names) in _NESTED.items():
+        for name, (cls, names) in GROUPS.items():
             part = getattr(self, name)
             if isinstance(part, Mapping):
                 part = _build_nested(name, cls, part)
@@ -194,19 +351,19 @@ class CheckpointConfig:
             if given:
                 part = _build_nested(name, cls, {**_fields_of(part), **given}, shown=lambda k: k)
             object.__setattr__(self, name, part)
-        self._validate()
+        rules.check("", self, CONFIG_RULES)
+        self.checkpointer_options()  # checks the Checkpointer's settings (CHECKPOINTER_RULES)
 
-    def __getattr__(self, name: str) -> Any:  # the flat names, read back
-        if name in FLAT_STORAGE:
-            return getattr(self.storage, name)
-        if name in FLAT_TRANSFER:
-            return getattr(self.transfer, name)
+    def __getattr__(self, name: str) -> Any:  # the flat names, read back from their groups
+        group = _FLAT.get(name)
+        if group is not None:
+            return getattr(getattr(self, group), name)
         raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
 
     @classmethod
     def field_names(cls) -> list[str]:
-        """Every name a dict, YAML file or ``CLOUDCKPT_*`` variable may set."""
-        return [f.name for f in fields(cls)] + list(FLAT_STORAGE + FLAT_TRANSFER)
+        """Every name a dict, YAML file or keyword argument may set (all but the groups also as ``CLOUDCKPT_*``)."""
+        return [f.name for f in fields(cls)] + list(_FLAT)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, env: Mapping[str, str] | None = None) -> "CheckpointConfig":
@@ -221,7 +378,7 @@ class CheckpointConfig:
         if "save_folder" not in values:
             raise ConfigError("checkpoint config needs save_folder (a local path, s3://bucket/prefix or gs://bucket/prefix)")
         hints = _hints()
-        coerced = {k: v if k in _NESTED else _coerce(k, v, hints[k]) for k, v in values.items()}
+        coerced = {k: v if k in GROUPS else _coerce(k, v, hints[k]) for k, v in values.items()}
         return cls(**coerced, _env={})
 
     @classmethod
@@ -246,7 +403,7 @@ class CheckpointConfig:
         """``CLOUDCKPT_<FIELD>`` values by field name. Raises ConfigError naming every
         unknown ``CLOUDCKPT_*`` variable (not a field, not in NON_CONFIG_ENV)."""
         out, unknown = {}, []
-        names = [n for n in cls.field_names() if n not in _NESTED]
+        names = [n for n in cls.field_names() if n not in GROUPS]
         for k, v in env.items():
             if k.startswith(ENV_PREFIX) and k not in NON_CONFIG_ENV:
                 name = k[len(ENV_PREFIX):].lower()
@@ -265,98 +422,58 @@ class CheckpointConfig:
         return out
 
     def replace(self, **kw) -> "CheckpointConfig":
-        """A copy with ``kw`` changed (flat storage/transfer names included)."""
+        """A copy with ``kw`` changed (flat names included)."""
         return dataclasses.replace(self, **kw)
 
-    # ------------------------------------------------------------ validation
-    def _validate(self) -> None:
-        hints = get_type_hints(type(self))
-        for f in fields(self):
-            if f.name in _NESTED:
-                continue  # validated by their own classes
-            v = getattr(self, f.name)
-            object.__setattr__(self, f.name, _coerce(f.name, v, hints[f.name], strict=True))
-        try:
-            p = urls.parse_url(self.save_folder)
-        except InvalidURL as e:
-            raise ConfigError(f"save_folder={self.save_folder!r} is not usable: {e}") from None
-        from .storage import known_schemes
-
-        if p.scheme not in known_schemes():
-            raise ConfigError(
-                f"save_folder={self.save_folder!r} has an unknown scheme {p.scheme + '://'!r}: use a local path, "
-                "s3://bucket/prefix or gs://bucket/prefix"
-            )
-        if p.scheme != "file" and not p.key.strip("/"):
-            raise ConfigError(
-                f"save_folder={self.save_folder!r} is a bucket root: use a prefix such as "
-                f"{self.save_folder.rstrip('/')}/run-1, "
-                "so pruning and gc can never touch the rest of the bucket"
-            )
-        from .checkpoint.layout import step_of_name
-
-        for part in (p.key.strip("/").split("/")):
-            if step_of_name(part) is not None:
-                raise ConfigError(
-                    f"save_folder={self.save_folder!r} is inside a checkpoint step folder ({part}): "
-                    "point save_folder at the run folder that holds the step folders"
-                )
-        for name in ("local_save_interval", "replication_factor", "replication_jump"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ConfigError(f"{name}={v} is not allowed: use a positive integer, or None")
-        if self.keep_last_local < 1:
-            raise ConfigError(f"keep_last_local={self.keep_last_local} would delete the newest local step: use >= 1")
-        if self.local_save_interval is not None and self.local_dir is None:
-            raise ConfigError(f"local_save_interval={self.local_save_interval} needs local_dir (a node-local "
-                              "folder such as /dev/shm/ckpt) to write local steps to")
-        if self.local_dir is not None and "://" in self.local_dir:
-            raise ConfigError(f"local_dir={self.local_dir!r} must be a node-local path (e.g. /dev/shm/ckpt), "
-                              "not a URL: the bucket is save_folder")
-        if self.load_step is not None and self.load_step < 0:
-            raise ConfigError(f"load_step={self.load_step} is not allowed: use a step number >= 0, "
-                              "or None for the newest")
-        for name in ("save_interval", "ephemeral_save_interval", "max_checkpoints", "keep_every"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ConfigError(f"{name}={v} is not allowed: use a positive integer, or None to turn it off")
-        if self.max_checkpoints is not None and self.max_checkpoints < 1:
-            raise ConfigError(f"max_checkpoints={self.max_checkpoints} would delete the newest checkpoint: "
-                              "use >= 1 or None")
-        if self.keep_last_ephemeral < 1:
-            raise ConfigError(
-                f"keep_last_ephemeral={self.keep_last_ephemeral} would delete the newest ephemeral checkpoint, "
-                "which may be the newest checkpoint: use >= 1"
-            )
-        for name in ("max_in_flight", "max_concurrency", "thread_count"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} is not allowed: use a positive integer")
-        for name in ("stall_timeout", "gc_grace_seconds", "sigterm_timeout", "stale_lock_seconds"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)} is not allowed: use a non-negative number of seconds")
-        if self.bandwidth_limit is not None and self.bandwidth_limit <= 0:
-            raise ConfigError(f"bandwidth_limit={self.bandwidth_limit} is not allowed: use bytes per second > 0, "
-                              "or None")
-        if self.sigterm not in ("finish", "abandon"):
-            raise ConfigError(f"sigterm={self.sigterm!r} is not allowed: use 'finish' or 'abandon'")
-        if not self.collective_timeout > 0:
-            raise ConfigError(f"collective_timeout={self.collective_timeout} is not allowed: "
-                              "use a number of seconds > 0")
-
-    # ------------------------------------------------------------ derived
-    def storage_options(self) -> StorageOptions:
-        """``self.storage`` (kept for callers of the flat form)."""
-        return self.storage
-
-    def transfer_config(self) -> TransferConfig:
-        """``self.transfer`` (kept for callers of the flat form)."""
-        return self.transfer
+    def checkpointer_options(self) -> CheckpointerOptions:
+        """The :class:`CheckpointerOptions` of this config: its fields of the same names,
+        ``storage_options`` from ``storage``."""
+        names = [f.name for f in fields(CheckpointerOptions) if f.name != "storage_options"]
+        return CheckpointerOptions(storage_options=self.storage, **{n: getattr(self, n) for n in names})
 
     def build(self):
         """The CheckpointManager for this config. Collective: call on every rank."""
         from .checkpoint.manager import CheckpointManager
 
         return CheckpointManager(self)
+
+
+def _save_folder(v: Any) -> str | None:
+    """The rule of ``save_folder``: a run folder the library may prune and gc in."""
+    if not isinstance(v, str):
+        return "use a local path, s3://bucket/prefix or gs://bucket/prefix"
+    try:
+        p = urls.parse_url(v)
+    except InvalidURL as e:
+        return str(e)
+    from .storage import known_schemes
+
+    if p.scheme not in known_schemes():
+        return f"the scheme {p.scheme + '://'!r} is unknown: use a local path, s3://bucket/prefix or gs://bucket/prefix"
+    if p.scheme != "file" and not p.key.strip("/"):
+        return (f"it is a bucket root: use a prefix such as {v.rstrip('/')}/run-1, so pruning and gc can never touch "
+                "the rest of the bucket")
+    from .checkpoint.layout import step_of_name
+
+    for part in p.key.strip("/").split("/"):
+        if step_of_name(part) is not None:
+            return (f"it is inside a checkpoint step folder ({part}): point save_folder at the run folder that holds "
+                    "the step folders")
+    return None
+
+
+#: The rule of each of CheckpointConfig's own fields; the Checkpointer's settings follow
+#: CHECKPOINTER_RULES, each group its own table.
+CONFIG_RULES: dict[str, rules.Rule] = {
+    "save_folder": _save_folder,
+    "save_interval": rules.integer(1, none="to turn it off"),
+    "ephemeral_save_interval": rules.integer(1, none="to turn it off"),
+    "async_save": rules.boolean(),
+    "exact_resume": rules.boolean(),
+    "load_step": rules.integer(0, none="for the newest"),
+    "strict_resume": rules.boolean(),
+    **{name: rules.instance(cls) for name, (cls, _) in GROUPS.items()},
+}
 
 
 def _fields_of(obj: Any) -> dict[str, Any]:
@@ -379,9 +496,9 @@ def _build_nested(name: str, cls: type, values: Mapping[str, Any], shown=None) -
 
 def _hints() -> dict[str, Any]:
     """Types of every name ``from_dict`` takes: the config's fields and the flat names."""
-    out = dict(get_type_hints(StorageOptions))
-    out.update(get_type_hints(TransferConfig))
-    out.update(get_type_hints(CheckpointConfig))
+    out = dict(get_type_hints(CheckpointConfig))
+    for flat, group in _FLAT.items():
+        out[flat] = get_type_hints(GROUPS[group][0])[flat]
     return out
 
 
@@ -389,7 +506,7 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def _coerce(name: str, value: Any, typ: Any, *, strict: bool = False) -> Any:
+def _coerce(name: str, value: Any, typ: Any) -> Any:
     """Coerce strings (env, YAML) to the field's type; reject wrong types with a clear error."""
     optional = get_origin(typ) in (Union, types.UnionType) and type(None) in get_args(typ)
     base = next((a for a in get_args(typ) if a is not type(None)), typ) if optional else typ

@@ -21,7 +21,7 @@ def setup(ctx) -> None:
 def save(url, sd, ctx):
     _ck.save(f"{url}/step1", sd, {"rank": ctx["rank"], "step": 1})
     s = _ck.last_save_stats
-    return {"objects": s.get("objects"), "retries": s.get("retries"), "throttled": s.get("throttled")}
+    return {"objects": s.objects, "retries": s.retries, "throttled": s.throttled}
 
 
 def load(url, sd, ctx):

@@ -29,6 +29,7 @@ The storage requests of steps 1, 3 (the part), 5 and of a failed attempt's clean
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -46,7 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import dist
 from .._torch_compat import caching_save_planner
-from ..config import default_work_dir
+from ..config import CheckpointerOptions
 from ..dcp import StreamingReader, UploadingWriter, planned_load
 from ..dcp import index as dcp_index
 from ..errors import (
@@ -57,7 +58,7 @@ from ..errors import (
 from ..storage import Location, StorageOptions, Where, resolve_step_dir
 from ..storage import url as urls
 from ..storage.nofollow import private_dir
-from ..transfer import TransferConfig, TransferEngine
+from ..transfer import TransferEngine
 from ..untrusted import MAX_TRAIN_STATE_BYTES, load_plain, read_checked
 from . import discovery, layout, step_files
 from .async_save import AsyncSaver
@@ -122,6 +123,66 @@ def _index_metadata(step: Location, manifest: "discovery.StepManifest", header_b
     return dcp_index.build_metadata(header, needs, parts, wanted)
 
 
+@dataclass(frozen=True)
+class LoadInfo:
+    """What the last :meth:`Checkpointer.load` (or ``load_with``) of this rank did:
+    ``Checkpointer.last_load_info`` (None before the first load).
+
+    Attributes:
+        dir: the step folder loaded (its URL).
+        step: its step number.
+        saved_world_size: the number of ranks that saved it.
+        bytes_read: bytes this rank read from the store for the model and optimizer (its
+            own reads; what peers sent it through the read-once exchange is not counted).
+        direct_items: items this rank put in place straight from the bytes read, without
+            DCP's copy (``dcp/items.py``).
+        not_loaded: checkpoint keys the target did not ask for, left in the checkpoint
+            (``allow_partial``, ``strict=False``, excluded or skipped keys).
+        writer: the tool that wrote the step (``"cloudckpt"``, or another such as
+            ``"olmo-core"`` for a step adopted as it was).
+        verified: the step has a manifest (sizes and CRC32Cs); False for a step another
+            tool wrote, whose sizes come from a listing.
+        parts_read: manifest parts (``manifest/rank{R}.json``) this rank read to plan.
+    """
+
+    dir: str
+    step: int
+    saved_world_size: int
+    bytes_read: int
+    direct_items: int
+    not_loaded: list
+    writer: str
+    verified: bool
+    parts_read: int
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """What the last committed :meth:`Checkpointer.save` did: ``Checkpointer.last_save_stats``
+    (None before the first; a failed save leaves the previous one).
+
+    Attributes:
+        step: the step number committed.
+        seconds: from PREPARE to the marker written.
+        bytes: bytes the step holds (every object, the marker's ``total_bytes``).
+        objects: objects the step holds.
+        retries: engine-level re-attempts of transfers so far (the engine's counter,
+            over the Checkpointer's life).
+        sdk_retries: requests the SDK retried so far.
+        throttled: throttle signals seen so far (503 SlowDown, 429).
+        stalls: attempts the stall watchdog failed so far.
+    """
+
+    step: int
+    seconds: float
+    bytes: int
+    objects: int
+    retries: int
+    sdk_retries: int
+    throttled: int
+    stalls: int
+
+
 @dataclass
 class _RankOutcome:
     objects: list  # [ObjectEntry]
@@ -132,42 +193,61 @@ class _RankOutcome:
 class Checkpointer:
     """Save and load checkpoints to a local folder, ``s3://`` or ``gs://``.
 
-    Create it on every rank at the same point (it creates a dedicated gloo
-    group when torch.distributed is initialised). ``dir`` arguments are step
-    folders: ``{save_folder}/step{N}``.
+    Create it on every rank at the same point, with the same settings (it creates a
+    dedicated gloo group when torch.distributed is initialised). ``dir`` arguments are
+    step folders: ``{save_folder}/step{N}``.
+
+    Args:
+        options: every setting in one :class:`~cloudckpt.config.CheckpointerOptions`
+            (None: the defaults).
+        progress: called with the number of bytes moved since the last call, from the
+            transfer threads (a progress bar).
+        distributed: False: this process acts alone even when torch.distributed is
+            initialised (no collectives; every process saves or loads by itself).
+        **settings: fields of :class:`~cloudckpt.config.CheckpointerOptions` by name,
+            each replacing the one in ``options``: ``Checkpointer(work_dir="/scratch")``.
+
+    Raises:
+        ConfigError: a setting not allowed (naming it, the value and what is allowed).
+        TypeError: a keyword argument that is not a setting.
+
+    Attributes:
+        options: the settings (a ``CheckpointerOptions``).
+        last_load_info: a :class:`LoadInfo` of this rank's last load (None before one).
+        last_save_stats: a :class:`SaveStats` of the last committed save (None before one).
+        coord: the coordinator of the checkpointer's collectives (rank, world size).
+        engine: the transfer engine (``engine.stats()``: its counters).
     """
 
-    def __init__(
-        self,
-        *,
-        work_dir: str | None = None,
-        save_overwrite: bool = False,
-        storage_options: StorageOptions | None = None,
-        transfer: TransferConfig | None = None,
-        verify_checksums: bool = True,
-        pre_download: bool = False,
-        thread_count: int = 2,
-        stale_lock_seconds: float = 600.0,
-        collective_timeout: float = 600.0,
-        progress: Any = None,
-        max_in_flight: int = 1,
-        distributed: bool = True,
-    ):
-        self.work_dir = work_dir or default_work_dir()
-        self.save_overwrite = save_overwrite
-        self.storage_options = storage_options or StorageOptions()
-        self.verify_checksums = verify_checksums
-        self.pre_download = pre_download
-        self.thread_count = thread_count
-        self.stale_lock_seconds = stale_lock_seconds
-        self.coord = dist.Coordinator(timeout=collective_timeout, local=not distributed)
-        self.engine = TransferEngine(transfer or TransferConfig(), storage_options=self.storage_options,
-                                     progress=progress,
-                                     world_size=self.coord.world_size)
-        self.last_save_stats: dict = {}
-        self.last_load_info: dict = {}
+    def __init__(self, options: CheckpointerOptions | None = None, *, progress: Any = None, distributed: bool = True,
+                 **settings: Any):
+        if options is not None and not isinstance(options, CheckpointerOptions):
+            raise TypeError(f"Checkpointer(options=...) takes a CheckpointerOptions, got {type(options).__name__}")
+        if settings:
+            known = {f.name for f in dataclasses.fields(CheckpointerOptions)}
+            unknown = sorted(set(settings) - known)
+            if unknown:
+                raise TypeError(f"Checkpointer() got unknown setting(s) {unknown}; the settings are "
+                                f"{', '.join(sorted(known))} (CheckpointerOptions), progress and distributed")
+            options = dataclasses.replace(options or CheckpointerOptions(), **settings)
+        self.options: CheckpointerOptions = options or CheckpointerOptions()
+        self.coord = dist.Coordinator(timeout=self.options.collective_timeout, local=not distributed)
+        self.engine = TransferEngine(self.options.transfer, storage_options=self.options.storage_options,
+                                     progress=progress, world_size=self.coord.world_size)
+        self.last_save_stats: SaveStats | None = None
+        self.last_load_info: LoadInfo | None = None
         self._index_cache: dict = {}  # the DCP index's layouts, kept across saves (dcp/index.header_bytes)
-        self._async = AsyncSaver(self._save_now, max_in_flight=max_in_flight)
+        self._async = AsyncSaver(self._save_now, max_in_flight=self.options.max_in_flight)
+
+    @property
+    def work_dir(self) -> str:
+        """``options.work_dir``: the local scratch folder."""
+        return self.options.work_dir
+
+    @property
+    def storage_options(self) -> StorageOptions:
+        """``options.storage_options``: how the stores are reached."""
+        return self.options.storage_options
 
     # ================================================================ save
     def save_async(self, dir: str, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False,
@@ -182,7 +262,7 @@ class Checkpointer:
         and gets the save's error from the Future (it is not raised again later)."""
         return self._async.submit(dir, state_dict, train_state, ephemeral, step, commit=commit)
 
-    def run_async(self, fn: Callable[[dict, Any], Any], state_dict: dict, train_state: Any = None) -> Future:
+    def _run_async(self, fn: Callable[[dict, Any], Any], state_dict: dict, train_state: Any = None) -> Future:
         """Like :meth:`save_async` for another collective writer (the node-local tier):
         stage ``state_dict`` and ``train_state`` in host memory, then run ``fn(staged,
         train_state)`` in order with the other async saves."""
@@ -198,35 +278,49 @@ class Checkpointer:
 
     def save(self, dir: str, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False,
              step: int | None = None, commit: bool = True) -> "Marker | PendingCommit":
-        """Save synchronously (after any in-flight async saves finish). See ``_save_now``."""
+        """Save ``state_dict`` (DCP) and this rank's ``train_state`` to the step folder
+        ``dir`` and commit it, after any in-flight async saves finish. Collective: call
+        on every rank. ``last_save_stats`` (a :class:`SaveStats`) tells what it did.
+
+        Args:
+            dir: the step folder, ``{save_folder}/step{N}``.
+            state_dict: the model/optimizer state (tensors, DTensors, plain values).
+            train_state: this rank's picklable extras (plain data), loaded back by ``load``.
+            ephemeral: mark the step ephemeral (retention keeps fewer of them).
+            step: the step number, for a ``dir`` not named ``step{N}`` (integrations with
+                their own naming).
+            commit: False stops once everything is uploaded and agreed and returns a
+                :class:`PendingCommit`: nothing is visible to readers until its
+                ``commit()`` writes the marker.
+
+        Returns:
+            The marker as written (every rank gets rank 0's), or a PendingCommit.
+
+        Raises:
+            CheckpointExists: the step is committed and ``save_overwrite`` is off.
+            SaveInProgress: another save holds the step's lock.
+            SaveFailed: a rank failed; nothing was committed (the message names each
+                rank's error).
+            NotACheckpoint: ``dir`` is not named ``step{N}`` and no ``step`` is given.
+            StorageError: the store's errors.
+        """
         self._async.wait()
         with gc_paused():  # blocking: training waits anyway (async saves do not pause it)
             return self._save_now(dir, state_dict, train_state, ephemeral=ephemeral, step=step, commit=commit)
 
     def _save_now(self, dir: str, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False,
                   step: int | None = None, commit: bool = True) -> "Marker | PendingCommit":
-        """Save ``state_dict`` (DCP) and this rank's ``train_state`` to the step folder
-        ``dir`` and commit it. Collective: call on every rank. Returns the marker as
-        written (every rank gets rank 0's): the step header, the step's own files and
-        the ranks' manifest parts by reference (``object_count``, ``total_bytes`` count
-        everything; ``discovery.read_marker`` gives every object).
-
-        ``commit=False`` stops after AGREE and returns a PendingCommit instead of the
-        Marker: everything is uploaded, nothing is visible to readers, and the step's
-        lock stays held until ``PendingCommit.commit()`` writes the marker (or
-        ``abort()`` removes the upload). Integrations that commit from another thread
-        later (the Lightning async plugin's finalize) use it.
-
-        Raises CheckpointExists (step committed, ``save_overwrite`` off), SaveInProgress
-        (another save holds the step's lock), SaveFailed (any rank failed; nothing
-        committed), NotACheckpoint (``dir`` is not named ``step{N}`` and no ``step`` is
-        given; integrations with their own naming pass ``step``), storage errors.
-        """
+        """:meth:`save` without waiting for async saves (the async saver's thread runs it).
+        The marker returned names the ranks' manifest parts by reference
+        (``discovery.read_marker`` gives every object). ``commit=False`` stops after
+        AGREE: the step's lock stays held until ``PendingCommit.commit()`` writes the
+        marker (or ``abort()`` removes the upload); the Lightning async plugin's finalize
+        commits from another thread that way."""
         return self._protocol(dir, step, ephemeral, commit,
                               lambda dir, work: self._write_and_upload(dir, work, state_dict, train_state))
 
-    def persist_files(self, dir: str, files: Sequence[tuple[str, ObjectEntry]], *, ephemeral: bool = False,
-                      step: int | None = None) -> Marker:
+    def _persist_files(self, dir: str, files: Sequence[tuple[str, ObjectEntry]], *, ephemeral: bool = False,
+                       step: int | None = None) -> Marker:
         """Commit the step folder ``dir`` from files already written: every rank passes
         its own ``(local path, ObjectEntry)`` pairs (a part of a local step, with the
         sizes and CRC32Cs taken when it was written); they are uploaded as they are (no
@@ -235,7 +329,7 @@ class Checkpointer:
         return self._protocol(dir, step, ephemeral, True, lambda dir, work: self._upload_files(dir, files),
                               needs_work=False)
 
-    def write_local(self, folder: str, state_dict: dict, train_state: Any = None) -> list[ObjectEntry]:
+    def _write_local(self, folder: str, state_dict: dict, train_state: Any = None) -> list[ObjectEntry]:
         """Write this rank's part of a step into the (new or empty) local folder ``folder`` (DCP
         shards under ``model_and_optim/``, rank 0 also its ``.metadata``; the train state
         under ``train/``) and keep it there: nothing is uploaded. Collective. Returns this
@@ -255,7 +349,8 @@ class Checkpointer:
         dir = resolve_step_dir(dir)  # the user's own links above the step: followed once, here
         # every rank builds the same attempt: the coordinator's save id travels with PREPARE
         attempt = StepCommit(self._at(dir), step=step, save_id=uuid.uuid4().hex, world_size=self.coord.world_size,
-                             save_overwrite=self.save_overwrite, stale_lock_seconds=self.stale_lock_seconds)
+                             save_overwrite=self.options.save_overwrite,
+                             stale_lock_seconds=self.options.stale_lock_seconds)
         t0 = time.monotonic()
         work = None
         try:
@@ -297,13 +392,11 @@ class Checkpointer:
                 return pending
             marker = self.coord.on_coordinator("commit", lambda: attempt.commit(marker))
             stats = self.engine.stats()
-            self.last_save_stats = {
-                "step": step, "seconds": time.monotonic() - t0, "bytes": marker.total_bytes,
-                "objects": marker.object_count, "retries": stats.retries, "sdk_retries": stats.sdk_retries,
-                "throttled": stats.throttled, "stalls": stats.stalls,
-            }
+            self.last_save_stats = SaveStats(
+                step=step, seconds=time.monotonic() - t0, bytes=marker.total_bytes, objects=marker.object_count,
+                retries=stats.retries, sdk_retries=stats.sdk_retries, throttled=stats.throttled, stalls=stats.stalls)
             log.info("committed %s (%d objects, %.1f MB) in %.2fs", dir, marker.object_count, marker.total_bytes / 1e6,
-                     self.last_save_stats["seconds"])
+                     self.last_save_stats.seconds)
             return marker
         except BaseException:
             if attempt is not None and attempt.locked:
@@ -328,7 +421,7 @@ class Checkpointer:
             crc = sums.crc32c if sums is not None and self.engine.config.checksum else None
             uploads.append((rel, path, sums, self.engine.submit_upload(path, urls.join(dir, rel), crc32c=crc)))
 
-        writer = UploadingWriter(os.path.join(work, layout.MODEL_DIR), on_file, thread_count=self.thread_count,
+        writer = UploadingWriter(os.path.join(work, layout.MODEL_DIR), on_file, thread_count=self.options.thread_count,
                                  index_cache=self._index_cache)
         error: BaseException | None = None
         try:
@@ -392,35 +485,54 @@ class Checkpointer:
         before_read: Callable[[dict[str, list[tuple[int, int]]]], None] | None = None,
     ) -> Any:
         """Load the committed step ``dir`` into ``state_dict`` in place (resharding
-        as needed) and return this rank's train state (None when not loaded).
-        Collective: call on every rank.
-
-        ``load_optim_state``: False skips the top-level ``optim`` key; None loads it
-        if the checkpoint has it. ``load_trainer_state``: False skips it; None loads
-        it if present; True requires it. ``strict=False`` loads what exists instead
-        of raising MissingKeys.
-
-        ``exclude_from_loading`` (torchtitan's option): top-level keys of
-        ``state_dict`` that are not loaded and keep their current values.
-        ``model_only``: load only the top-level ``model`` key and no train state
-        (returns None): starting a fresh run from a seed checkpoint.
+        as needed) and return this rank's train state. Collective: call on every rank.
 
         Nothing is left behind silently: checkpoint keys the target does not ask for
         under ``model``, ``optim`` or a top-level key the target has raise
-        KeysNotLoaded (use ``AppState``; ``allow_partial=True`` loads what is asked
-        for and leaves the rest); other leftovers are logged. The keys not loaded are
-        in ``last_load_info["not_loaded"]``.
+        KeysNotLoaded (use ``AppState``, or ``allow_partial``); other leftovers are
+        logged. ``last_load_info`` (a :class:`LoadInfo`) tells what the load did,
+        ``last_load_info.not_loaded`` the keys not loaded.
 
-        Raises ValueError (an excluded key is not in ``state_dict``; ``model_only``
-        without a ``model`` key or with ``load_trainer_state=True``), NotACheckpoint,
-        IncompatibleCheckpoint, CorruptCheckpoint (bad size or CRC32C, naming the
-        object), UnsafeCheckpoint, MissingKeys, KeysNotLoaded, ShapeMismatch (a tensor
-        of another shape or dtype than saved), storage errors.
+        Args:
+            dir: the step folder, ``{save_folder}/step{N}`` (a URL or a local path).
+            state_dict: what to load into: tensors (DTensors, sharded or not) are filled
+                in place, other top-level values replaced.
+            load_optim_state: False skips the top-level ``optim`` key; None loads it if
+                the checkpoint has it; True requires it.
+            load_trainer_state: False skips the train state (returns None); None loads it
+                if present; True requires it (CorruptCheckpoint if missing).
+            strict: False loads what exists instead of raising MissingKeys for keys of
+                ``state_dict`` the checkpoint lacks.
+            pre_download: download this rank's items to ``work_dir`` first instead of
+                streaming them (None: ``options.pre_download``).
+            exclude_from_loading: top-level keys of ``state_dict`` not loaded; they keep
+                their current values (torchtitan's option).
+            model_only: load only the top-level ``model`` key and no train state
+                (returns None): a fresh run from a seed checkpoint.
+            allow_partial: load what ``state_dict`` asks for and leave the checkpoint's
+                other keys, instead of raising KeysNotLoaded.
+            before_read: (advanced) called on every rank once the load is planned and
+                before any shard is read, with ``{path under model_and_optim/: [(offset,
+                length), ...]}``, the items this rank reads (the node-local tier fetches
+                them from peer nodes there).
 
-        ``before_read`` (advanced): called on every rank, once the load is planned and
-        before any shard is read, with ``{path under model_and_optim/: [(offset,
-        length), ...]}``, the items this rank reads; the node-local tier fetches them
-        from peer nodes there.
+        Returns:
+            This rank's train state (rank 0's when the world size changed), or None when
+            not loaded or the step has none.
+
+        Raises:
+            ValueError: an excluded key is not in ``state_dict``; ``model_only`` without
+                a ``model`` key or with ``load_trainer_state=True``.
+            NotACheckpoint: ``dir`` holds no committed step.
+            IncompatibleCheckpoint: a marker format this version cannot read.
+            CorruptCheckpoint: a size or CRC32C that does not match the manifest, naming
+                the object; a required train state missing.
+            UnsafeCheckpoint: a checkpoint that tries to run code or escape its folder.
+            MissingKeys: keys of ``state_dict`` not in the checkpoint (``strict``).
+            KeysNotLoaded: checkpoint keys the target did not ask for (``allow_partial``).
+            ShapeMismatch: a tensor of another shape or dtype than saved.
+            ExchangeFailed: a peer failed during the read-once exchange (``load_exchange``).
+            StorageError: the store's errors (NotFound, AccessDenied, Timeout...).
         """
         unknown = [k for k in exclude_from_loading if k not in state_dict]
         if unknown:
@@ -443,10 +555,20 @@ class Checkpointer:
                                   before_read=before_read)
 
     def load_with(self, dir: str, build: Callable[[Any], dict], **load_kwargs: Any) -> tuple[dict, Any]:
-        """Load into the state dict ``build(metadata)`` makes from the step's own DCP
-        ``Metadata`` (read once, checked and parsed like any load's), e.g. empty
-        tensors of every saved shape. Returns ``(state_dict, train_state)``;
-        ``load_kwargs`` as for :meth:`load`. Collective."""
+        """Load a step whose shapes the caller does not know: into the state dict
+        ``build(metadata)`` makes from the step's own DCP ``Metadata`` (read once, checked
+        and parsed like any load's), e.g. empty tensors of every saved shape. Collective.
+        The Lightning and OLMo-core integrations load this way.
+
+        Args:
+            dir: the step folder.
+            build: called with the step's ``torch.distributed.checkpoint.Metadata``;
+                returns the state dict to load into.
+            **load_kwargs: as for :meth:`load` (``load_trainer_state``, ``strict``...).
+
+        Returns:
+            ``(state_dict, train_state)``; raises what :meth:`load` raises.
+        """
         self._async.wait()
         dir = resolve_step_dir(dir)
         self._connect_in_background(dir)
@@ -477,7 +599,7 @@ class Checkpointer:
         optional = ("optim.",) if load_optim_state is None else ()
         manifest = discovery.StepManifest(self._at(dir), marker)
         checksums = step_files.item_checksums(marker)  # format 2: the parts the plan needs add theirs
-        pre = self.pre_download if pre_download is None else pre_download
+        pre = self.options.pre_download if pre_download is None else pre_download
         local = None
         try:
             if pre:
@@ -489,13 +611,14 @@ class Checkpointer:
                 self.engine.submit_stream,
                 get_bytes=store.get_bytes,
                 checksums=checksums,
-                verify=self.verify_checksums,
+                verify=self.options.verify_checksums,
                 local_dir=local,
                 metadata_bytes=metadata,
                 streamed=store.streams_ranges,
                 files=marker.sizes_under(layout.MODEL_DIR),  # every item of .metadata must lie in one
                 manifest=(lambda rels: _shard_manifest(manifest, rels)) if marker.parts else None,
-                exchange=self.coord,  # read-once: items several ranks need are read by one (dcp/exchange.py)
+                # read-once: items several ranks need are read by one (dcp/exchange.py); collective
+                exchange=self.coord if self.options.load_exchange else None,
             )
             planner = _KeyCheckingPlanner(strict=strict, optional_prefixes=optional, url=model_url, step_url=dir,
                                           allow_partial=allow_partial, skipped=skipped, only=only)
@@ -503,7 +626,8 @@ class Checkpointer:
             def metadata_for(flat_sd: dict):
                 if index_header is None:  # a step without the DCP index (foreign, or older): its whole .metadata
                     return reader.read_metadata()
-                return _index_metadata(self._at(dir), manifest, index_header, flat_sd, verify=self.verify_checksums)
+                return _index_metadata(self._at(dir), manifest, index_header, flat_sd,
+                                       verify=self.options.verify_checksums)
 
             with _quiet_dcp():
                 planned_load.load(sd, reader=reader, planner=planner, coord=self.coord, metadata=metadata_for,
@@ -512,17 +636,25 @@ class Checkpointer:
         finally:
             if local:
                 shutil.rmtree(local, ignore_errors=True)
-        self.last_load_info = {"dir": dir, "step": marker.step, "saved_world_size": marker.world_size,
-                               "bytes_read": reader.bytes_read, "direct_items": reader.direct_items,
-                               "not_loaded": planner.not_loaded, "writer": marker.writer, "verified": marker.verified,
-                               "parts_read": manifest.parts_read}
+        self.last_load_info = LoadInfo(dir=dir, step=marker.step, saved_world_size=marker.world_size,
+                                       bytes_read=reader.bytes_read, direct_items=reader.direct_items,
+                                       not_loaded=planner.not_loaded, writer=marker.writer, verified=marker.verified,
+                                       parts_read=manifest.parts_read)
         if load_trainer_state is False:
             return None
         return self._load_train_state(dir, manifest, required=bool(load_trainer_state))
 
     def read_train_state(self, dir: str) -> Any:
         """This rank's train state of the committed step ``dir`` (what ``load`` returns),
-        without loading the model or optimizer; None if the step has none. Not collective."""
+        without loading the model or optimizer; None if the step has none. Not
+        collective (the Hugging Face integrations read it before loading the weights
+        their own way).
+
+        Raises:
+            NotACheckpoint: ``dir`` holds no committed step.
+            CorruptCheckpoint: the train state does not match its size or CRC32C.
+            UnsafeCheckpoint: the train state would run code when unpickled.
+        """
         dir = resolve_step_dir(dir)
         marker = discovery.read_header(self._at(dir))
         return self._load_train_state(dir, discovery.StepManifest(self._at(dir), marker), required=False)
@@ -561,8 +693,8 @@ class Checkpointer:
         if entry is not None:
             url = step.join(dcp_index.HEADER).url
             return marker, read_checked(step.store, url, entry, limit=dcp_index.MAX_INDEX_BYTES, what="DCP index",
-                                        verify=self.verify_checksums), None
-        return marker, None, step_files.metadata_bytes(step, marker, verify=self.verify_checksums)
+                                        verify=self.options.verify_checksums), None
+        return marker, None, step_files.metadata_bytes(step, marker, verify=self.options.verify_checksums)
 
     def _load_train_state(self, dir: str, manifest: "discovery.StepManifest", *, required: bool) -> Any:
         marker = manifest.marker
@@ -581,7 +713,7 @@ class Checkpointer:
             return None
         url = urls.join(dir, rel)
         data = read_checked(self._at(dir).store, url, entry, limit=MAX_TRAIN_STATE_BYTES, what="train state",
-                            verify=self.verify_checksums)
+                            verify=self.options.verify_checksums)
         return load_plain(data, url=url, what="train state")
 
     # ================================================================ discovery

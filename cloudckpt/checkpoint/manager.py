@@ -76,13 +76,14 @@ class CheckpointManager:
 
     def __init__(self, config):
         self.config = config
-        self.checkpointer = _checkpointer(config)
+        self.checkpointer = Checkpointer(config.checkpointer_options())  # collective: its own group
         self.coord = self.checkpointer.coord
         self.save_location = Location.of(config.save_folder, self.checkpointer.storage_options)
-        self.local = self._local_tier(config) if config.local_dir else None
+        self.local = self._local_tier(config) if config.local.local_dir else None
         self.resumed_from: str | None = None  # "local" or "bucket"
-        self.policy = retention.Policy(config.keep_last_ephemeral, config.max_checkpoints, config.keep_every)
-        self.maintenance = retention.Maintenance(self.save_location, self.policy, older_than=config.gc_grace_seconds)
+        kept = config.retention
+        self.policy = retention.Policy(kept.keep_last_ephemeral, kept.max_checkpoints, kept.keep_every)
+        self.maintenance = retention.Maintenance(self.save_location, self.policy, older_than=kept.gc_grace_seconds)
         self._maint = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloudckpt-maint")
         self._maint_futures: list[Future] = []
         self._writing: set[int] = set()
@@ -99,14 +100,14 @@ class CheckpointManager:
         from .local.groups import Replication
         from .local.tier import LocalTier
 
-        ws = self.coord.world_size
-        jump = config.replication_jump or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-        factor = config.replication_factor or (2 if ws // max(jump, 1) >= 2 else 1)
+        ws, tier = self.coord.world_size, config.local
+        jump = tier.replication_jump or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        factor = tier.replication_factor or (2 if ws // max(jump, 1) >= 2 else 1)
         rep = Replication(ws, factor, jump)
         # uploads local steps from their own thread and group: a Checkpointer of its own
-        return LocalTier(self.checkpointer, _checkpointer(config), local_dir=config.local_dir, replication=rep,
-                         keep_last=config.keep_last_local, collective_timeout=config.collective_timeout,
-                         save_folder=config.save_folder)
+        return LocalTier(self.checkpointer, Checkpointer(self.checkpointer.options), local_dir=tier.local_dir,
+                         replication=rep, keep_last=tier.keep_last_local,
+                         collective_timeout=config.collective_timeout, save_folder=config.save_folder)
 
     def register_data_loader(self, loader: Any, name: str = "train") -> None:
         """Save and restore this loader's state (``state_dict``/``load_state_dict``) with
@@ -169,16 +170,16 @@ class CheckpointManager:
             latest, ts = self._load_with_fallback(latest, state_dict, explicit=load_step is not None, **load_kwargs)
             self.resumed_step, self.resumed_from = layout.parse_step_dir(latest), "bucket"
             info = self.checkpointer.last_load_info
-            if info.get("writer", "cloudckpt") != "cloudckpt":
-                log.warning("resumed from %s, the newest committed step, written by %s%s", latest, info["writer"],
-                            "" if info.get("verified") else " (no manifest: unverified)")
+            if info.writer != "cloudckpt":
+                log.warning("resumed from %s, the newest committed step, written by %s%s", latest, info.writer,
+                            "" if info.verified else " (no manifest: unverified)")
             else:
                 log.info("resumed from %s", latest)
         if isinstance(ts, dict) and exact_resume.KEY in ts:
             ts = dict(ts)
             saved = ts.pop(exact_resume.KEY)
             if self.config.exact_resume:
-                same = self.checkpointer.last_load_info.get("saved_world_size") == self.coord.world_size
+                same = self.checkpointer.last_load_info.saved_world_size == self.coord.world_size
                 where = latest if self.resumed_from == "bucket" else f"local step {self.resumed_step}"
                 done, missing = exact_resume.restore(saved, self._loaders, same_world_size=same, where=where)
                 if "rng:torch" in done:
@@ -324,7 +325,7 @@ class CheckpointManager:
                 log.warning("step %d is already committed in %s (it was above the resumed step): not saving over it",
                             step, self.config.save_folder)
             kind = None
-        every = self.config.local_save_interval
+        every = self.config.local.local_save_interval
         local = self.local is not None and bool(every) and step % every == 0
         if kind is None and not local:
             return None
@@ -356,7 +357,7 @@ class CheckpointManager:
                                    on_persisted=(lambda ok: self._after_save(step, ok, ephemeral)) if persist else None)
 
         if self.config.async_save:
-            return self.checkpointer.run_async(write, state_dict, train_state)
+            return self.checkpointer._run_async(write, state_dict, train_state)
         try:
             return write(state_dict, train_state)
         except BaseException:
@@ -447,12 +448,12 @@ class CheckpointManager:
 
     def _on_sigterm(self, signum, frame) -> None:
         pending = self.checkpointer.in_flight() + (self.local.in_flight() if self.local is not None else [])
-        if self.config.sigterm == "finish" and pending:
-            log.warning("SIGTERM: finishing %d in-flight save(s) (up to %.0fs)", len(pending),
-                        self.config.sigterm_timeout)
+        shutdown = self.config.shutdown
+        if shutdown.sigterm == "finish" and pending:
+            log.warning("SIGTERM: finishing %d in-flight save(s) (up to %.0fs)", len(pending), shutdown.sigterm_timeout)
             for f in pending:
                 try:
-                    f.result(timeout=self.config.sigterm_timeout)
+                    f.result(timeout=shutdown.sigterm_timeout)
                 except Exception as e:  # noqa: BLE001 - exiting anyway; the save is not committed
                     log.warning("SIGTERM: in-flight save did not commit (%s); it stays invisible", e)
         elif pending:
@@ -465,22 +466,6 @@ class CheckpointManager:
         else:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _checkpointer(config) -> Checkpointer:
-    """A Checkpointer with the config's settings (collective: it creates its own group)."""
-    return Checkpointer(
-        work_dir=config.work_dir,
-        save_overwrite=config.save_overwrite,
-        storage_options=config.storage,
-        transfer=config.transfer,
-        verify_checksums=config.verify_checksums,
-        pre_download=config.pre_download,
-        max_in_flight=config.max_in_flight,
-        thread_count=config.thread_count,
-        stale_lock_seconds=config.stale_lock_seconds,
-        collective_timeout=config.collective_timeout,
-    )
 
 
 def _committed_step(folder: Location, step: int) -> str:

@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from .. import rules
 from ..errors import ConfigError
 
 GiB = 1024**3
-
-
-def _bad(name: str, value, allowed: str) -> ConfigError:
-    return ConfigError(f"transfer option {name}={value!r} is not allowed: {allowed}")
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
 
 
 @dataclass(frozen=True)
@@ -97,32 +85,30 @@ class TransferConfig:
     start_jitter: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_concurrency", "min_concurrency", "max_bytes_in_flight", "max_attempts"):
-            v = getattr(self, name)
-            if not _is_int(v) or v < 1:
-                raise _bad(name, v, "use an integer >= 1")
+        rules.check("transfer option ", self, RULES)
         if self.min_concurrency > self.max_concurrency:
-            raise _bad("min_concurrency", self.min_concurrency, f"use at most max_concurrency ({self.max_concurrency})")
-        if self.bandwidth_limit is not None and (not _is_num(self.bandwidth_limit)
-                                                 or not 0 < self.bandwidth_limit < math.inf):
-            raise _bad("bandwidth_limit", self.bandwidth_limit, "use bytes per second > 0, or None for no cap")
-        if not _is_num(self.stall_timeout) or self.stall_timeout < 0:
-            raise _bad("stall_timeout", self.stall_timeout, "use seconds > 0 (or 0 to disable the stall watchdog)")
-        for name in ("backoff_base", "backoff_max"):
-            v = getattr(self, name)
-            if not _is_num(v) or v < 0 or v == math.inf:
-                raise _bad(name, v, "use a finite number of seconds >= 0")
+            raise ConfigError(f"transfer option min_concurrency={self.min_concurrency!r} is not allowed: use at most "
+                              f"max_concurrency ({self.max_concurrency})")
         if self.backoff_max < self.backoff_base:
-            raise _bad("backoff_max", self.backoff_max, f"use at least backoff_base ({self.backoff_base})")
-        if not isinstance(self.checksum, bool):
-            raise _bad("checksum", self.checksum, "use True or False")
-        if self.request_rate is not None and (not _is_num(self.request_rate) or not 0 <= self.request_rate < math.inf):
-            raise _bad("request_rate", self.request_rate,
-                       "use requests per second > 0 for the whole job, 0 for no pacing, or None for the store's "
-                       "default")
-        if self.start_jitter is not None and (not _is_num(self.start_jitter) or not 0 <= self.start_jitter < math.inf):
-            raise _bad("start_jitter", self.start_jitter,
-                       "use a finite number of seconds >= 0, or None for one pacing interval")
+            raise ConfigError(f"transfer option backoff_max={self.backoff_max!r} is not allowed: use at least "
+                              f"backoff_base ({self.backoff_base})")
+
+
+#: The rule of every TransferConfig field (cloudckpt.rules), checked when one is made.
+RULES: dict[str, rules.Rule] = {
+    "max_concurrency": rules.integer(1),
+    "min_concurrency": rules.integer(1),
+    "max_bytes_in_flight": rules.integer(1),
+    "bandwidth_limit": rules.number(0, strict=True, unit="bytes per second", none="for no cap"),
+    "stall_timeout": rules.number(0, finite=False, why=" (0 disables the stall watchdog)"),
+    "max_attempts": rules.integer(1),
+    "backoff_base": rules.number(0),
+    "backoff_max": rules.number(0),
+    "checksum": rules.boolean(),
+    "request_rate": rules.number(0, unit="requests per second for the whole job",
+                                 why=" (0: no pacing)", none="for the store's default"),
+    "start_jitter": rules.number(0, none="for one pacing interval"),
+}
 
 
 @dataclass(frozen=True)

@@ -80,14 +80,14 @@ def _arm(rank: int, step: int, victim: int, where: str) -> None:
 
         checkpointer.Checkpointer._upload_files = dying_upload
     else:
-        real_write = checkpointer.Checkpointer.write_local
+        real_write = checkpointer.Checkpointer._write_local
 
         def dying_write(self, folder, state_dict, train_state=None):
             if f"step{step}" in folder:
                 os.kill(os.getpid(), signal.SIGKILL)
             return real_write(self, folder, state_dict, train_state)
 
-        checkpointer.Checkpointer.write_local = dying_write
+        checkpointer.Checkpointer._write_local = dying_write
 
 
 def file_pieces(rank: int, world_size: int, folder: str) -> dict:

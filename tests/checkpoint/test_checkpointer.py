@@ -193,7 +193,7 @@ def test_missing_keys_are_listed_and_strict_false_loads_what_exists(tmp_path):
     ck = Checkpointer()
     ck.load(step, sd, strict=False, allow_partial=True)  # the target also lacks model.b and optim.m
     assert torch.equal(sd["model"]["w"], torch.arange(4096, dtype=torch.float32))
-    assert ck.last_load_info["not_loaded"] == ["epoch", "model.b", "optim.m"]
+    assert ck.last_load_info.not_loaded == ["epoch", "model.b", "optim.m"]
 
 
 def test_load_optim_state_false_skips_optimizer_and_none_tolerates_its_absence(tmp_path):

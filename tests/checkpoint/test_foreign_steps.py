@@ -80,7 +80,7 @@ def test_a_foreign_step_is_found_listed_and_loaded_with_sizes_but_no_checksums(r
     target = _zeros(_sd(20))
     with Checkpointer(work_dir=str(tmp_path / "w")) as ck:
         assert ck.load(theirs, target) == {"step": 20}
-        assert ck.last_load_info["writer"] == "olmo-core" and ck.last_load_info["verified"] is False
+        assert ck.last_load_info.writer == "olmo-core" and ck.last_load_info.verified is False
     assert _equal(target, _sd(20))
 
 
@@ -213,7 +213,7 @@ def test_adopt_writes_a_sibling_manifest_that_loads_and_verify_then_check(root, 
     target = _zeros(_sd(7))
     with Checkpointer(work_dir=str(tmp_path / "w")) as ck:
         ck.load(dir, target)
-        assert _equal(target, _sd(7)) and ck.last_load_info["verified"] is True
+        assert _equal(target, _sd(7)) and ck.last_load_info.verified is True
         url = urls.join(dir, shard.path)
         data = bytearray(store.get_bytes(url))
         data[shard.chunks[0][0]] ^= 1

@@ -61,7 +61,7 @@ def test_allow_partial_loads_what_is_asked_and_reports_the_rest(step):
     model = torch.nn.Linear(8, 4)
     ck = Checkpointer()
     ck.load(path, {"model": model.state_dict()}, allow_partial=True)
-    assert "optim.state.weight.exp_avg" in ck.last_load_info["not_loaded"]
+    assert "optim.state.weight.exp_avg" in ck.last_load_info.not_loaded
 
 
 def test_model_only_leaves_the_optimizer_on_purpose_but_not_model_keys(step):

@@ -35,7 +35,7 @@ def save_then_load_by_stage(rank, world_size, path, work, leave_out):
         return {"error": str(e)}
     finally:
         ck.close()
-    return {"loaded": {k: v.tolist() for k, v in mine["model"].items()}, "not_loaded": ck.last_load_info["not_loaded"]}
+    return {"loaded": {k: v.tolist() for k, v in mine["model"].items()}, "not_loaded": ck.last_load_info.not_loaded}
 
 
 def test_stages_asking_for_different_keys_load_and_a_key_nobody_asks_for_is_refused_on_every_rank(tmp_path):
@@ -78,7 +78,7 @@ def test_a_key_with_no_elements_counts_as_asked_only_when_asked(tmp_path, ask_em
         if ask_empty:
             target["model"]["empty"] = torch.zeros(0)
             ck.load(path, target)
-            assert ck.last_load_info["not_loaded"] == []
+            assert ck.last_load_info.not_loaded == []
         else:
             with pytest.raises(KeysNotLoaded, match=r"model\.empty"):
                 ck.load(path, target)

@@ -225,10 +225,10 @@ def test_every_cloudckpt_env_var_used_in_the_repo_is_a_field_or_a_listed_knob():
 def test_timeouts_are_config_fields_with_env_overrides_and_reach_the_storage_options():
     cfg = CheckpointConfig.from_dict({"save_folder": "s3://bucket/run", "read_timeout": 20},
                                      env={"CLOUDCKPT_OPERATION_TIMEOUT": "5", "CLOUDCKPT_CONNECT_TIMEOUT": "2.5"})
-    so = cfg.storage_options()
+    so = cfg.storage
     assert (so.connect_timeout, so.read_timeout, so.operation_timeout) == (2.5, 20.0, 5.0)
     assert so.attempt_timeouts == (2.5, 5.0)  # no single wait is longer than the deadline
-    d = CheckpointConfig(save_folder="s3://bucket/run").storage_options()
+    d = CheckpointConfig(save_folder="s3://bucket/run").storage
     assert (d.connect_timeout, d.read_timeout, d.operation_timeout) == (10.0, 30.0, 60.0)
     for bad in (0, -1, "soon", float("inf")):
         with pytest.raises(ConfigError, match="operation_timeout"):
@@ -282,7 +282,7 @@ def test_manager_hands_every_checkpointer_knob_and_one_default_work_dir(tmp_path
     mgr = cfg.build()
     try:
         ck = mgr.checkpointer
-        assert (ck.thread_count, ck.stale_lock_seconds, ck.work_dir) == (3, 30, default_work_dir())
+        assert (ck.options.thread_count, ck.options.stale_lock_seconds, ck.work_dir) == (3, 30, default_work_dir())
         assert ck.storage_options is cfg.storage and mgr.save_location.options is cfg.storage
     finally:
         mgr.close()

@@ -115,11 +115,11 @@ def test_a_rank_reads_only_the_parts_of_the_files_its_plan_reads(step, tmp_path)
     with Checkpointer(work_dir=str(tmp_path / "w")) as ck:
         only_w1 = {"model": {"w1": torch.zeros(1024)}}
         ck.load(step, only_w1, load_trainer_state=False, allow_partial=True)
-        assert ck.last_load_info["parts_read"] == 1, "w1 lies in rank 1's file: one part"
+        assert ck.last_load_info.parts_read == 1, "w1 lies in rank 1's file: one part"
         assert torch.equal(only_w1["model"]["w1"], checks.step_state(1, 1, numel=1024)["model"]["w1"])
         sd = _zeros()
         ts = ck.load(step, sd)
-        assert ck.last_load_info["parts_read"] == 2
+        assert ck.last_load_info.parts_read == 2
         assert checks.bitexact(sd, 1, 2, numel=1024)
         assert ts == {"step": 1, "rank": 0}, "the world size changed: rank 0's train state (from part 0)"
 
@@ -230,7 +230,7 @@ def test_a_step_written_in_format_1_lists_verifies_and_loads_unchanged(tmp_path)
           "optim": {k: torch.zeros_like(v) for k, v in want["optim"].items()}}
     with Checkpointer(work_dir=str(tmp_path / "w")) as ck:
         ts = ck.load(step, sd)
-        assert ck.last_load_info["parts_read"] == 0
+        assert ck.last_load_info.parts_read == 0
     assert ts == {"step": 3, "note": "format 1"}
     for k in ("model", "optim"):
         for name, t in want[k].items():
@@ -258,7 +258,7 @@ def test_s3_a_step_in_parts_round_trips_and_its_parts_are_objects_of_the_step(s3
         assert [p.rank for p in marker.parts] == [0]
         sd = checks.zero_state(1, numel=1024)
         assert ck.load(dir, sd) == {"step": 2}
-        assert ck.last_load_info["parts_read"] == 1 and checks.bitexact(sd, 2, 1, numel=1024)
+        assert ck.last_load_info.parts_read == 1 and checks.bitexact(sd, 2, 1, numel=1024)
     store = open_store(dir)
     assert store.exists(urls.join(dir, part_name(0)))
     assert checks.verify_step(dir) == []

@@ -235,7 +235,7 @@ def test_a_step_written_in_format_2_lists_verifies_and_loads_unchanged(tmp_path)
     sd = checks.zero_state(1, numel=1024)
     with Checkpointer(work_dir=str(tmp_path / "w")) as ck:
         assert ck.load(step, sd) == {"step": 4}
-        assert ck.last_load_info["parts_read"] == 1
+        assert ck.last_load_info.parts_read == 1
     assert checks.bitexact(sd, 4, 1, numel=1024)
 
 

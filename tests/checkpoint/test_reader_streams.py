@@ -265,5 +265,5 @@ def test_a_streaming_load_reads_each_run_of_items_through_one_request(s3_bucket,
     distcp = [o for o in opened if o[0].endswith(".distcp")]
     # 24 MiB planned: streams of 16 MiB (the floor), so 2 streams
     assert len(distcp) == 2, opened
-    assert ck.last_load_info["direct_items"] == 24
+    assert ck.last_load_info.direct_items == 24
     assert open_store(step).exists(step + "/.metadata.json")

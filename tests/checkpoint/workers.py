@@ -64,7 +64,7 @@ def load_sharded(rank, world_size, dir, work_dir, pre_download=False):
     info = ck.last_load_info
     ck.close()
     return {"tensors": gathered(sd), "step": sd["optim"]["step"], "train_state": ts,
-            "direct_items": info["direct_items"]}
+            "direct_items": info.direct_items}
 
 
 def save_with_failing_rank(rank, world_size, dir, work_dir, bad_rank):

@@ -3,6 +3,7 @@ launcher for jobs the tests kill -9."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -26,7 +27,7 @@ def save_and_load(rank, world_size, folder, work_dir, steps, storage, transfer):
     stats = []
     for s in steps:
         ck.save(checks.step_dir(folder, s), checks.step_state(s, rank), {"step": s, "rank": rank})
-        stats.append(dict(ck.last_save_stats))
+        stats.append(dataclasses.asdict(ck.last_save_stats))
     exact = []
     for s in steps:
         sd = checks.zero_state(world_size, ranks=[rank])

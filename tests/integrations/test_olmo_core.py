@@ -128,7 +128,7 @@ def test_olmo_core_steps_are_found_listed_and_loaded_bitexactly_then_adopted(cas
     assert "olmo-core" in cli("list", folder).stdout.splitlines()[1]
 
     bad, info = _load_bitexact(step, ref, str(tmp_path / "w"))  # 2 ranks -> 1: resharding
-    assert bad == [] and info["writer"] == "olmo-core" and info["verified"] is False
+    assert bad == [] and info.writer == "olmo-core" and info.verified is False
     assert _load_bitexact(step, ref, str(tmp_path / "w"), pre_download=True)[0] == []
     if case != "local-1rank":  # and on 2 ranks, each with its own train state
         assert run_ranks(2, cc_ranks.load_and_compare, step, str(ref), str(tmp_path / "w2")) == [[], []]

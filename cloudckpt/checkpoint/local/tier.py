@@ -156,7 +156,7 @@ class LocalTier:
         try:
             save_id = self.ck.coord.all_ranks(f"local step {step}: make its folder", make_folder,
                                               error=SaveFailed.from_failures)[0]  # rank 0's id for all
-            entries = self.ck.write_local(tmp, state_dict, train_state)
+            entries = self.ck._write_local(tmp, state_dict, train_state)
             marker = Marker(step=step, ephemeral=ephemeral, world_size=self.rep.world_size,
                             objects=tuple(sorted(entries, key=lambda o: o.path)), torch_version=torch.__version__,
                             save_id=save_id)
@@ -192,7 +192,7 @@ class LocalTier:
         try:
             own = parts.read_part(self.root, step, self.rank)
             files = [] if own is None else [(own.file(o.path), o) for o in own.marker.objects]
-            self.persister.persist_files(url, files, ephemeral=ephemeral, step=step)
+            self.persister._persist_files(url, files, ephemeral=ephemeral, step=step)
             ok = True
             log.info("persisted local step %d to %s", step, url)
         except BaseException as e:
