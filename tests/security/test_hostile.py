@@ -125,8 +125,30 @@ def _planted_changed(outside: str) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("t", TRIES, ids=[try_id(t) for t in TRIES])
+def share(part: int) -> list[Try]:
+    """Every PARTS-th try from the ``part``-th: this file runs share 0, test_hostile_share1.py
+    and test_hostile_share2.py the others, so that the suite's workers (one file each at a
+    time: --dist loadfile) run them side by side. Together they are TRIES, each once."""
+    return TRIES[part::PARTS]
+
+
+PARTS = 3
+
+
+@pytest.mark.parametrize("t", share(0), ids=[try_id(t) for t in share(0)])
 def test_hostile_try(t: Try, sandbox, tmp_path, request):
+    run_try(t, sandbox, tmp_path, request)
+
+
+def test_the_shares_are_every_try_once():
+    ids = [try_id(t) for part in range(PARTS) for t in share(part)]
+    assert sorted(ids) == sorted(try_id(t) for t in TRIES) and len(set(ids)) == len(TRIES)
+    here = HERE.glob("test_hostile_share*.py")
+    assert sorted(p.name for p in here) == [f"test_hostile_share{i}.py" for i in range(1, PARTS)]
+
+
+def run_try(t: Try, sandbox, tmp_path, request) -> None:
+    """One try in the sandbox: the expected outcome, never a finding, the planted files intact."""
     tmp = str(tmp_path)
     outside = plant(tmp)
     root = f"{tmp}/saves" if t.backend == "local" else f"{request.getfixturevalue('bucket')}/{uuid.uuid4().hex}"
