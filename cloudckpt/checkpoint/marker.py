@@ -63,9 +63,12 @@ for it beside that marker, in ``.cloudckpt.json`` (``ADOPTED_MANIFEST``), with a
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import time
+from array import array
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Iterable
@@ -141,6 +144,9 @@ class ObjectEntry:
         if self.chunks:
             d["chunks"] = [list(c) for c in self.chunks]
         return d
+
+
+_HEX8 = re.compile(r"[0-9a-f]{8}")
 
 
 @dataclass(frozen=True)
@@ -232,6 +238,90 @@ class ManifestPart:
         return cls(step, ref.rank, save_id, objects)
 
 
+class PartTable(Sequence):
+    """A marker's part references held as columns, as format 3 writes them: what a
+    :class:`Marker` holds (and pickles) instead of one object per rank. Rank 0 hands
+    the marker to every rank of a load; at 16,384 ranks that is about 20 bytes a rank
+    and nothing built, and a rank makes a :class:`PartRef` only for the parts it reads
+    (:meth:`get`). Iterating yields PartRefs in rank order; equal to a tuple of the same
+    PartRefs."""
+
+    __slots__ = ("_ranks", "_sizes", "_crcs", "_objects", "_bytes")
+
+    def __init__(self, ranks: "range | array", sizes: array, crcs: bytes, objects: array, nbytes: array):
+        self._ranks, self._sizes, self._crcs, self._objects, self._bytes = ranks, sizes, crcs, objects, nbytes
+
+    @classmethod
+    def of(cls, parts: Sequence[PartRef]) -> "PartTable | None":
+        """The table of ``parts`` (ascending ranks, each at its own ``manifest/rank{R}.json``),
+        or None when they are not that (they stay a tuple)."""
+        ranks = [p.rank for p in parts]
+        if any(b <= a for a, b in zip(ranks, ranks[1:], strict=False)) or any(
+                p.path != part_name(p.rank) or not _HEX8.fullmatch(p.crc32c) for p in parts):
+            return None
+        try:
+            sizes = array("Q", (p.size for p in parts))
+            objects = array("Q", (p.objects for p in parts))
+            nbytes = array("Q", (p.bytes for p in parts))
+        except (OverflowError, TypeError):
+            return None
+        rng = range(ranks[0], ranks[-1] + 1) if ranks else range(0)
+        return cls(rng if len(rng) == len(ranks) else array("q", ranks), sizes,
+                   bytes.fromhex("".join(p.crc32c for p in parts)), objects, nbytes)
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        r = int(self._ranks[i])
+        return PartRef(r, part_name(r), self._sizes[i], self._crcs[4 * i:4 * i + 4].hex(), self._objects[i],
+                       self._bytes[i])
+
+    def get(self, rank: int, default: Any = None) -> PartRef | Any:
+        """The reference of rank ``rank``'s part, or ``default``."""
+        ranks = self._ranks
+        if isinstance(ranks, range):
+            return self[ranks.index(rank)] if rank in ranks else default
+        i = bisect.bisect_left(ranks, rank)
+        return self[i] if i < len(ranks) and ranks[i] == rank else default
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (PartTable, tuple, list)):
+            return len(self) == len(other) and tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"PartTable({len(self)} parts)"
+
+    def __reduce__(self):
+        return (PartTable, (self._ranks, self._sizes, self._crcs, self._objects, self._bytes))
+
+
+class _ByRank:
+    """A PartTable (or a tuple of PartRefs) looked up by rank."""
+
+    def __init__(self, parts: Any):
+        self._get = parts.get if isinstance(parts, PartTable) else {p.rank: p for p in parts}.get
+
+    def get(self, rank: int, default: Any = None) -> Any:
+        return self._get(rank, default)
+
+    def __getitem__(self, rank: int) -> PartRef:
+        got = self._get(rank)
+        if got is None:
+            raise KeyError(rank)
+        return got
+
+
 @dataclass(frozen=True)
 class Marker:
     step: int
@@ -246,7 +336,16 @@ class Marker:
     writer: str = FORMAT  # the tool that wrote the step's objects ("olmo-core" for a foreign step)
     verified: bool = True  # a manifest with CRC32Cs (ours or adopted); False: sizes from a listing only
     adopted_crc32c: str = ""  # adopted: the CRC32C of the other tool's marker this manifest vouches for
-    parts: tuple[PartRef, ...] = ()  # the ranks' manifest parts (format 2); ``objects`` then holds the step's own files
+    parts: "Sequence[PartRef]" = ()  # the ranks' manifest parts (format 2); ``objects`` then holds the step's own files
+
+    def __post_init__(self) -> None:
+        if self.parts and not isinstance(self.parts, PartTable):
+            table = PartTable.of(tuple(self.parts))
+            object.__setattr__(self, "parts", table if table is not None else tuple(self.parts))
+
+    def __getstate__(self) -> dict:
+        # the lookup caches are rebuilt where they are needed, not carried (rank 0 hands markers to every rank)
+        return {k: v for k, v in self.__dict__.items() if not k.endswith("_cache")}
 
     def __repr__(self) -> str:
         # short: a sync save returns a Marker, and its full manifest (every item's CRC32C)
@@ -284,10 +383,10 @@ class Marker:
         return None if r is None else self._parts_by_rank.get(r)
 
     @property
-    def _parts_by_rank(self) -> dict[int, PartRef]:
+    def _parts_by_rank(self) -> _ByRank:
         cache = self.__dict__.get("_parts_cache")
         if cache is None:
-            cache = {p.rank: p for p in self.parts}
+            cache = _ByRank(self.parts)
             object.__setattr__(self, "_parts_cache", cache)
         return cache
 
