@@ -698,12 +698,12 @@ def _manager(args, ck):
     from cloudckpt.checkpoint import manager as manager_mod
 
     cfg = CheckpointConfig(save_folder=str(Path(args.work) / "run"), work_dir=os.path.join(args.work, "w"))
-    made = manager_mod._checkpointer
-    manager_mod._checkpointer = lambda config: ck  # its own would create a process group of R ranks
+    made = manager_mod.Checkpointer
+    manager_mod.Checkpointer = lambda *a, **kw: ck  # its own would create a process group of R ranks
     try:
         return manager_mod.CheckpointManager(cfg)
     finally:
-        manager_mod._checkpointer = made
+        manager_mod.Checkpointer = made
 
 
 def phase_resume(args) -> dict:

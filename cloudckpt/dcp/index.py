@@ -66,6 +66,7 @@ VERSION = 1  # of a rank's part
 HEADER_VERSION = 2  # 2: a layout may be a grid (``cuts``)
 HEADER_VERSIONS = (1, 2)
 HEADER = "index/header.json"
+_SHARED = object()  # header_bytes's own entry in its cache
 MAX_INDEX_BYTES = 1 << 30  # a header or a part; the manifest's CRC-checked size bounds each read first
 MAX_KEY_CHARS = 4096
 MAX_RANKS = 1 << 24
@@ -135,7 +136,11 @@ def header_bytes(metadata: Metadata, cache: dict | None = None, *, compact: bool
     (:func:`_layout_doc`); False writes every layout as boxes (both forms are read)."""
     storage = metadata.storage_data
     cache = {} if cache is None else cache
-    layouts: dict[tuple, int] = {}
+    shared = cache.setdefault(_SHARED, {})  # layout keys, interned, and their docs: across saves
+    interned: dict[tuple, tuple] = shared.setdefault("keys", {})
+    docs_of: dict[tuple, tuple] = shared.setdefault("docs", {})
+    layouts: dict[int, int] = {}  # id of an interned key -> layout id
+    keys: list[tuple] = []
     users: dict[int, list] = {}  # layout id -> the tensors that use it
     tensors, values = [], []
     for fqn, md in metadata.state_dict_metadata.items():
@@ -148,33 +153,47 @@ def header_bytes(metadata: Metadata, cache: dict | None = None, *, compact: bool
         dtype = _DTYPE_NAMES.get(md.properties.dtype)
         if dtype is None:
             raise ValueError(f"{fqn!r}: dtype {md.properties.dtype} has no name in the DCP index")
-        # stored whole: one chunk is the whole tensor (the others, if any, are empty: an FSDP
-        # shard of a tensor with fewer rows than ranks); its writer's part leaves it out too
-        whole = next((c for c in chunks if list(c.sizes) == size and not any(c.offsets)), None)
+        hit = cache.get(fqn)
+        if hit is not None and hit[0] is chunks and hit[1] == len(chunks):
+            whole, key = hit[2], hit[3]
+        else:
+            # stored whole: one chunk is the whole tensor (the others, if any, are empty: an FSDP
+            # shard of a tensor with fewer rows than ranks); its writer's part leaves it out too
+            whole = next((c for c in chunks if list(c.sizes) == size and not any(c.offsets)), None)
+            key = None
+            if whole is None:
+                flat: list[int] = []
+                owners = []
+                owner_of: dict[str, int] = {}
+                for c in chunks:
+                    flat.extend(c.offsets)
+                    flat.extend(c.sizes)
+                    rel = storage[MetadataIndex(fqn, c.offsets)].relative_path
+                    o = owner_of.get(rel)
+                    if o is None:
+                        o = owner_of[rel] = _owner(rel)
+                    owners.append(o)
+                key = (len(size), tuple(flat), tuple(owners))
+                key = interned.setdefault(key, key)
+            cache[fqn] = (chunks, len(chunks), whole, key)
         if whole is not None:
             info = storage[MetadataIndex(fqn, whole.offsets)]
             tensors.append([fqn, dtype, size, -1, [info.relative_path, int(info.offset), int(info.length)]])
             continue
-        hit = cache.get(fqn)
-        if hit is not None and hit[0] is chunks and hit[1] == len(chunks):
-            key = hit[2]
-        else:
-            flat: list[int] = []
-            owners = []
-            for c in chunks:
-                flat.extend(c.offsets)
-                flat.extend(c.sizes)
-                owners.append(_owner(storage[MetadataIndex(fqn, c.offsets)].relative_path))
-            key = (len(size), tuple(flat), tuple(owners))
-            cache[fqn] = (chunks, len(chunks), key)
-        lid = layouts.setdefault(key, len(layouts))
+        lid = layouts.setdefault(id(key), len(layouts))
+        if lid == len(keys):
+            keys.append(key)
         users.setdefault(lid, []).append((fqn, chunks))
         tensors.append([fqn, dtype, size, lid, None])
+    shared["keys"] = {k: k for k in keys}  # only the layouts of this save stay interned
     docs, orders = [], []
-    for nd, flat, owners in layouts:
-        doc, order = _layout_doc(nd, flat, owners, compact)
-        docs.append(doc)
-        orders.append(order)
+    for key in keys:
+        got = docs_of.get((id(key), compact))
+        if got is None or got[0] is not key:
+            got = docs_of[(id(key), compact)] = (key, *_layout_doc(*key, compact))
+        docs.append(dict(got[1]))  # a copy: the items of a one-tensor layout are added to it
+        orders.append(got[2])
+    shared["docs"] = {(id(k), compact): docs_of[(id(k), compact)] for k in keys}
     for lid, used in users.items():
         if len(used) == 1:  # a layout of one tensor (its own shape, or a replicated tensor cut in pieces)
             fqn, chunks = used[0]
@@ -197,9 +216,10 @@ def _layout_doc(nd: int, flat: tuple, owners: tuple, compact: bool) -> tuple[dic
     dimension, exactly once: FSDP's rows, tensor parallel's columns, both) is written
     as its ``cuts``, each dimension's chunk boundaries from 0 to the tensor's size,
     with the owners of the chunks in row-major order; owners that step evenly (rank
-    ``k`` wrote chunk ``k``) are written as ``{"start", "step"}``. That is
-    ``O(sum of cuts)`` numbers instead of ``2 x ndim x chunks + chunks``, and constant
-    in R for an even split. Empty chunks (an FSDP shard of a tensor with fewer rows than
+    ``k`` wrote chunk ``k``) are written as ``{"start", "step"}``, and cuts at even
+    steps as ``{"every", "end"}`` (:func:`_cut_doc`). That is ``O(sum of cuts)``
+    numbers instead of ``2 x ndim x chunks + chunks``, and constant in R for an even
+    split. Empty chunks (an FSDP shard of a tensor with fewer rows than
     ranks) hold nothing to read and are left out. Anything else is written as boxes."""
     boxes = {"ndim": nd, "boxes": list(flat), "owners": list(owners)}
     n = len(owners)
@@ -232,7 +252,16 @@ def _layout_doc(nd: int, flat: tuple, owners: tuple, compact: bool) -> tuple[dic
         rule: Any = {"start": int(own[0]), "step": int(steps[0])}
     else:
         rule = own.tolist()
-    return {"ndim": nd, "cuts": [c.tolist() for c in cuts], "owners": rule}, keep[order].tolist()
+    return {"ndim": nd, "cuts": [_cut_doc(c) for c in cuts], "owners": rule}, keep[order].tolist()
+
+
+def _cut_doc(c: np.ndarray) -> Any:
+    """One dimension's cuts: ``{"every": s, "end": E}`` for ``0, s, 2s, ..., E`` (the last
+    interval at most ``s``: ``torch.chunk``'s split, which FSDP and DTensor use), else the list."""
+    gaps = np.diff(c)
+    if len(gaps) > 2 and np.all(gaps[:-1] == gaps[0]) and gaps[-1] <= gaps[0]:
+        return {"every": int(gaps[0]), "end": int(c[-1])}
+    return c.tolist()
 
 
 # ============================================================================ reading
@@ -439,27 +468,43 @@ def _grid(x: dict, writers: int) -> Layout:
     raw = x["cuts"]
     if type(raw) is not list or len(raw) != nd:
         raise ValueError(f"a layout's cuts are not {nd} lists")
-    cuts = []
-    for c in raw:
-        if type(c) is not list or len(c) < 2 or c[0] != 0 or not all(type(v) is int and 0 <= v <= MAX_DIM for v in c):
-            raise ValueError("a layout's cuts are not lists of at least 2 integers in [0, 2^63) from 0")
-        arr = np.array(c, dtype=np.int64)
-        if np.any(arr[1:] <= arr[:-1]):
-            raise ValueError("a layout's cuts do not ascend (an empty or overlapping chunk)")
-        cuts.append(arr)
-    n = math.prod(len(c) - 1 for c in cuts)  # bounded below: by the owners listed, or by the writers
+    counts = [_cut_count(c) for c in raw]
+    n = math.prod(counts)  # bounded before a cut is built: by the owners listed, or by the writers
     owners = x["owners"]
     if type(owners) is list:
         if len(owners) != n:
             raise ValueError(f"a layout's cuts make {n} chunks, its owners are {len(owners)}")
-        return _with_items(Layout(nd, n, cuts=tuple(cuts), owner_list=_owner_list(owners)), x)
-    if type(owners) is not dict or sorted(owners) != ["start", "step"]:
+        own: dict = {"owner_list": _owner_list(owners)}
+    elif type(owners) is dict and sorted(owners) == ["start", "step"]:
+        start, step = _int(owners["start"], 0, MAX_RANKS), _int(owners["step"], 1, MAX_RANKS)
+        if n > writers or start + (n - 1) * step >= MAX_RANKS:
+            raise ValueError(f"a layout's cuts make {n} chunks, owned by ranks {start}, {start + step}, ...: more "
+                             f"chunks than the {writers} ranks that wrote parts, or ranks past {MAX_RANKS}")
+        own = {"owner_rule": (start, step)}
+    else:
         raise ValueError("a layout's owners are neither a list nor {start, step}")
-    start, step = _int(owners["start"], 0, MAX_RANKS), _int(owners["step"], 1, MAX_RANKS)
-    if n > writers or start + (n - 1) * step >= MAX_RANKS:
-        raise ValueError(f"a layout's cuts make {n} chunks, owned by ranks {start}, {start + step}, ...: more chunks "
-                         f"than the {writers} ranks that wrote parts, or ranks past {MAX_RANKS}")
-    return _with_items(Layout(nd, n, cuts=tuple(cuts), owner_rule=(start, step)), x)
+    cuts = tuple(_cuts(c) for c in raw)
+    return _with_items(Layout(nd, n, cuts=cuts, **own), x)
+
+
+def _cut_count(c: Any) -> int:
+    """The number of intervals of one dimension's cuts (checked, nothing built)."""
+    if type(c) is dict:
+        if sorted(c) != ["end", "every"]:
+            raise ValueError("a dimension's cuts are neither a list nor {every, end}")
+        every, end = _int(c["every"], 1), _int(c["end"], 1)
+        return -(-end // every)
+    if type(c) is not list or len(c) < 2 or c[0] != 0 or not all(type(v) is int and 0 <= v <= MAX_DIM for v in c):
+        raise ValueError("a layout's cuts are not lists of at least 2 integers in [0, 2^63) from 0")
+    if any(b <= a for a, b in zip(c, c[1:], strict=False)):
+        raise ValueError("a layout's cuts do not ascend (an empty or overlapping chunk)")
+    return len(c) - 1
+
+
+def _cuts(c: Any) -> np.ndarray:
+    if type(c) is dict:
+        return np.append(np.arange(0, c["end"], c["every"], dtype=np.int64), np.int64(c["end"]))
+    return np.array(c, dtype=np.int64)
 
 
 def _with_items(lay: Layout, x: dict) -> Layout:
