@@ -5,6 +5,8 @@ differ from an uninterrupted run); a plain DataLoader is refused when registered
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import torch
 
@@ -15,11 +17,22 @@ from cloudckpt.testing.multiprocess import run_ranks
 from . import loop_workers
 from .test_checkpointer import _env
 
+STEPS = 13
+
+
+@pytest.fixture(scope="module")
+def straight(seaweed, tmp_path_factory) -> list:
+    """2 ranks training STEPS steps straight (saving every 2, blocking): the run that both
+    the sync and the async stop-and-resume must equal (how a save runs changes nothing)."""
+    bucket = seaweed.create_bucket("straight-" + uuid.uuid4().hex[:16])
+    return run_ranks(2, loop_workers.train, bucket + "/straight", str(tmp_path_factory.mktemp("straight")), STEPS,
+                     None, False, env=dict(_env(), **seaweed.env()))
+
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_resume_then_set_epoch_and_iter_is_bit_identical_to_training_straight(s3_bucket, tmp_path, async_save):
-    steps, work = 13, str(tmp_path / "w")
-    straight = run_ranks(2, loop_workers.train, s3_bucket + "/straight", work, steps, None, async_save, env=_env())
+def test_resume_then_set_epoch_and_iter_is_bit_identical_to_training_straight(s3_bucket, tmp_path, async_save,
+                                                                             straight):
+    steps, work = STEPS, str(tmp_path / "w")
     first = run_ranks(2, loop_workers.train, s3_bucket + "/resumed", work, steps, 7, async_save, env=_env())
     assert max(first[0]["losses"]) == 7  # preempted mid-epoch 2, after step 7; the last save is step 6
     second = run_ranks(2, loop_workers.train, s3_bucket + "/resumed", work, steps, None, async_save, env=_env())
