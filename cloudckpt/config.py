@@ -1,5 +1,10 @@
 """CheckpointConfig: the trainer-facing settings, validated, from kwargs, a dict,
-a YAML file, and ``CLOUDCKPT_*`` environment overrides.
+a YAML file, and ``CLOUDCKPT_*`` environment overrides; its groups (``LocalTierConfig``,
+``RetentionConfig``, ``ShutdownConfig``, with ``StorageOptions`` and ``TransferConfig``);
+and ``CheckpointerOptions``, the one object a ``Checkpointer`` takes.
+
+Each class checks every field with its table of rules (``cloudckpt.rules``) when it is
+made; strings from YAML and the environment are converted to the field's type first.
 
 Precedence (stated once): defaults < the dict / YAML file you pass < environment
 variables ``CLOUDCKPT_<FIELD>`` (e.g. ``CLOUDCKPT_SAVE_FOLDER``,
@@ -449,7 +454,7 @@ def _save_folder(v: Any) -> str | None:
     from .storage import known_schemes
 
     if p.scheme not in known_schemes():
-        return f"the scheme {p.scheme + '://'!r} is unknown: use a local path, s3://bucket/prefix or gs://bucket/prefix"
+        return f"it has an unknown scheme {p.scheme + '://'!r}: use a local path, s3://bucket/prefix or gs://bucket/prefix"
     if p.scheme != "file" and not p.key.strip("/"):
         return (f"it is a bucket root: use a prefix such as {v.rstrip('/')}/run-1, so pruning and gc can never touch "
                 "the rest of the bucket")

@@ -57,7 +57,11 @@ def integer(at_least: int = 1, *, none: str | None = None, why: str = "") -> Rul
 def number(above: float = 0, *, strict: bool = False, finite: bool = True, unit: str = "seconds",
            none: str | None = None, why: str = "") -> Rule:
     """A number ``> above`` (``strict``) or ``>= above``; ``finite``: infinity refused."""
-    allowed = f"use {'a finite number' if finite else 'a number'} of {unit} {'>' if strict else '>='} {above:g}" + why
+    if above == 0 and not strict:
+        allowed = f"use a {'finite ' if finite else ''}non-negative number of {unit}" + why
+    else:
+        kind = "a finite number" if finite else "a number"
+        allowed = f"use {kind} of {unit} {'>' if strict else '>='} {above:g}" + why
     return _or_none(lambda v: _is_num(v) and (v > above if strict else v >= above) and (v < math.inf or not finite),
                     allowed, none)
 

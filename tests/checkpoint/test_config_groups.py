@@ -74,7 +74,8 @@ def test_shutdown_group_from_flat_names_yaml_and_env(tmp_path):
     ({"max_checkpoints": 0}, "retention option max_checkpoints=0 is not allowed"),
     ({"gc_grace_seconds": -1}, "retention option gc_grace_seconds=-1.0 is not allowed"),
     ({"sigterm": "ignore"}, "shutdown option sigterm='ignore' is not allowed: use 'finish' or 'abandon'"),
-    ({"sigterm_timeout": float("inf")}, "shutdown option sigterm_timeout=inf is not allowed: use a finite number"),
+    ({"sigterm_timeout": float("inf")}, "shutdown option sigterm_timeout=inf is not allowed: use a finite "
+                                        "non-negative number of seconds"),
     ({"thread_count": 0}, "checkpointer option thread_count=0 is not allowed: use a positive integer"),
     ({"load_exchange": "sometimes"}, "load_exchange='sometimes' is not a boolean"),
     ({"collective_timeout": 0}, "checkpointer option collective_timeout=0.0 is not allowed"),
