@@ -39,6 +39,7 @@ import threading
 import time
 from pathlib import Path
 
+from cloudckpt.dcp.exchange import EACH
 from cloudckpt.storage.s3 import S3Store
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,11 +201,14 @@ def summarize(ranks: list[dict], data_bytes: dict[str, int]) -> list[dict]:
 
 
 # ---------------------------------------------------------------------- at scale, simulated (issue 32's way)
+TORCH_SAVE_BYTES = 1569  # what torch.save adds to a tensor's data (torch 2.13; a 0-dim int64: 1,577 bytes)
+
+
 class _Sim:
     """One HSDP layout of an R-rank job, simulated with bench/scale.py's shape and
     layout (``rank_items``/``rank_files``: the items and files DCP's metadata of that
-    job holds): shard groups of ``S`` ranks, ``R / S`` replica groups; shard ``s``
-    (ranks ``s, s + S, ...``) stored once, in the files ``__{s}_{k}.distcp`` (the
+    job holds, each item with torch.save's bytes added): shard groups of ``S`` ranks,
+    ``R / S`` replica groups; shard ``s`` (ranks ``s, s + S, ...``) stored once, in the files ``__{s}_{k}.distcp`` (the
     replica group DCP's dedup keeps), the replicated ``step`` scalars in shard 0's
     files and needed by every rank. The owners' choice is exchange.py's own
     (``owner_of``, ``assign``), made for every owner of the job."""
@@ -218,7 +222,8 @@ class _Sim:
         self.shard_keys: list[list] = []  # per shard: its sharded items' keys (fid, offset, length), sorted
         self.scalars: list = []
         for s in range(S):
-            items = rank_items(shape, S, s)
+            # as DCP stores them: each tensor item through torch.save (its data + 1,569 bytes)
+            items = [(fqn, off, size, n + TORCH_SAVE_BYTES) for fqn, off, size, n in rank_items(shape, S, s)]
             keys = []
             for k, f in enumerate(rank_files(items)):
                 rel = f"model_and_optim/__{s}_{k}.distcp"
@@ -260,6 +265,12 @@ class _Sim:
         read_b, read_keys, sends, req_owned, dests_owned, dests_in = zero(), [[] for _ in range(R)], zero(), \
             zero(), zero(), zero()
         for k, rd in self.reader.items():
+            if rd == EACH:  # each rank that needs it reads it
+                for r in self.requesters[k]:
+                    read_b[r] += k[2]
+                    read_keys[r].append(k)
+                req_owned[self.owner[k]] += len(self.requesters[k])
+                continue
             others = len(self.requesters[k]) - 1
             read_b[rd] += k[2]
             read_keys[rd].append(k)
@@ -313,8 +324,9 @@ class _Sim:
         for k in mine:
             by_owner[owner_of(k[0], k[1], k[2], R)].append(k)
         order = [k for b in by_owner for k in b]
-        answers = [x for k in order for x in (self.reader[k], len(self.requesters[k]) - 1 if self.reader[k] == me
-                                               else 0)]
+        answers = [x for k in order for x in ((me, 0) if self.reader[k] == EACH else
+                                              (self.reader[k], len(self.requesters[k]) - 1 if self.reader[k] == me
+                                               else 0))]
         dests = [r for k in order if self.reader[k] == me for r in self.requesters[k] if r != me]
         return [torch.tensor([len(x) for x in rows_from], dtype=torch.int64),
                 torch.tensor([x for b in rows_from for k in b for x in k], dtype=torch.int64),
@@ -333,8 +345,9 @@ class _Sim:
             needed.setdefault(self.rels[fid], []).append((off, n))
         with Meter() as m:
             plan = Exchange(coord).census(needed)
-        want = {k for k in self.needs(me) if self.reader[k] == me}
-        if set(plan.reads) != want or any(sorted(plan.reads[k]) != [r for r in self.requesters[k] if r != me]
+        want = {k for k in self.needs(me) if self.reader[k] in (me, EACH)}
+        if set(plan.reads) != want or any(sorted(plan.reads[k]) != ([] if self.reader[k] == EACH else
+                                                                    [r for r in self.requesters[k] if r != me])
                                           for k in want):
             raise AssertionError(f"rank {me}: the simulated census's plan differs from the owners' choice")
         return {"rank": me, **m.report(), "sent_bytes": coord.sent, "received_bytes": coord.received,

@@ -56,7 +56,11 @@ from ..storage import url as urls
 log = logging.getLogger(__name__)
 _MiB = 1024 * 1024
 BLOCK = 1024 * _MiB  # ranges of one block of a file meet at one owner (contiguous runs)
-TINY = 64  # a range shorter than this meets at an owner of its own (owner_of)
+# a range shorter than this (a 0-dim tensor as DCP stores it: torch.save, 1,577 bytes in
+# torch 2.13; a small pickled value) meets at an owner of its own (owner_of)
+TINY = 1600
+OWN_READS = 8  # a tiny range that at most this many ranks need: each reads it (no exchange for a few bytes)
+EACH = -1  # assign's reader of such a range: every rank that needs it
 ENABLED = True  # tests and benchmarks switch the exchange off here to compare (not a user setting)
 
 Key = tuple[int, int, int]  # (file id, offset, length)
@@ -106,7 +110,10 @@ def assign(requests: dict[Key, list[int]], load: dict[int, int]) -> dict[Key, in
     Keys of one block needed by the same set of ranks are cut, in offset order, into
     contiguous runs of about equal bytes, one run per rank of the set; runs go to the
     ranks with the fewest bytes in ``load`` (updated) first, ties broken from a point
-    that depends on the block."""
+    that depends on the group's first range. A tiny range (under ``TINY`` bytes) that
+    at most ``OWN_READS`` ranks need is read by each of them (``EACH``): a load whose
+    only shared items are a few scalars (FSDP's ``step``) then reads as without the
+    exchange."""
     groups: dict[tuple, list[Key]] = collections.defaultdict(list)
     for key, ranks in requests.items():
         groups[(key[0], key[1] // BLOCK, tuple(sorted(set(ranks))))].append(key)
@@ -115,6 +122,11 @@ def assign(requests: dict[Key, list[int]], load: dict[int, int]) -> dict[Key, in
         if len(ranks) == 1:
             out.update((k, ranks[0]) for k in keys)
             continue
+        if len(ranks) <= OWN_READS:
+            out.update((k, EACH) for k in keys if k[2] < TINY)
+            keys = [k for k in keys if k[2] >= TINY]
+            if not keys:
+                continue
         keys.sort(key=lambda k: (k[1], k[2]))
         total = sum(k[2] for k in keys)
         n = min(len(ranks), len(keys))
@@ -186,7 +198,9 @@ class Exchange:
             at += n
         reader = assign(requests, {})
         # 3. answers: (reader, how many others need it when the requester is the reader)
-        answers = [x for src, k in asked for x in (reader[k], len(requests[k]) - 1 if reader[k] == src else 0)]
+        answers = [x for src, k in asked
+                   for x in ((src, 0) if reader[k] == EACH else (reader[k], len(requests[k]) - 1 if reader[k] == src
+                                                                   else 0))]
         ans = self.coord.all_to_all_int64(torch.tensor(answers, dtype=torch.int64), [2 * n for n in recv_n],
                                           [2 * n for n in send_n]).view(-1, 2).tolist()
         # 4. to each reader, the ranks it sends each of its shared ranges to

@@ -15,6 +15,7 @@ import shutil
 import pytest
 import torch
 
+from cloudckpt.dcp.exchange import TINY
 from cloudckpt.testing.multiprocess import run_ranks
 
 from .test_checkpointer import _env
@@ -88,9 +89,9 @@ def test_a_replaced_nodes_replicated_items_are_read_once_and_come_from_peers(rec
         assert o["exchanges"] == 1, (r, o)
     need = plain[0]["read"]  # what one rank loads (every rank the same: the replicated items)
     assert need >= ITEMS * NUMEL * 4 and all(p["read"] == need for p in plain), plain
-    # each stored byte read from the ranks' local copies once in the whole job; the
-    # rest of what each rank loads came from peers in the exchange
-    assert sum(o["read"] for o in outs) == need, outs
+    # each stored byte read from the ranks' local copies once in the whole job (the step,
+    # under TINY bytes, by each rank); the rest of what each rank loads came from peers
+    assert need <= sum(o["read"] for o in outs) <= need + (WORLD - 1) * TINY, outs
     assert all(o["read"] + o["from_peers"] == need and o["from_peers"] > 0 for o in outs), outs
     # node 1's ranks had nothing on their disk: they fetched from node 0 only their share
     # of the reading (and their train state and index part), not what peers send them

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from bench.exchange import counting, flat, snapshot, state
+from cloudckpt.dcp.exchange import TINY
 from cloudckpt.storage import open_store
 from cloudckpt.testing.multiprocess import RankFailed, run_ranks
 
@@ -125,12 +126,16 @@ def test_each_stored_byte_leaves_the_bucket_once(saved, layout):
         assert all(reports[r][layout][way]["bitexact"] for way in ("off", "on", "pre_download")), r
     read = [reports[r][layout]["on"]["bucket"]["data_bytes"] for r in range(WORLD)]
     # with pre_download=True too (the shared share is streamed, the rest downloaded)
-    assert sum(reports[r][layout]["pre_download"]["bucket"]["data_bytes"] for r in range(WORLD)) == data
+    # (the step, a 0-dim tensor DCP stores in 1,577 bytes, is read by each rank: under TINY bytes and
+    # needed by at most OWN_READS ranks)
+    once = (data, data + (WORLD - 1) * TINY)
+    pre = sum(reports[r][layout]["pre_download"]["bucket"]["data_bytes"] for r in range(WORLD))
+    assert once[0] <= pre <= once[1], (pre, data)
     plain = sum(reports[r][layout]["off"]["bucket"]["data_bytes"] for r in range(WORLD))
     # without the exchange each replica reads its copy: 4x (DDP) or 2x (HSDP; the step, 4x) the data
     copies = 4 if layout == "ddp" else 2
     assert copies * data <= plain <= copies * data * 1.001, (plain, data)
-    assert sum(read) == data, (read, data)  # each stored byte once
+    assert once[0] <= sum(read) <= once[1], (read, data)  # each stored byte once
     assert max(read) <= 2 * min(read), read  # the reading is spread over the ranks
 
 

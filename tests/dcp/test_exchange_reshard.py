@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from bench.exchange import counting, snapshot
+from cloudckpt.dcp.exchange import TINY
 from cloudckpt.testing.multiprocess import run_ranks
 
 SHAPES = {f"t{i}": (64, 128) for i in range(6)}  # 32 KiB each
@@ -112,7 +113,8 @@ def test_resharded_load_is_bitexact_and_the_bucket_serves_each_byte_once(reshard
     assert data[name] > 0
     assert all(r[case]["bitexact"] for r in reports), [r[case] for r in reports]
     read = [r[case]["data_bytes"] for r in reports]
-    assert sum(read) == data[name], (read, data[name])  # each stored byte once
+    # each stored byte once (the step, under TINY bytes, by each rank: no exchange for a few bytes)
+    assert data[name] <= sum(read) <= data[name] + (world - 1) * TINY, (read, data[name])
     assert min(read) > 0, read  # every rank takes a share of the reading
 
 

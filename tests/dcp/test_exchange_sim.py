@@ -34,3 +34,16 @@ def test_tiny_ranges_meet_at_owners_of_their_own_and_larger_ones_at_their_blocks
     big = {owner_of(fid, i * (1 << 20), 1 << 20, R) for i in range(BLOCK // (1 << 20))}
     assert len(big) == 1
     assert owner_of(fid, 0, TINY, R) == owner_of(fid, BLOCK - TINY, TINY, R)
+
+
+def test_a_tiny_range_few_ranks_need_is_read_by_each_and_one_all_ranks_need_by_one():
+    from cloudckpt.dcp.exchange import EACH, OWN_READS, assign
+
+    fid = 5
+    step = (fid, 0, 1577)  # a 0-dim tensor as DCP stores it
+    few = assign({step: list(range(OWN_READS))}, {})
+    assert few == {step: EACH}  # each of the ranks reads it: no exchange for a few bytes
+    many = assign({step: list(range(64))}, {})
+    assert 0 <= many[step] < 64  # one reads it and sends it to the others
+    weight = (fid, 4096, TINY)  # not tiny: exchanged even between two ranks
+    assert assign({weight: [0, 1]}, {})[weight] in (0, 1)
