@@ -63,4 +63,7 @@ def test_load_exchange_off_reads_the_replicated_bytes_per_rank_and_on_reads_them
     off = [r["False"]["data_bytes"] for r in reports]
     on = [r["True"]["data_bytes"] for r in reports]
     assert off == [data] * WORLD, (off, data)  # each rank reads every byte it needs itself
-    assert sum(on) == data and min(on) > 0, (on, data)  # each stored byte leaves the bucket once, split
+    # each stored byte leaves the bucket once, split (the step, under exchange.TINY bytes, read by each rank)
+    from cloudckpt.dcp.exchange import TINY
+
+    assert data <= sum(on) <= data + (WORLD - 1) * TINY and min(on) > 0, (on, data)
