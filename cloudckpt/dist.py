@@ -297,6 +297,61 @@ class Coordinator:
             raise o.error
         raise CollectiveError(step, {src: o.error_text})
 
+    def ask_coordinator(self, step: str, request: list[int],
+                        answer: Callable[[list[list[int]]], list[list[int]]]) -> list[int]:
+        """Every rank sends ``request`` (integers) to the coordinator, which calls
+        ``answer(every rank's request, in rank order)`` for one reply (integers) per rank;
+        each rank returns its own reply. A gather and a scatter of fixed-size int64 rows
+        (the longest request and the longest reply, agreed by an all_reduce and a
+        broadcast of one integer each): a rank sends and receives its own, the
+        coordinator every rank's; nothing any rank handles grows with the world size
+        but the coordinator's. Every rank calls it after an :meth:`agree` (so none is
+        missing); if ``answer`` fails, every rank raises its error."""
+        import torch
+
+        if self.group is None:
+            o = _run(lambda: answer([list(request)]))
+            if not o.ok:
+                raise o.error
+            return list(o.value[0])
+        root = dist.get_global_rank(self.group, 0)
+        width = torch.tensor([len(request)], dtype=torch.int64)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=self.group)
+        row = torch.full((int(width.item()) + 1,), -1, dtype=torch.int64)
+        row[0] = len(request)
+        row[1:1 + len(request)] = torch.tensor(request, dtype=torch.int64)
+        rows = [torch.empty_like(row) for _ in range(self.world_size)] if self.is_coordinator else None
+        dist.gather(row, rows, dst=root, group=self.group)
+        o = None
+        if self.is_coordinator:
+            o = _run(lambda: answer([r[1:1 + int(r[0])].tolist() for r in rows]))
+            if o.ok and (len(o.value) != self.world_size):
+                o = _Outcome(False, error=RuntimeError(f"{step}: {len(o.value)} replies for {self.world_size} ranks"))
+        # the reply's width, or -1 and the coordinator's error
+        head = torch.tensor([max((len(v) for v in o.value), default=0) if o.ok else -1] if o else [0],
+                            dtype=torch.int64)
+        dist.broadcast(head, src=root, group=self.group)
+        if int(head.item()) < 0:
+            box = [_portable(_Outcome(False, None, o.error, f"{type(o.error).__name__}: {o.error}")) if o else None]
+            dist.broadcast_object_list(box, src=root, group=self.group)
+            if o is not None:
+                raise o.error
+            if box[0].error is not None:
+                raise box[0].error
+            raise CollectiveError(step, {0: box[0].error_text})
+        n = int(head.item())
+        out = torch.empty(n + 1, dtype=torch.int64)
+        replies = None
+        if o is not None:
+            replies = []
+            for v in o.value:
+                t = torch.full((n + 1,), -1, dtype=torch.int64)
+                t[0] = len(v)
+                t[1:1 + len(v)] = torch.tensor(list(v), dtype=torch.int64)
+                replies.append(t)
+        dist.scatter(out, replies, src=root, group=self.group)
+        return out[1:1 + int(out[0])].tolist()
+
     def any_rank(self, flags: "list[bool] | Any") -> list[bool]:
         """Element-wise OR of every rank's ``flags`` (same length on every rank): one
         all_reduce of ``len(flags)`` bytes."""

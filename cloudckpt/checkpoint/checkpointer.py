@@ -92,20 +92,38 @@ def _shard_manifest(manifest: "discovery.StepManifest", rels) -> tuple[dict, dic
     return sums, {path[len(prefix):]: o.size for path, o in entries.items()}
 
 
-def _index_metadata(step: Location, manifest: "discovery.StepManifest", header_bytes: bytes, flat_sd: dict, *,
-                    verify: bool):
+@dataclass
+class _Selected:
+    """What a rank's load plan reads of a step with the DCP index (``_index_select``)."""
+
+    header: Any  # dcp_index.Header
+    wanted: dict
+    needs: dict
+    owners: set  # the ranks whose index parts hold the chunks selected
+    writers: set  # the ranks whose manifest parts this rank's load reads (index parts, items' CRC32Cs, train state)
+
+
+def _index_select(step: Location, marker: Marker, header_bytes: bytes, flat_sd: dict, *, train_state_rank: int):
+    """This rank's selection from the step's DCP index: the chunks its shards overlap
+    and the ranks whose manifest parts its load reads. Not collective."""
+    from .._torch_compat import flatten_for_load
+
+    # a rank that wrote a chunk wrote a part (or, a step of the local tier, an object the marker lists)
+    writers = len(marker.parts) + len(marker.objects)
+    header = dcp_index.parse_header(header_bytes, url=step.join(dcp_index.HEADER).url, writers=writers)
+    wanted = dcp_index.wanted_boxes(flatten_for_load(flat_sd))
+    needs, owners = dcp_index.select(header, wanted)
+    writers = owners | dcp_index.writers_read(header, needs, wanted) | {train_state_rank}
+    return _Selected(header, wanted, needs, owners, writers)
+
+
+def _index_metadata(step: Location, manifest: "discovery.StepManifest", sel: _Selected, *, verify: bool):
     """The DCP ``Metadata`` this rank plans its load against, from the step's DCP index:
     only the chunks its shards overlap, from the index parts of the ranks that wrote
     them (read concurrently, each checked against its manifest part)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .._torch_compat import flatten_for_load
-
-    header = dcp_index.parse_header(header_bytes, url=step.join(dcp_index.HEADER).url,
-                                   writers=len(manifest.marker.parts))
-    wanted = dcp_index.wanted_boxes(flatten_for_load(flat_sd))
-    needs, owners = dcp_index.select(header, wanted)
-    rels = {r: dcp_index.part_name(r) for r in sorted(owners)}
+    rels = {r: dcp_index.part_name(r) for r in sorted(sel.owners)}
     entries = manifest.entries(rels.values())
 
     def read(rank: int) -> dict:
@@ -120,7 +138,7 @@ def _index_metadata(step: Location, manifest: "discovery.StepManifest", header_b
 
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(rels)))) as pool:
         parts = dict(zip(rels, pool.map(read, rels), strict=True))
-    return dcp_index.build_metadata(header, needs, parts, wanted)
+    return dcp_index.build_metadata(sel.header, sel.needs, parts, sel.wanted)
 
 
 @dataclass(frozen=True)
@@ -589,7 +607,7 @@ class Checkpointer:
                   before_read: Callable[[dict[str, list[tuple[int, int]]]], None] | None = None) -> Any:
         if read is None:
             self._connect_in_background(dir)
-            read = self.coord.on_coordinator("read marker", lambda: self._read_marker_and_metadata(dir))
+            read = self._shared_read(dir)
         marker, index_header, metadata = read
         sd = {k: v for k, v in state_dict.items() if k not in exclude_from_loading}
         skipped = set(exclude_from_loading)
@@ -623,15 +641,21 @@ class Checkpointer:
             planner = _KeyCheckingPlanner(strict=strict, optional_prefixes=optional, url=model_url, step_url=dir,
                                           allow_partial=allow_partial, skipped=skipped, only=only)
 
+            selected: list[_Selected] = []
+
+            def prepare(flat_sd: dict):
+                ts_rank = self.coord.rank if self.coord.world_size == marker.world_size else 0
+                selected.append(_index_select(self._at(dir), marker, index_header, flat_sd, train_state_rank=ts_rank))
+                return lambda: self._fetch_part_refs(marker, selected[0].writers)
+
             def metadata_for(flat_sd: dict):
                 if index_header is None:  # a step without the DCP index (foreign, or older): its whole .metadata
                     return reader.read_metadata()
-                return _index_metadata(self._at(dir), manifest, index_header, flat_sd,
-                                       verify=self.options.verify_checksums)
+                return _index_metadata(self._at(dir), manifest, selected[0], verify=self.options.verify_checksums)
 
             with _quiet_dcp():
                 planned_load.load(sd, reader=reader, planner=planner, coord=self.coord, metadata=metadata_for,
-                                  before_read=before_read)
+                                  before_read=before_read, prepare=prepare if index_header is not None else None)
             state_dict.update(sd)  # top-level non-tensor values are replaced, not filled in place
         finally:
             if local:
@@ -673,6 +697,33 @@ class Checkpointer:
                 self._at(dir).store.connect()
 
         threading.Thread(target=connect, name="cloudckpt-connect", daemon=True).start()
+
+    def _shared_read(self, dir: str) -> tuple[Marker, bytes | None, bytes | None]:
+        """Rank 0 reads the marker and what every rank plans against
+        (``_read_marker_and_metadata``) and hands it to every rank; for a step with the
+        DCP index, with the marker's part references withheld: each rank then fetches
+        the ones its plan reads (``_fetch_part_refs``), so what a rank receives does not
+        grow with the job's ranks. Rank 0 keeps them all."""
+        mine: list = []
+
+        def read():
+            mine.append(self._read_marker_and_metadata(dir))
+            marker, header, metadata = mine[0]
+            return (marker.withholding_parts(), header, metadata) if header is not None and marker.parts else mine[0]
+
+        shared = self.coord.on_coordinator("read marker", read)
+        return mine[0] if mine else shared
+
+    def _fetch_part_refs(self, marker: Marker, ranks: set[int]) -> None:
+        """Collective: each rank's withheld marker gets the part references of ``ranks``
+        from rank 0 (one gather and one scatter of a few integers per reference)."""
+        from .marker import WithheldParts, decode_refs, encode_refs
+
+        withheld = isinstance(marker.parts, WithheldParts)
+        got = self.coord.ask_coordinator("part refs", sorted(ranks) if withheld else [],
+                                         lambda asked: [encode_refs(marker, rs) for rs in asked])
+        if withheld:
+            marker.parts.add(decode_refs(got))
 
     def _read_marker_and_metadata(self, dir: str, *, full: bool = False) -> tuple[Marker, bytes | None, bytes | None]:
         """Rank 0 reads the marker and what every rank plans its load against, once for

@@ -306,11 +306,78 @@ class PartTable(Sequence):
         return (PartTable, (self._ranks, self._sizes, self._crcs, self._objects, self._bytes))
 
 
+class WithheldParts(Sequence):
+    """The part references one rank of a load holds while the coordinator keeps them all
+    (``Checkpointer``'s load of a step with the DCP index): it asks for the ones its plan
+    reads (:meth:`Marker.part_refs_for`, :meth:`add`). Its length is the marker's part
+    count; asking it for a reference that was not fetched is an error (a bug), never
+    taken for "no part"; it cannot be iterated."""
+
+    def __init__(self, count: int, held: dict | None = None):
+        self._count = count
+        self._held: dict[int, PartRef | None] = dict(held or {})
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i):
+        raise TypeError("the part references are withheld on this rank (the coordinator holds them); look one up "
+                        "by rank with get()")
+
+    def __iter__(self):
+        return self.__getitem__(0)
+
+    def add(self, refs: dict[int, PartRef | None]) -> None:
+        self._held.update(refs)
+
+    def get(self, rank: int, default: Any = None) -> PartRef | Any:
+        if rank not in self._held:
+            raise RuntimeError(f"the manifest part reference of rank {rank} was not fetched from the coordinator for "
+                               "this load (a cloudckpt bug: please report it)")
+        got = self._held[rank]
+        return default if got is None else got
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WithheldParts) and (self._count, self._held) == (other._count, other._held)
+
+    def __hash__(self) -> int:
+        return hash(self._count)
+
+    def __repr__(self) -> str:
+        return f"WithheldParts({len(self._held)} of {self._count} held)"
+
+    def __reduce__(self):
+        return (WithheldParts, (self._count, self._held))
+
+
+REF_INTS = 5  # a part reference as integers: rank, size, CRC32C, objects, bytes (-1 after the rank: no part)
+
+
+def encode_refs(marker: "Marker", ranks: Iterable[int]) -> list[int]:
+    """The part references of ``ranks`` as integers (:data:`REF_INTS` each), for a rank
+    that holds them withheld (``dist.Coordinator.ask_coordinator``)."""
+    out: list[int] = []
+    by_rank = marker._parts_by_rank
+    for r in ranks:
+        p = by_rank.get(r) if 0 <= r < marker.world_size else None
+        out.extend((r, -1, -1, -1, -1) if p is None else (r, p.size, int(p.crc32c, 16), p.objects, p.bytes))
+    return out
+
+
+def decode_refs(ints: list[int]) -> dict[int, PartRef | None]:
+    """:func:`encode_refs`'s references back (from the coordinator: our own process group)."""
+    out: dict[int, PartRef | None] = {}
+    for i in range(0, len(ints) - len(ints) % REF_INTS, REF_INTS):
+        r, size, crc, objects, nbytes = ints[i:i + REF_INTS]
+        out[r] = None if size < 0 else PartRef(r, part_name(r), size, f"{crc:08x}", objects, nbytes)
+    return out
+
+
 class _ByRank:
     """A PartTable (or a tuple of PartRefs) looked up by rank."""
 
     def __init__(self, parts: Any):
-        self._get = parts.get if isinstance(parts, PartTable) else {p.rank: p for p in parts}.get
+        self._get = parts.get if isinstance(parts, (PartTable, WithheldParts)) else {p.rank: p for p in parts}.get
 
     def get(self, rank: int, default: Any = None) -> Any:
         return self._get(rank, default)
@@ -339,9 +406,16 @@ class Marker:
     parts: "Sequence[PartRef]" = ()  # the ranks' manifest parts (format 2); ``objects`` then holds the step's own files
 
     def __post_init__(self) -> None:
-        if self.parts and not isinstance(self.parts, PartTable):
+        if self.parts and not isinstance(self.parts, (PartTable, WithheldParts)):
             table = PartTable.of(tuple(self.parts))
             object.__setattr__(self, "parts", table if table is not None else tuple(self.parts))
+
+    def withholding_parts(self) -> "Marker":
+        """This marker with its part references withheld (:class:`WithheldParts`): what
+        the coordinator hands the other ranks of a load, each then fetching those it reads."""
+        import dataclasses
+
+        return dataclasses.replace(self, parts=WithheldParts(len(self.parts)))
 
     def __getstate__(self) -> dict:
         # the lookup caches are rebuilt where they are needed, not carried (rank 0 hands markers to every rank)

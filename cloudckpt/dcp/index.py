@@ -613,6 +613,20 @@ def select(header: Header, wanted: Wanted) -> tuple[dict[str, list[int]], set[in
     return needs, owners
 
 
+def writers_read(header: Header, needs: dict[str, list[int]], wanted: Wanted) -> set[int]:
+    """The ranks whose shard files hold an item this rank reads (``select``'s chunks,
+    the whole tensors and values it loads): the manifest parts whose CRC32Cs it checks."""
+    out: set[int] = set()
+    for fqn, ks in needs.items():
+        out.update(header.layouts[header.tensors[fqn].layout].owners_of(ks))
+    for fqn in wanted:
+        t = header.tensors.get(fqn)
+        item = t.item if t is not None else header.values.get(fqn)
+        if item is not None:
+            out.add(_owner(item[0]))
+    return out
+
+
 def build_metadata(header: Header, needs: dict[str, list[int]], parts: dict[int, dict], wanted: Wanted) -> Metadata:
     """DCP ``Metadata`` holding every key of the checkpoint (so missing and left-behind
     keys are judged as with the full metadata) and, for storage, only the chunks and

@@ -36,14 +36,20 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 
 def load(state_dict: dict, *, reader: Any, planner: Any, coord: Any,
-         metadata: Callable[[dict], Metadata], before_read: Callable | None = None) -> None:
+         metadata: Callable[[dict], Metadata], before_read: Callable | None = None,
+         prepare: Callable[[dict], Callable[[], None]] | None = None) -> None:
     """Load ``state_dict`` in place (see the module docstring). ``reader``: a
     StreamingReader; ``planner``: a KeyCheckingPlanner; ``coord``: the checkpointer's
     ``dist.Coordinator``; ``metadata(flat state dict)``: the Metadata this rank plans
-    against."""
+    against. ``prepare(flat state dict)`` (optional; given on every rank or none): run
+    on every rank first (a failure on one fails all), returning a collective step every
+    rank then runs before ``metadata`` (the checkpointer fetches the manifest part
+    references this rank's plan reads there)."""
     reader.reset()
     keys = sorted(state_dict)
     sd = {k: (state_dict[k].state_dict() if isinstance(state_dict[k], Stateful) else state_dict[k]) for k in keys}
+    if prepare is not None:
+        coord.agree("load prepare", lambda: prepare(sd))()
 
     def plan():
         md = metadata(sd)

@@ -4,6 +4,7 @@ saved, then loaded while counting what this rank reads, by kind of object."""
 
 from __future__ import annotations
 
+import pickle
 import time
 
 import torch
@@ -66,6 +67,15 @@ def load_counting(rank, world_size, dir, work_dir):
 
     cls.get_bytes, cls.open_range = get_bytes, open_range
     sd = state(world_size, zero=True)
+    shared = []
+    real_read = Checkpointer._shared_read
+
+    def shared_read(self, dir):
+        got = real_read(self, dir)
+        shared.append(got)
+        return got
+
+    Checkpointer._shared_read = shared_read
     try:
         with Checkpointer(work_dir=work_dir) as ck:
             t = time.process_time()
@@ -73,6 +83,13 @@ def load_counting(rank, world_size, dir, work_dir):
             cpu = time.process_time() - t
     finally:
         cls.get_bytes, cls.open_range = real_get, real_range
+        Checkpointer._shared_read = real_read
+    (marker, _, _), = shared
+    parts = marker.parts
+    held = sorted(parts._held) if type(parts).__name__ == "WithheldParts" else None
     ok = all(torch.equal(sd["model"][f"layer{t}"].to_local(), state(world_size)["model"][f"layer{t}"].to_local())
              for t in range(TENSORS)) and all(int(sd["optim"][f"step{t}"]) == t for t in range(TENSORS))
-    return {"gets": gets, "bytes": got_bytes, "cpu_s": cpu, "bitexact": ok}
+    # what rank 0 handed this rank: the marker (part references withheld but those fetched) and the index header
+    received = len(pickle.dumps(marker.withholding_parts())) if held is not None else len(pickle.dumps(marker))
+    return {"gets": gets, "bytes": got_bytes, "cpu_s": cpu, "bitexact": ok, "parts_held": held,
+            "received_marker_bytes": received}

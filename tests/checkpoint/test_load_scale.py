@@ -2,7 +2,8 @@
 state saved and loaded on 2 and on 8 real gloo ranks (SeaweedFS). A rank reads the DCP
 index's part of its own rank and, for the small replicated items the save gives rank 0,
 at most rank 0's manifest part besides its own; only rank 0 reads the marker and the
-index header (and hands them on); nobody reads DCP's .metadata. Counts are asserted,
+index header (and hands them on, the marker's part references withheld: a rank fetches
+the few its load reads from rank 0); nobody reads DCP's .metadata. Counts are asserted,
 CPU seconds only reported."""
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ def test_a_rank_reads_a_fixed_set_of_small_objects_whatever_the_world_size(s3_bu
             assert g.get("index part") == 1, (R, rank, g)  # its own
             assert g.get("manifest part") == (1 if rank == 0 else 2), (R, rank, g)  # its own (+ rank 0's: scalars)
             assert g.get("marker", 0) == g.get("index header", 0) == (1 if rank == 0 else 0), (R, rank, g)
+            # rank 0 keeps the marker's part references; a rank gets those of the parts it reads (its own, rank 0's)
+            assert o["parts_held"] == (None if rank == 0 else sorted({0, rank})), (R, rank, o["parts_held"])
     # an ordinary rank's small reads: the same objects, of about the same size (its part lists the same items)
     two, eight = loads[2][1], loads[8][1]
     for k in ("index part", "manifest part"):
         assert eight["bytes"][k] <= 1.2 * two["bytes"][k], (k, two["bytes"], eight["bytes"])
+    # and the marker rank 0 hands it does not grow with the ranks (its part references stay on rank 0)
+    assert eight["received_marker_bytes"] <= two["received_marker_bytes"] + 16, (two, eight)  # digits of R
