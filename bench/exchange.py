@@ -31,6 +31,7 @@ Results: ``bench/results/exchange.{json,md}``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -145,7 +146,7 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
         rows = []
         for rep in range(args["reps"]):
             for on in (False, True):
-                exchange.ENABLED = on
+                ck.options = dataclasses.replace(ck.options, load_exchange=on)
                 target = state(layout, rank, args["items"], args["numel"], zero=True)
                 ck.coord.all_gather(None)  # start together
                 before = snapshot()

@@ -531,8 +531,9 @@ class Checkpointer:
                 other keys, instead of raising KeysNotLoaded.
             before_read: (advanced) called on every rank once the load is planned and
                 before any shard is read, with ``{path under model_and_optim/: [(offset,
-                length), ...]}``, the items this rank reads (the node-local tier fetches
-                them from peer nodes there).
+                length), ...]}``, the items this rank reads from storage itself: with
+                ``load_exchange``, its share of the items several ranks need (peers send
+                it the rest). The node-local tier fetches them from peer nodes there.
 
         Returns:
             This rank's train state (rank 0's when the world size changed), or None when

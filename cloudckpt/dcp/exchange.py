@@ -61,7 +61,6 @@ BLOCK = 1024 * _MiB  # ranges of one block of a file meet at one owner (contiguo
 TINY = 1600
 OWN_READS = 8  # a tiny range that at most this many ranks need: each reads it (no exchange for a few bytes)
 EACH = -1  # assign's reader of such a range: every rank that needs it
-ENABLED = True  # tests and benchmarks switch the exchange off here to compare (not a user setting)
 
 Key = tuple[int, int, int]  # (file id, offset, length)
 # an item read from the bucket (bytes) is sent as it is, without a copy: the send only
@@ -619,7 +618,7 @@ _lock = threading.Lock()
 def for_coordinator(coord: dist.Coordinator) -> Exchange | None:
     """The exchange of the job ``coord`` coordinates (its own gloo group, made at the
     first load: collective, like every load), or None when the job is one process."""
-    if not ENABLED or coord.local or coord.world_size < 2:
+    if coord.local or coord.world_size < 2:
         return None
     with _lock:
         ex = _shared.get(coord)

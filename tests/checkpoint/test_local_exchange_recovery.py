@@ -38,8 +38,7 @@ def run(rank, world, save_folder, local, work, phase, exchange_on):
 
     from .local_workers import config
 
-    exchange.ENABLED = exchange_on
-    mgr = config(save_folder, local, work).build()
+    mgr = config(save_folder, local, work, load_exchange=exchange_on).build()
     if phase == "save":
         mgr.maybe_save(10, _state(), {"step": 10})
         mgr.wait()

@@ -12,6 +12,7 @@ CountingS3: the S3 backend subclassed and registered in the ranks).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -38,7 +39,6 @@ def save_and_load(rank, world, root, work, layouts):
     """Save each layout, then load it without and with the exchange, and with it and
     pre_download=True (counting the bucket's bytes); report per layout and way."""
     from cloudckpt import Checkpointer
-    from cloudckpt.dcp import exchange
 
     counting()
     ck = Checkpointer(work_dir=work, collective_timeout=TIMEOUT)
@@ -47,7 +47,7 @@ def save_and_load(rank, world, root, work, layouts):
         step = f"{root}/{layout}/step1"
         ck.save(step, _state(layout, rank), {"rank": rank})
         for way in ("off", "on", "pre_download"):
-            exchange.ENABLED = way != "off"
+            ck.options = dataclasses.replace(ck.options, load_exchange=way != "off")
             target = _state(layout, rank, zero=True)
             ck.coord.all_gather(None)  # every rank is here: count the load alone
             before = snapshot()

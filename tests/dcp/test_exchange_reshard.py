@@ -12,6 +12,8 @@ that 2 ranks saved).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -44,16 +46,15 @@ def run(rank, world, root, work, saves, loads):
     """Save each ``(name, layout)`` of ``saves`` on this world; then load each ``(name,
     layout)`` of ``loads`` with the exchange: bit-exact?, this rank's bucket data bytes."""
     from cloudckpt import Checkpointer
-    from cloudckpt.dcp import exchange
 
     counting()
-    exchange.ENABLED = True
     ck = Checkpointer(work_dir=work, collective_timeout=TIMEOUT)
     for name, layout in saves:
         ck.save(f"{root}/{name}/step1", _state(layout, world), {"rank": rank})
     out = {}
     for name, layout, *plain in loads:
-        exchange.ENABLED = not plain  # ("plain"): without the exchange, to see the counting tell them apart
+        # ("plain"): without the exchange, to see the counting tell them apart
+        ck.options = dataclasses.replace(ck.options, load_exchange=not plain)
         target = _state(layout, world, zero=True)
         ck.coord.all_gather(None)  # every rank is here: count this load alone
         before = snapshot()["data_bytes"]
