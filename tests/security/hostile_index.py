@@ -122,6 +122,23 @@ def _declared_huge(s: Step) -> None:
     s.relist(HEADER, 1 << 40, crc(data))
 
 
+def _grid(s: Step, layout: dict) -> None:
+    doc = _header(s)
+    w = _w(doc)
+    doc["layouts"].append({"ndim": 1, **layout})
+    w[3], w[4] = len(doc["layouts"]) - 1, None
+    _put_header(s, doc)
+
+
+def _grid_huge(s: Step) -> None:
+    """2^40 chunks owned by ranks 0, 1, 2, ... (a rule): more than the step's writers."""
+    _grid(s, {"cuts": [{"every": 1, "end": 1 << 40}], "owners": {"start": 0, "step": 1}})
+
+
+def _grid_past(s: Step) -> None:
+    _grid(s, {"cuts": [[0, 32, 80]], "owners": [0, 0]})
+
+
 def _renamed_key(s: Step) -> None:
     doc = _header(s)
     _w(doc)[0] = "model.x"
@@ -143,6 +160,8 @@ CASES = {
     "index-many-keys": ("200,000 keys the target lacks", _many_keys),
     "index-declared-1tib": ("the header declared 1 TiB", _declared_huge),
     "index-renamed-key": ("the header renames a key", _renamed_key),
+    "index-grid-huge": ("a grid of 2^40 chunks owned by rule", _grid_huge),
+    "index-grid-past": ("a grid's cuts end past its tensor", _grid_past),
 }
 # the header lists keys the target does not have: they are left behind, loudly (KeysNotLoaded
 # for keys under model/optim; here they are top-level keys of their own: loaded as nothing)
