@@ -249,18 +249,7 @@ def case_discovery(args, runner: Runner, res: Results, s3, log) -> None:
     log(f"  wrote {n} committed steps in {time.perf_counter() - t0:.1f}s")
     counter = HttpCounter.install()
     want = f"{url}/step{n}"
-    # the ``latest`` pointer, as cloudckpt's saves leave it (when this version has one)
-    pointer_ok = False
-    try:
-        import inspect
-
-        from cloudckpt.checkpoint import pointer
-
-        pointer.advance(url, n, pending=False)
-        pointer_ok = "use_pointer" in inspect.signature(discovery.latest_checkpoint).parameters
-    except (ImportError, AttributeError, TypeError) as e:
-        log(f"  no latest pointer in this version ({type(e).__name__}): latest_checkpoint lists")
-    variants = [("latest", {})] + ([("latest_list", {"use_pointer": False})] if pointer_ok else [])
+    variants = [("latest", {})]  # a listing (saves no longer write a `latest` pointer: docs/protocol.md)
     for rep in range(args.reps):
         for case, kw in variants:
             clear_cache()  # a fresh client per run, like a new process
