@@ -66,8 +66,27 @@ def _load(path: Path) -> dict:
     return torch.load(path, weights_only=True)
 
 
-def _kill_and_resume(kind: str, folder: str, tmp_path: Path) -> None:
-    ref = _worker(kind, str(tmp_path / "ref-folder"), tmp_path / "ref")  # uninterrupted, local folder
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """``start(kind)``: the uninterrupted run of that kind (local folder) and its dump
+    folder; started by the first test that asks, shared by the others (it is deterministic)."""
+    runs: dict[str, tuple[subprocess.Popen, Path]] = {}
+
+    def start(kind: str) -> tuple[subprocess.Popen, Path]:
+        if kind not in runs:
+            tmp = tmp_path_factory.mktemp(f"uninterrupted-{kind}")
+            runs[kind] = _worker(kind, str(tmp / "ref-folder"), tmp / "ref"), tmp / "ref"
+        return runs[kind]
+
+    yield start
+    for proc, _ in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _kill_and_resume(kind: str, folder: str, tmp_path: Path, uninterrupted) -> None:
+    ref, ref_dir = uninterrupted(kind)  # runs beside this test's runs when this test started it
     victim = _worker(kind, folder, tmp_path / "victim", "--stall-at", "4")
     try:
         _wait_stalled(victim)
@@ -81,7 +100,9 @@ def _kill_and_resume(kind: str, folder: str, tmp_path: Path) -> None:
         if victim.poll() is None:
             victim.kill()
     _finish(_worker(kind, folder, tmp_path / "resumed"))
-    _finish(ref)
+    if ref.returncode is None:  # (a later test finds it finished)
+        _finish(ref)
+    assert ref.returncode == 0
 
     stalled = _load(tmp_path / "victim" / "stalled.pt")
     resumed = _load(tmp_path / "resumed" / "resumed.pt")
@@ -92,7 +113,7 @@ def _kill_and_resume(kind: str, folder: str, tmp_path: Path) -> None:
     _assert_same(stalled["sched"], resumed["sched"], "LR scheduler at resume")
     _assert_same(stalled["rng"], _load(tmp_path / "resumed" / "first_step_rng.pt"), "RNG at the first resumed step")
 
-    final, want = _load(tmp_path / "resumed" / "final.pt"), _load(tmp_path / "ref" / "final.pt")
+    final, want = _load(tmp_path / "resumed" / "final.pt"), _load(ref_dir / "final.pt")
     assert final["step"] == want["step"] == 8
     for key in ("model", "optim", "sched"):
         _assert_same(want[key], final[key], f"final {key} vs an uninterrupted run")
@@ -101,15 +122,17 @@ def _kill_and_resume(kind: str, folder: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("backend", ["s3", "gcs"])
-def test_trainer_killed_after_a_commit_resumes_from_the_bucket_like_an_uninterrupted_run(backend, request, tmp_path):
+def test_trainer_killed_after_a_commit_resumes_from_the_bucket_like_an_uninterrupted_run(backend, request, tmp_path,
+                                                                                        uninterrupted):
     folder = request.getfixturevalue({"s3": "s3_bucket", "gcs": "gcs_bucket"}[backend]) + "/hf-run"
-    _kill_and_resume("trainer", folder, tmp_path)
+    _kill_and_resume("trainer", folder, tmp_path, uninterrupted)
 
 
 @pytest.mark.parametrize("backend", ["s3", "gcs"])
-def test_accelerate_killed_after_a_commit_resumes_from_the_bucket_like_an_uninterrupted_run(backend, request, tmp_path):
+def test_accelerate_killed_after_a_commit_resumes_from_the_bucket_like_an_uninterrupted_run(backend, request, tmp_path,
+                                                                                           uninterrupted):
     folder = request.getfixturevalue({"s3": "s3_bucket", "gcs": "gcs_bucket"}[backend]) + "/acc-run"
-    _kill_and_resume("accelerate", folder, tmp_path)
+    _kill_and_resume("accelerate", folder, tmp_path, uninterrupted)
 
 
 def _example_trainer():
