@@ -43,16 +43,22 @@ def run(rank, world_size, save_folder, local, work, upto, cfg_kw=None, kill=None
     ts = mgr.resume(sd)
     start = ts["step"] if ts else 0
     out = {"resumed_step": mgr.resumed_step, "resumed_from": mgr.resumed_from, "train_state": ts,
-           "at_resume": gathered(sd), "recovery": dict(mgr.local.last_recovery), "snapshots": {}}
+           "at_resume": _snapshot(sd), "recovery": dict(mgr.local.last_recovery), "snapshots": {}}
     for step in range(start + 1, upto + 1):
         _train_step(sd, step)
         mgr.maybe_save(step, sd, {"step": step, "rank": rank})
         if kill is not None and step == kill[0] - 1:
             mgr.wait()  # the previous local step is copied and persisted before the victim dies
         if step % 10 == 0 and kill is None:  # (a collective: not with a rank about to die)
-            out["snapshots"][step] = gathered(sd)
+            out["snapshots"][step] = _snapshot(sd)
     mgr.close()
     return out
+
+
+def _snapshot(sd: dict) -> dict:
+    """The gathered state as it is now: copies (the full tensor of a replicated DTensor is
+    its local tensor itself, which the next training steps change in place)."""
+    return {k: v.clone() for k, v in gathered(sd).items()}
 
 
 def _arm(rank: int, step: int, victim: int, where: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
 
 import google_crc32c
 import pytest
@@ -38,6 +39,18 @@ def _run(proxy, s3_bucket, tmp_path, upto, **kw):
     env = dict(_env(), AWS_ENDPOINT_URL=proxy.endpoint_url, LOCAL_WORLD_SIZE=kw.get("local_world_size", "2"))
     return run_ranks(WORLD, local_workers.run, s3_bucket + "/run", str(tmp_path / "local"), str(tmp_path / "work"),
                      upto, kw.get("cfg_kw"), kw.get("kill"), env=env, timeout=kw.get("timeout", 240))
+
+
+@pytest.fixture(scope="module")
+def reference(seaweed, tmp_path_factory) -> dict:
+    """The snapshots (steps 10, 20, 30) of an uninterrupted run with the default settings:
+    the training is deterministic, so one run serves every test that compares with it."""
+    tmp = tmp_path_factory.mktemp("reference")
+    bucket = seaweed.create_bucket("ref-" + uuid.uuid4().hex[:16])
+    env = dict(_env(), **seaweed.env(), LOCAL_WORLD_SIZE="2")
+    outs = run_ranks(WORLD, local_workers.run, bucket + "/run", str(tmp / "local"), str(tmp / "work"), 30, None, None,
+                     env=env, timeout=240)
+    return outs[0]["snapshots"]
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -111,7 +124,7 @@ def _leftovers(local) -> list[str]:
 
 
 @pytest.mark.parametrize("where", ["save", "copy"])
-def test_a_rank_killed_in_a_local_step_leaves_it_incomplete(proxy, s3_bucket, tmp_path, where):
+def test_a_rank_killed_in_a_local_step_leaves_it_incomplete(proxy, s3_bucket, tmp_path, where, reference):
     """Rank 2 is SIGKILLed while writing (or while receiving the copies of) local step
     30; the others fail on their collectives. The restart resumes from local step 20,
     the newest complete one, never from 30; when it writes step 30 again, the killed
@@ -123,11 +136,10 @@ def test_a_rank_killed_in_a_local_step_leaves_it_incomplete(proxy, s3_bucket, tm
     want = ".tmp-write2-" if where == "save" else ".tmp-recv0-"
     assert any(x.startswith(f"node1/step30/{want}") for x in left), left  # (other ranks clean up their own)
     outs = _run(proxy, s3_bucket, tmp_path, 30)
-    ref = _run(proxy, s3_bucket + "/ref", tmp_path / "ref", 30)[0]["snapshots"]  # an uninterrupted run
     for r, o in enumerate(outs):
         assert (o["resumed_from"], o["resumed_step"]) == ("local", 20), r
-        assert _equal(o["at_resume"], ref[20]), r
-    assert outs[0]["snapshots"][30].keys() and _equal(outs[0]["snapshots"][30], ref[30])
+        assert _equal(o["at_resume"], reference[20]), r  # an uninterrupted run's
+    assert outs[0]["snapshots"][30].keys() and _equal(outs[0]["snapshots"][30], reference[30])
     assert _leftovers(tmp_path / "local") == []
     for node in (0, 1):  # step 30 written again, complete on both nodes
         held = sorted(os.listdir(tmp_path / "local" / f"node{node}" / "step30"))
@@ -135,7 +147,7 @@ def test_a_rank_killed_in_a_local_step_leaves_it_incomplete(proxy, s3_bucket, tm
                         "rank0", "rank1", "rank2", "rank3"], held
 
 
-def test_a_rank_killed_while_persisting_leaves_no_bucket_step(proxy, s3_bucket, tmp_path):
+def test_a_rank_killed_while_persisting_leaves_no_bucket_step(proxy, s3_bucket, tmp_path, reference):
     """Rank 2 dies in the upload of step 20 to the bucket: the bucket shows no step
     (the usual marker-last guarantee); the restart resumes from a complete local step
     and clears the upload's leftovers."""
@@ -143,12 +155,11 @@ def test_a_rank_killed_while_persisting_leaves_no_bucket_step(proxy, s3_bucket, 
         _run(proxy, s3_bucket, tmp_path, 25, kill=(20, 2, "persist"), timeout=120)
     assert list(discovery.find_checkpoints(s3_bucket + "/run")) == []
     outs = _run(proxy, s3_bucket, tmp_path, 20)
-    ref = _run(proxy, s3_bucket + "/ref", tmp_path / "ref", 20)[0]["snapshots"]
     step = outs[0]["resumed_step"]
     assert step in (10, 20)  # 20 if its copies finished before the kill, else 10
     for r, o in enumerate(outs):
         assert (o["resumed_from"], o["resumed_step"]) == ("local", step), r
-        assert _equal(o["at_resume"], ref[step]), r
+        assert _equal(o["at_resume"], reference[step]), r  # an uninterrupted run's
     # the partial upload was removed by resume: every object left belongs to a committed step
     committed = [d + "/" for _, d in discovery.find_checkpoints(s3_bucket + "/run")]
     left = [o.url for o in open_store(s3_bucket).walk(s3_bucket + "/run/")]
