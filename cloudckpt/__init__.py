@@ -10,10 +10,10 @@ and other torch-free tools start without paying for ``import torch``.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from . import errors
+from ._lazy import lazy_exports
 from ._version import __version__
 from .checkpoint.marker import Marker
 from .config import CheckpointConfig
@@ -32,16 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint.manager import CheckpointManager
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'cloudckpt' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [

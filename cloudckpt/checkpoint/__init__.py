@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .._lazy import lazy_exports
 from .discovery import contains_checkpoint, dir_is_checkpoint, find_checkpoints, latest_checkpoint, read_marker
 from .marker import Marker, ObjectEntry
 
@@ -15,13 +16,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .checkpointer import Checkpointer
 
 
-def __getattr__(name: str):
-    if name == "Checkpointer":
-        from .checkpointer import Checkpointer
-
-        globals()[name] = Checkpointer
-        return Checkpointer
-    raise AttributeError(f"module 'cloudckpt.checkpoint' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, {"Checkpointer": ".checkpointer"})
 
 
 __all__ = [

@@ -469,7 +469,7 @@ class Checkpointer:
             for *_, f in uploads:
                 f.cancel()
             error = error or e
-        return _Outcome(entries, t0, error)
+        return _RankResult(entries, t0, error)
 
     def _upload_files(self, dir: str, files: Sequence[tuple[str, ObjectEntry]]):
         """Upload files written earlier, each checked against its entry's CRC32C."""
@@ -485,7 +485,7 @@ class Checkpointer:
             for f in futures:
                 f.cancel()
             error = exc
-        return _Outcome([e for _, e in files] if error is None else [], t0, error)
+        return _RankResult([e for _, e in files] if error is None else [], t0, error)
 
     # ================================================================ load
     def load(
@@ -853,7 +853,7 @@ def _quiet_dcp():
         yield
 
 
-class _Outcome:
+class _RankResult:
     """A rank's outcome for AGREE: ``result()`` returns it or raises the rank's error."""
 
     def __init__(self, entries: list, t0: float, error: BaseException | None):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..dcp.reader import Checksums
 from ..errors import CorruptCheckpoint
 from ..storage import Location
 from ..untrusted import MAX_TRAIN_STATE_BYTES, load_plain, loads_metadata, read_checked
@@ -16,8 +17,6 @@ from . import discovery, layout
 from .marker import Marker
 
 METADATA_REL = layout.DCP_METADATA
-
-Checksums = dict[str, dict[tuple[int, int], str]]
 
 
 def metadata_bytes(step: Location, marker: Marker, *, verify: bool = True) -> bytes | None:

@@ -52,10 +52,11 @@ import torch
 from .. import dist
 from ..errors import CorruptCheckpoint, ExchangeFailed
 from ..storage import url as urls
+from ..units import MiB
 
 log = logging.getLogger(__name__)
-_MiB = 1024 * 1024
-BLOCK = 1024 * _MiB  # ranges of one block of a file meet at one owner (contiguous runs)
+
+BLOCK = 1024 * MiB  # ranges of one block of a file meet at one owner (contiguous runs)
 # a range shorter than this (a 0-dim tensor as DCP stores it: torch.save, 1,577 bytes in
 # torch 2.13; a small pickled value) meets at an owner of its own (owner_of)
 TINY = 1600

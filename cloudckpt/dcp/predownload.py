@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 from ..errors import NotFound, StorageError
 from ..storage import url as urls
 from ..storage.nofollow import Folder, resolve
+from ..units import MiB
 from ..untrusted import local_name
 from .resumable import ResumableStream, coalesce, missing
 
-_MiB = 1024 * 1024
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -120,7 +120,7 @@ class FileDownload(ResumableStream):
     ``landed``; an attempt the engine gave up on, or one still running once the file
     was closed (``remove``), writes nothing more."""
 
-    PIECE = 1 * _MiB
+    PIECE = 1 * MiB
 
     def __init__(self, shared: threading.Condition, rel: str, url: str, path: str, items: list):
         super().__init__(url, items[0][0], max(off + n for off, n, _ in items), shared)

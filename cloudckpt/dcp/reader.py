@@ -44,6 +44,7 @@ from .. import dist
 from ..errors import CorruptCheckpoint
 from ..storage import url as urls
 from ..transfer import crc32c_bytes
+from ..units import MiB
 from ..untrusted import loads_metadata
 from ..untrusted.limits import read_metadata
 from .exchange import for_coordinator
@@ -53,7 +54,7 @@ from .resumable import coalesce  # noqa: F401 - imported from here too (dcp/__in
 from .streaming import read_streamed
 
 log = logging.getLogger(__name__)
-_MiB = 1024 * 1024
+
 METADATA_NAME = ".metadata"
 
 # (offset, length) -> crc32c hex, per relative file name
@@ -70,9 +71,9 @@ class StreamingReader(StorageReader):
         checksums: Checksums | None = None,
         verify: bool = True,
         local_dir: str | None = None,
-        max_gap: int = 1 * _MiB,
-        max_stream_size: int = 512 * _MiB,
-        max_inflight_bytes: int = 512 * _MiB,
+        max_gap: int = 1 * MiB,
+        max_stream_size: int = 512 * MiB,
+        max_inflight_bytes: int = 512 * MiB,
         streamed: bool = True,
         download_ahead: int = 2,
         metadata_bytes: bytes | None = None,
@@ -262,10 +263,10 @@ class StreamingReader(StorageReader):
         each; eight streams were no faster than four and kept more memory. Stores that fetch a
         range in pieces (``streamed=False``: GCS) get streams of a quarter of the
         in-flight budget instead, one request each, as ranges were before."""
-        inflight = min(self.max_inflight_bytes, max(32 * _MiB, planned_bytes // 16))
+        inflight = min(self.max_inflight_bytes, max(32 * MiB, planned_bytes // 16))
         if not self.streamed:  # each stream is fetched whole (store.streams_ranges is False)
             return inflight, min(self.max_stream_size, inflight // 4)
-        return inflight, min(self.max_stream_size, max(16 * _MiB, planned_bytes // 4))
+        return inflight, min(self.max_stream_size, max(16 * MiB, planned_bytes // 4))
 
 
 class _Getter:

@@ -23,9 +23,8 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 from .._torch_compat import element_size, split_by_size_and_type, write_files
 from ..transfer.checksum import bytes_pieces
+from ..units import MiB
 from . import index
-
-_MiB = 1024 * 1024
 
 
 def _chunk_bytes(item) -> int:
@@ -151,7 +150,7 @@ class UploadingWriter(FileSystemWriter):
         on_file: Callable[[str, FileChecksums | None], None],
         *,
         thread_count: int = 2,
-        target_file_size: int = 256 * _MiB,
+        target_file_size: int = 256 * MiB,
         max_files_per_rank: int = 64,
         index_cache: dict | None = None,
     ):

@@ -25,8 +25,9 @@ Progress goes to an optional object with ``start(total_bytes)`` and ``update(n)`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from .._lazy import lazy_exports
 from .progress import Progress
 
 _LAZY = {
@@ -67,13 +68,8 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # lazy: `cloudckpt list` must not import what `inspect` needs (torch)
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# lazy: `cloudckpt list` must not import what `inspect` needs (torch)
+__getattr__, __dir__ = lazy_exports(__name__, {k: "." + v for k, v in _LAZY.items()})
 
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, ClassVar, Iterable, Iterator, Optional
 
 from ..errors import AccessDenied, BucketNotFound, DeleteFailed, StorageError, Transient, UnsafeDelete
+from ..units import MiB
 from . import url as urls
 
 Progress = Optional[Callable[[int], None]]
 """Called with the number of bytes moved since the last call."""
 
-MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)

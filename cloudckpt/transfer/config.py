@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 from .. import rules
 from ..errors import ConfigError
-
-GiB = 1024**3
+from ..units import GiB
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ Every refusal is an ``UnsafeCheckpoint`` (a ``CorruptCheckpoint``) naming the UR
 and what was refused. See docs/security.md for the threat model.
 """
 
+from .._lazy import lazy_exports
 from .jsondoc import loads_json
 from .limits import MAX_MARKER_BYTES, MAX_METADATA_BYTES, MAX_TRAIN_STATE_BYTES
 from .names import check_name, local_name
@@ -34,12 +35,7 @@ _LAZY = {"loads_metadata": ".unpickle", "validate_metadata": ".unpickle", "load_
          "load_tensor": ".plain"}
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(name)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-MiB = 1024 * 1024
-GiB = 1024 * MiB
+from ..units import GiB, MiB
 
 MAX_MARKER_BYTES = 256 * MiB
 """Our writer's marker at ``marker.MAX_WORLD_SIZE`` ranks, every field at its largest,
