@@ -46,6 +46,7 @@ def _started(make, attempts: int = 3):
 # `pytest -n 0 --durations=40 tests/<dir>` when these drift; a stale list costs time only.
 LONGEST_FIRST = {
     "tests/integrations/test_olmo_core.py": 540,
+    "tests/test_bench_smoke.py": 330,
     "tests/security/test_hostile.py": 300,
     "tests/security/test_hostile_share1.py": 300,
     "tests/security/test_hostile_share2.py": 300,
