@@ -65,7 +65,7 @@ from .async_save import AsyncSaver
 from .commit import StepCommit
 from .gcpause import gc_paused
 from .load_guard import KeyCheckingPlanner as _KeyCheckingPlanner
-from .marker import Marker, ObjectEntry, PartRef, split_by_rank
+from .marker import Marker, ObjectEntry, PartRef, part_name, split_by_rank
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,8 @@ def _index_select(step: Location, marker: Marker, header_bytes: bytes, flat_sd: 
     return _Selected(header, wanted, needs, owners, writers)
 
 
-def _index_metadata(step: Location, manifest: "discovery.StepManifest", sel: _Selected, *, verify: bool):
+def _index_metadata(step: Location, manifest: "discovery.StepManifest", sel: _Selected, *, verify: bool,
+                    pace: Callable[[str], Any] | None = None):
     """The DCP ``Metadata`` this rank plans its load against, from the step's DCP index:
     only the chunks its shards overlap, from the index parts of the ranks that wrote
     them (read concurrently, each checked against its manifest part)."""
@@ -132,6 +133,8 @@ def _index_metadata(step: Location, manifest: "discovery.StepManifest", sel: _Se
         if rel not in entries:
             raise CorruptCheckpoint(f"{url}: the DCP index places chunks on rank {rank}, whose manifest lists no index "
                                     "part; the step is damaged: load an older step")
+        if pace is not None:
+            pace(url)
         data = read_checked(step.store, url, entries[rel], limit=dcp_index.MAX_INDEX_BYTES, what="DCP index part",
                             verify=verify)
         return dcp_index.parse_part(data, url=url, rank=rank)
@@ -396,6 +399,8 @@ class Checkpointer:
                 if shared and not self.coord.is_coordinator:
                     raise SaveFailed(f"{dir}: rank {rank} wrote {shared[0].path!r}; only rank 0 writes the step's "
                                      "own files")
+                if own:  # every rank publishes its part at once: paced like its data
+                    self.engine.pace(urls.join(dir, part_name(rank)), "write")
                 return _Report(attempt.publish_part(rank, own) if own else None, tuple(shared))
 
             reports = self.coord.to_coordinator("agree", report, error=SaveFailed.from_failures)
@@ -616,7 +621,7 @@ class Checkpointer:
             sd.pop("optim", None)
             skipped.add("optim")
         optional = ("optim.",) if load_optim_state is None else ()
-        manifest = discovery.StepManifest(self._at(dir), marker)
+        manifest = discovery.StepManifest(self._at(dir), marker, pace=self.engine.pace)  # parts: paced like data
         checksums = step_files.item_checksums(marker)  # format 2: the parts the plan needs add theirs
         pre = self.options.pre_download if pre_download is None else pre_download
         local = None
@@ -652,7 +657,8 @@ class Checkpointer:
             def metadata_for(flat_sd: dict):
                 if index_header is None:  # a step without the DCP index (foreign, or older): its whole .metadata
                     return reader.read_metadata()
-                return _index_metadata(self._at(dir), manifest, selected[0], verify=self.options.verify_checksums)
+                return _index_metadata(self._at(dir), manifest, selected[0], verify=self.options.verify_checksums,
+                                       pace=self.engine.pace)
 
             with _quiet_dcp():
                 planned_load.load(sd, reader=reader, planner=planner, coord=self.coord, metadata=metadata_for,
@@ -764,6 +770,7 @@ class Checkpointer:
                                         "train state or pass load_trainer_state=None")
             return None
         url = urls.join(dir, rel)
+        self.engine.pace(url)  # every rank reads its train state at once: paced like its data
         data = read_checked(self._at(dir).store, url, entry, limit=MAX_TRAIN_STATE_BYTES, what="train state",
                             verify=self.options.verify_checksums)
         return load_plain(data, url=url, what="train state")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from ..errors import BucketNotFound, CheckpointError, CorruptCheckpoint, NotACheckpoint, NotFound
 from ..storage import Location, Where
@@ -130,9 +130,12 @@ class StepManifest:
     with no more bytes than the marker declares, and trusted only once it matches the
     marker (size, CRC32C, step, save id, rank, only its rank's files)."""
 
-    def __init__(self, step: Location, marker: Marker):
+    def __init__(self, step: Location, marker: Marker, *, pace: Callable[[str], Any] | None = None):
+        """``pace(url)``: called before each part is read (the transfer engine's request
+        pacing: every rank of a load reads its parts at once)."""
         self.step = step
         self.marker = marker
+        self.pace = pace
         self._parts: dict[int, ManifestPart] = {}
         self._lock = threading.Lock()
         self.parts_read = 0  # requests for parts (tests and benchmarks count them)
@@ -176,6 +179,8 @@ class StepManifest:
         url = self.step.join(ref.path).url
         with self._lock:
             self.parts_read += 1
+        if self.pace is not None:
+            self.pace(url)
         data = read_checked(self.step.store, url, ref, limit=MAX_PART_BYTES, what="manifest part")
         return ManifestPart.from_bytes(data, url=url, ref=ref, step=self.marker.step, save_id=self.marker.save_id)
 

@@ -28,8 +28,10 @@ of a kind, the job at most ``world_size + T * rate``, and the ``world_size`` ter
 spread over the jitter window. A multipart transfer (or a chunked read) takes all its
 slots before it starts: the rank's average stays in its share, though the parts of
 that one transfer go out as fast as the SDK sends them. SDK retries are not paced
-(the AIMD limit reacts to them), nor are the few requests a save or load sends
-outside the engine (markers, listings, ``.metadata``).
+(the AIMD limit reacts to them). Requests every rank sends outside the engine at the
+same moment (its manifest part at save; its manifest and DCP index parts and train
+state at load) take their slots through ``TransferEngine.pace``; rank 0's few (lock,
+marker, index header, listings) do not.
 """
 
 from __future__ import annotations

@@ -254,3 +254,30 @@ def test_the_slots_taken_match_the_requests_the_sdk_sends(seaweed, s3_bucket, tm
                 counts.append((proxy.requests - before, engine.stats().paced_requests - paced))
     assert (tmp_path / "back.bin").read_bytes() == data
     assert counts == [(5, 5), (3, 3), (1, 1), (1, 1)], counts
+
+
+def test_a_saves_and_a_loads_small_requests_outside_the_engine_are_paced_too(s3_bucket, tmp_path):
+    """The manifest part each rank publishes at save, and the manifest part and the
+    train state each rank reads at the start of a load, go through the engine's pacing
+    like its data (every rank of a job reads them at the
+    same moment); so do DCP index parts (none here: a tensor stored whole needs none)."""
+    import torch
+
+    from cloudckpt import Checkpointer
+
+    step = f"{s3_bucket}/paced-load/step1"
+    cfg = TransferConfig(request_rate=1e6, start_jitter=0.0)
+    with Checkpointer(work_dir=str(tmp_path / "w"), transfer=cfg) as ck:
+        saved: list[tuple] = []
+        real = ck.engine.pace
+        ck.engine.pace = lambda url, *a, **kw: saved.append((url, *a)) or real(url, *a, **kw)
+        ck.save(step, {"model": {"w": torch.arange(6.0)}}, {"epoch": 3})
+    assert saved == [(f"{step}/manifest/rank0.json", "write")]  # its part, published by every rank at once
+    with Checkpointer(work_dir=str(tmp_path / "w"), transfer=cfg) as ck:
+        paced: list[str] = []
+        real = ck.engine.pace
+        ck.engine.pace = lambda url, *a, **kw: paced.append(url) or real(url, *a, **kw)
+        target = {"model": {"w": torch.zeros(6)}}
+        assert ck.load(step, target) == {"epoch": 3}
+    assert torch.equal(target["model"]["w"], torch.arange(6.0))
+    assert sorted(u[len(step) + 1:] for u in paced) == ["manifest/rank0.json", "train/rank0.pt"]
