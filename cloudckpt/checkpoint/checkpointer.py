@@ -50,6 +50,7 @@ from .._torch_compat import caching_save_planner
 from ..config import CheckpointerOptions
 from ..dcp import StreamingReader, UploadingWriter, planned_load
 from ..dcp import index as dcp_index
+from ..dcp.load_guard import KeyCheckingPlanner as _KeyCheckingPlanner
 from ..errors import (
     CloudCkptError,
     CorruptCheckpoint,
@@ -64,7 +65,6 @@ from . import discovery, layout, step_files
 from .async_save import AsyncSaver
 from .commit import StepCommit
 from .gcpause import gc_paused
-from .load_guard import KeyCheckingPlanner as _KeyCheckingPlanner
 from .marker import Marker, ObjectEntry, PartRef, part_name, split_by_rank
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cloudckpt import Checkpointer
-from cloudckpt.checkpoint.load_guard import KeyCheckingPlanner
+from cloudckpt.dcp.load_guard import KeyCheckingPlanner
 from cloudckpt.errors import KeysNotLoaded
 from cloudckpt.testing.multiprocess import run_ranks
 
