@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
+import re
 import struct
 import threading
 import time
@@ -84,6 +85,15 @@ def owner_of(fid: int, offset: int, length: int, world_size: int) -> int:
     where = offset // BLOCK if length >= TINY else -1 - offset
     h = hashlib.blake2b(struct.pack("<qq", fid, where), digest_size=8).digest()
     return int.from_bytes(h, "little") % world_size
+
+
+_SHARD = re.compile(r"__(0|[1-9][0-9]{0,8})_(0|[1-9][0-9]{0,8})\.distcp")
+
+
+def _writer(rel: str) -> int | None:
+    """The rank that wrote the shard file ``rel`` (DCP's ``__{rank}_{k}.distcp``), else None."""
+    m = _SHARD.fullmatch(rel)
+    return int(m.group(1)) if m else None
 
 
 def _tag(key: Key) -> int:
@@ -166,7 +176,10 @@ class Exchange:
     # ------------------------------------------------------------ census
     def census(self, needed: dict[str, list[tuple[int, int]]]) -> Plan:
         """Which ranges this rank reads (and for whom) and which it receives (from
-        whom). Collective over the group: every rank calls it once per load."""
+        whom). Collective over the group: every rank calls it once per load. When no
+        rank reads another rank's shard files (but, in a job of at most ``OWN_READS``
+        ranks, tiny ranges, which each reads anyway) nothing can be shared: one
+        all_reduce of a flag says so, and every rank reads its own ranges."""
         t0 = time.monotonic()
         self.loads += 1
         self.last_error = None
@@ -177,6 +190,16 @@ class Exchange:
             if rels.setdefault(fid, rel) != rel:  # two names, one id: share nothing of this load
                 raise CorruptCheckpoint(f"{rel!r} and {rels[fid]!r} have the same file id; load without the exchange")
         keys = sorted({(file_id(rel), off, n) for rel, spans in needed.items() for off, n in spans})
+        # 0. nothing to share when every rank reads only its own shard files (a restart with
+        # the saved layout: FSDP) or, in a job of at most OWN_READS ranks, only tiny ranges
+        # besides (each reads them anyway): one all_reduce of a flag instead of the census
+        private = all(_writer(rel) == me or (R <= OWN_READS and all(n < TINY for _, n in spans))
+                      for rel, spans in needed.items())
+        if not self.coord.any_rank([not private])[0]:
+            plan = Plan(rels)
+            plan.reads = {k: [] for k in keys}
+            self.last_census_seconds = time.monotonic() - t0
+            return plan
         by_owner: list[list[Key]] = [[] for _ in range(R)]
         for k in keys:
             by_owner[owner_of(k[0], k[1], k[2], R)].append(k)
