@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import dist
 from .._torch_compat import caching_save_planner
+from ..collector import collector_paused
 from ..config import CheckpointerOptions
 from ..dcp import StreamingReader, UploadingWriter, planned_load
 from ..dcp import index as dcp_index
@@ -64,7 +65,6 @@ from ..untrusted import MAX_TRAIN_STATE_BYTES, load_plain, read_checked
 from . import discovery, layout, step_files
 from .async_save import AsyncSaver
 from .commit import StepCommit
-from .gcpause import gc_paused
 from .marker import Marker, ObjectEntry, PartRef, part_name, split_by_rank
 
 log = logging.getLogger(__name__)
@@ -326,7 +326,7 @@ class Checkpointer:
             StorageError: the store's errors.
         """
         self._async.wait()
-        with gc_paused():  # blocking: training waits anyway (async saves do not pause it)
+        with collector_paused():  # blocking: training waits anyway (async saves do not pause it)
             return self._save_now(dir, state_dict, train_state, ephemeral=ephemeral, step=step, commit=commit)
 
     def _save_now(self, dir: str, state_dict: dict, train_state: Any = None, *, ephemeral: bool = False,
@@ -571,7 +571,7 @@ class Checkpointer:
             load_trainer_state = False
         self._async.wait()
         dir = resolve_step_dir(dir)  # the user's own links above the step: followed once, here
-        with gc_paused():
+        with collector_paused():
             return self._load_now(dir, state_dict, load_optim_state=load_optim_state,
                                   load_trainer_state=load_trainer_state,
                                   strict=strict, pre_download=pre_download, exclude_from_loading=exclude_from_loading,
@@ -602,7 +602,7 @@ class Checkpointer:
         opts = dict(load_optim_state=None, load_trainer_state=None, strict=True, pre_download=None,
                     exclude_from_loading=(), allow_partial=False)
         opts.update(load_kwargs)
-        with gc_paused():
+        with collector_paused():
             train_state = self._load_now(dir, state_dict, read=(marker, None, data), **opts)
         return state_dict, train_state
 

@@ -272,10 +272,10 @@ def load(data: Any, *, url: str, what: str, meta: bool = False) -> Any:
     binary file), built on the CPU from what it stores (``meta``: tensors on the meta
     device, their storages' bytes not read). Raises UnsafeCheckpoint naming ``url`` and
     ``what`` (e.g. "train state", "value of 'extra.n'", "tensor 'w'")."""
-    from ..checkpoint.gcpause import gc_paused  # here: untrusted/ is imported by checkpoint/
+    from ..collector import collector_paused
 
     try:
-        with gc_paused():  # millions of containers would make each collection walk them all
+        with collector_paused():  # millions of containers would make each collection walk them all
             return _load(_buffer(data), meta)
     except Refused as e:
         why = str(e)

@@ -10,7 +10,7 @@ import torch
 
 from cloudckpt import Checkpointer
 from cloudckpt.checkpoint import checkpointer as ckpt_mod
-from cloudckpt.checkpoint.gcpause import gc_paused
+from cloudckpt.collector import collector_paused
 
 
 @pytest.fixture(autouse=True)
@@ -22,7 +22,7 @@ def _gc_enabled_after():
 
 def test_paused_inside_and_restored_after_even_on_error():
     with pytest.raises(RuntimeError):
-        with gc_paused():
+        with collector_paused():
             assert not gc.isenabled()
             raise RuntimeError("boom")
     assert gc.isenabled()
@@ -32,15 +32,15 @@ def test_nested_and_concurrent_pauses_enable_only_when_the_last_one_leaves():
     inner_entered, release = threading.Event(), threading.Event()
 
     def other_thread():
-        with gc_paused():
+        with collector_paused():
             inner_entered.set()
             release.wait(10)
 
-    with gc_paused():
+    with collector_paused():
         t = threading.Thread(target=other_thread)
         t.start()
         assert inner_entered.wait(10)
-        with gc_paused():
+        with collector_paused():
             assert not gc.isenabled()
         assert not gc.isenabled()
     assert not gc.isenabled(), "the other thread's pause is still open"
@@ -51,7 +51,7 @@ def test_nested_and_concurrent_pauses_enable_only_when_the_last_one_leaves():
 
 def test_a_collector_the_user_disabled_stays_disabled():
     gc.disable()
-    with gc_paused():
+    with collector_paused():
         assert not gc.isenabled()
     assert not gc.isenabled()
 

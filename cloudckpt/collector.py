@@ -30,7 +30,7 @@ _was_enabled = False
 
 
 @contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     global _depth, _was_enabled
     with _lock:
         if _depth == 0:
