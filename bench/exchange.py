@@ -137,7 +137,11 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
     from cloudckpt.dcp import exchange
 
     counting()
-    ck = Checkpointer(work_dir=args["work"], collective_timeout=120)
+    from cloudckpt import TransferConfig
+
+    # --bandwidth: each rank's link to the bucket (a store on another machine), as the engine's cap
+    ck = Checkpointer(work_dir=args["work"], collective_timeout=120,
+                      transfer=TransferConfig(bandwidth_limit=args.get("bandwidth")))
     out: dict = {}
     for layout in args["layouts"]:
         step = f"{args['root']}/{layout}/step1"
@@ -423,7 +427,10 @@ def markdown(meta: dict, rows: list[dict], sim: list[dict]) -> str:
         lines += [
             f"`{meta['command']}` ({meta['when']}): {meta['ranks']} gloo ranks, {meta['reps']} loads each way, "
             f"{meta['cpus']} cores shared by the ranks and SeaweedFS; load average before {meta['load_before']}.",
-            f"Per replica: {meta['items']} tensors of {meta['numel'] * 4 / MiB:.2f} MiB.", "",
+            f"Per replica: {meta['items']} tensors of {meta['numel'] * 4 / MiB:.2f} MiB."
+            + (f" Each rank's bandwidth to the bucket: {meta['bandwidth']}/s (the engine's bandwidth_limit)."
+               if meta.get("bandwidth") else " No bandwidth limit: the bucket is on the same 2 cores (loopback)."),
+            "",
             "| layout | exchange | data bytes | bucket bytes / checkpoint | GETs per load (data) "
             "| load s (slowest rank, median) | census s | reading max/min over ranks "
             "| CPU s per load: ranks + SeaweedFS |",
@@ -479,6 +486,8 @@ def main(argv=None) -> int:
                                                       "smoke 64; empty: no simulation)")
     ap.add_argument("--sim-groups", default="8,32", help="replica groups G of the simulation (default 8,32)")
     ap.add_argument("--sim-shape", default=None, help="bench/scale.py's shape (default llama3-70b; smoke small-T96)")
+    ap.add_argument("--bandwidth", default=None, help="each rank's bandwidth to the bucket, e.g. 100MiB (per "
+                    "second; the transfer engine's bandwidth_limit): a bucket on another machine, not loopback")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args(argv)
@@ -506,7 +515,8 @@ def main(argv=None) -> int:
             os.environ.update(s3.env())
             with tempfile.TemporaryDirectory(prefix="cloudckpt-exchange-bench-") as work:
                 args = {"root": root, "work": work, "layouts": ["ddp", "hsdp"], "items": items, "numel": numel,
-                        "reps": reps, "server_pid": s3.proc.pid}
+                        "reps": reps, "server_pid": s3.proc.pid,
+                        "bandwidth": parse_size(a.bandwidth) if a.bandwidth else None}
                 print(f"exchange bench: {items} x {numel * 4 / MiB:.2f} MiB per replica, {a.ranks} ranks, {reps} "
                       "loads each way", flush=True)
                 ranks = run_ranks(a.ranks, rank_main, args, env=dict(os.environ), timeout=3600)
@@ -521,10 +531,12 @@ def main(argv=None) -> int:
     sim = simulate(sim_shape, sim_ranks, [int(x) for x in a.sim_groups.split(",") if x]) if sim_ranks else []
     meta = {"command": command, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_real)), "ranks": a.ranks,
             "items": items, "numel": numel, "reps": reps, "load_before": load_before, "load_after": load_after,
-            "cpus": os.cpu_count(), "smoke": a.smoke, "sim_shape": sim_shape, "git": git_state()}
+            "cpus": os.cpu_count(), "smoke": a.smoke, "sim_shape": sim_shape, "git": git_state(),
+            "bandwidth": a.bandwidth}
     md = markdown(meta, rows, sim)
     Path(a.out_dir).mkdir(parents=True, exist_ok=True)
-    name = "exchange" + ("_smoke" if a.smoke else "") + ("" if a.ranks in (0, 4) else f"-{a.ranks}ranks")
+    name = "exchange" + ("_smoke" if a.smoke else "") + ("" if a.ranks in (0, 4) else f"-{a.ranks}ranks") + (
+        f"-{a.bandwidth}ps" if a.bandwidth else "")
     for ext, text in (("json", json.dumps({**meta, "rows": rows, "simulated": sim, "per_rank": ranks}, indent=1)
                        + "\n"), ("md", md)):
         (Path(a.out_dir) / f"{name}.{ext}").write_text(text)

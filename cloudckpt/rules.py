@@ -1,7 +1,7 @@
 """One validation rule per settings field, checked in one place.
 
 Every settings class (``CheckpointConfig`` and its groups, ``CheckpointerOptions``,
-``TransferConfig``) keeps a table ``{field: rule}`` covering each of its fields and
+``TransferConfig``, ``StorageOptions``) keeps a table ``{field: rule}`` covering each of its fields and
 calls :func:`check` from ``__post_init__`` (s3transfer's
 ``TransferConfig._validate_attrs_are_nonzero`` is the model: a loop over a table, not
 one hand-written ``if`` per field). A rule is a function of the value that returns

@@ -12,13 +12,13 @@ Thread safety: a store instance is shared by all threads of a process.
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, ClassVar, Iterable, Iterator, Optional
 
+from .. import rules
 from ..errors import AccessDenied, BucketNotFound, DeleteFailed, StorageError, Transient, UnsafeDelete
 from ..units import MiB
 from . import url as urls
@@ -65,26 +65,7 @@ class StorageOptions:
     sign_payload: bool = False
 
     def __post_init__(self) -> None:
-        from ..errors import ConfigError
-
-        if self.addressing_style not in (None, "path", "virtual", "auto"):
-            raise ConfigError(
-                f"storage option addressing_style={self.addressing_style!r} is not allowed: use 'path', 'virtual' "
-                "or 'auto'"
-            )
-        for name in ("multipart_threshold", "part_size", "max_pool_connections", "max_attempts"):
-            v = getattr(self, name)
-            if v is None and name in ("multipart_threshold", "part_size"):
-                continue  # the backend's default
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"storage option {name}={v!r} is not allowed: use a positive integer")
-        if self.part_size is not None and self.part_size < 5 * MiB:
-            raise ConfigError(f"storage option part_size={self.part_size} is too small: S3 needs at least 5 MiB "
-                              "(5242880)")
-        for name in ("connect_timeout", "read_timeout", "operation_timeout"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
-                raise ConfigError(f"storage option {name}={v!r} is not allowed: use a number of seconds > 0")
+        rules.check("storage option ", self, STORAGE_RULES)
         if self.endpoint_url is not None:
             check_endpoint_url(self.endpoint_url)
 
@@ -92,6 +73,29 @@ class StorageOptions:
     def attempt_timeouts(self) -> tuple[float, float]:
         """``(connect, read)`` seconds for one attempt: the options, capped at ``operation_timeout``."""
         return min(self.connect_timeout, self.operation_timeout), min(self.read_timeout, self.operation_timeout)
+
+
+_optional_text = rules.text(none="for the SDK's default")
+_seconds = rules.number(0, strict=True, finite=True)
+
+#: one rule per field of StorageOptions (cloudckpt/rules.py), checked in __post_init__
+STORAGE_RULES: dict[str, rules.Rule] = {
+    "endpoint_url": lambda v: None,  # checked whole after the table: check_endpoint_url
+    "profile": _optional_text,
+    "region": _optional_text,
+    "addressing_style": lambda v: None if v is None or (type(v) is str and v in ("path", "virtual", "auto"))
+    else "use 'path', 'virtual' or 'auto'",
+    "project": _optional_text,
+    "multipart_threshold": rules.integer(1, none="for the backend's default"),
+    "part_size": rules.integer(5 * MiB, none="for the backend's default", why=" (5 MiB: S3's smallest part)"),
+    "max_pool_connections": rules.integer(1),
+    "max_attempts": rules.integer(1),
+    "connect_timeout": _seconds,
+    "read_timeout": _seconds,
+    "operation_timeout": _seconds,
+    "min_delete_depth": rules.integer(0),
+    "sign_payload": rules.boolean(),
+}
 
 
 def check_endpoint_url(endpoint: str) -> None:
