@@ -968,12 +968,27 @@ def main() -> None:
     ap.add_argument("--mem-gib", type=float, default=10.0, help="skip a phase whose estimate is above this")
     ap.add_argument("--confirm", action="store_true", help="also real gloo ranks (R = 2, 4) with --tensors")
     ap.add_argument("--tensors", type=int, default=4000)
+    ap.add_argument("--confirm-only", action="store_true",
+                    help="run only the real-rank confirmation and put it into the existing results/scale.json")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--tmp", default=None)
     args = ap.parse_args()
     if args.child:
         args.phase = args.child
         _child(args)
+        return
+    if args.confirm_only:
+        out = Path(args.out_dir)
+        res = json.loads((out / "scale.json").read_text())
+        tmp = tempfile.mkdtemp(prefix="cloudckpt-scale-")
+        try:
+            res["confirm"] = confirm(args.tensors, [2, 4], tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        res["confirm_command"] = ".venv/bin/python -m bench.scale " + " ".join(sys.argv[1:])
+        (out / "scale.json").write_text(json.dumps(res, indent=1))
+        (out / "scale.md").write_text(report(res))
+        print(report(res))
         return
     shape = small(300) if args.quick else shape_named(args.shape)
     ranks = [4] if args.quick else [r for r in RANKS if r <= args.max_ranks]
@@ -1059,7 +1074,8 @@ def report(res: dict) -> str:
             f"{_cell(row, 'stock', 'cpu_s', 'peak_rss_above_base_mb')} | "
             + "; ".join(f"N={n}: {_maint(row, n)}" for n in _kept(row)) + " |")
     if res["confirm"]:
-        lines += ["", "Real gloo ranks against the simulation, same shape and R:", "",
+        lines += ["", "Real gloo ranks against the simulation, same shape and R"
+                  + (f" (`{res['confirm_command']}`)" if res.get("confirm_command") else "") + ":", "",
                   "| R | tensors | AGREE in per rank, real / sim (bytes) | marker, real / sim (bytes) | "
                   "load metadata CPU-s per rank, real / sim | DCP save gathers, bytes sent per rank: "
                   "first / repeated save |",
