@@ -306,6 +306,14 @@ class ObjectStore(ABC):
         self.options = options or StorageOptions()
         self._retry_listeners: list[Callable[[str], None]] = []
 
+    # a pickled store is its options: clients, listeners (transfer engines of this
+    # process) and caches are made again in the copy
+    def __getstate__(self):
+        return {"options": self.options}
+
+    def __setstate__(self, state):
+        self.__init__(state["options"])
+
     @property
     def multipart_threshold(self) -> int:
         """Objects larger than this are uploaded in parts (the option, or this backend's default)."""
