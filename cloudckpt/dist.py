@@ -317,9 +317,7 @@ class Coordinator:
         root = dist.get_global_rank(self.group, 0)
         width = torch.tensor([len(request)], dtype=torch.int64)
         dist.all_reduce(width, op=dist.ReduceOp.MAX, group=self.group)
-        row = torch.full((int(width.item()) + 1,), -1, dtype=torch.int64)
-        row[0] = len(request)
-        row[1:1 + len(request)] = torch.tensor(request, dtype=torch.int64)
+        row = _padded_row(request, int(width.item()))
         rows = [torch.empty_like(row) for _ in range(self.world_size)] if self.is_coordinator else None
         dist.gather(row, rows, dst=root, group=self.group)
         o = None
@@ -341,14 +339,7 @@ class Coordinator:
             raise CollectiveError(step, {0: box[0].error_text})
         n = int(head.item())
         out = torch.empty(n + 1, dtype=torch.int64)
-        replies = None
-        if o is not None:
-            replies = []
-            for v in o.value:
-                t = torch.full((n + 1,), -1, dtype=torch.int64)
-                t[0] = len(v)
-                t[1:1 + len(v)] = torch.tensor(list(v), dtype=torch.int64)
-                replies.append(t)
+        replies = [_padded_row(v, n) for v in o.value] if o is not None else None
         dist.scatter(out, replies, src=root, group=self.group)
         return out[1:1 + int(out[0])].tolist()
 
@@ -361,6 +352,18 @@ class Coordinator:
         if self.group is not None and len(t):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [bool(x) for x in t.tolist()]
+
+
+def _padded_row(values, width: int):
+    """``[len(values), *values]`` as int64, padded with -1 to ``width + 1`` elements (the
+    fixed-size rows of :meth:`Coordinator.ask_coordinator`)."""
+    import torch
+
+    values = list(values)
+    row = torch.full((width + 1,), -1, dtype=torch.int64)
+    row[0] = len(values)
+    row[1:1 + len(values)] = torch.tensor(values, dtype=torch.int64)
+    return row
 
 
 def init_process_group(rank: int, world_size: int, *, init_method: str, timeout: float = 120.0) -> None:

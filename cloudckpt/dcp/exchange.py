@@ -40,7 +40,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
-import re
 import struct
 import threading
 import time
@@ -54,6 +53,7 @@ from .. import dist
 from ..errors import CorruptCheckpoint, ExchangeFailed
 from ..storage import url as urls
 from ..units import MiB
+from .index import shard_writer
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +85,6 @@ def owner_of(fid: int, offset: int, length: int, world_size: int) -> int:
     where = offset // BLOCK if length >= TINY else -1 - offset
     h = hashlib.blake2b(struct.pack("<qq", fid, where), digest_size=8).digest()
     return int.from_bytes(h, "little") % world_size
-
-
-_SHARD = re.compile(r"__(0|[1-9][0-9]{0,8})_(0|[1-9][0-9]{0,8})\.distcp")
-
-
-def _writer(rel: str) -> int | None:
-    """The rank that wrote the shard file ``rel`` (DCP's ``__{rank}_{k}.distcp``), else None."""
-    m = _SHARD.fullmatch(rel)
-    return int(m.group(1)) if m else None
 
 
 def _tag(key: Key) -> int:
@@ -193,7 +184,7 @@ class Exchange:
         # 0. nothing to share when every rank reads only its own shard files (a restart with
         # the saved layout: FSDP) or, in a job of at most OWN_READS ranks, only tiny ranges
         # besides (each reads them anyway): one all_reduce of a flag instead of the census
-        private = all(_writer(rel) == me or (R <= OWN_READS and all(n < TINY for _, n in spans))
+        private = all(shard_writer(rel) == me or (R <= OWN_READS and all(n < TINY for _, n in spans))
                       for rel, spans in needed.items())
         if not self.coord.any_rank([not private])[0]:
             plan = Plan(rels)

@@ -89,11 +89,17 @@ def part_name(rank: int) -> str:
     return f"index/rank{int(rank)}.json"
 
 
-def _owner(rel: str) -> int:
+def shard_writer(rel: str) -> int | None:
+    """The rank that wrote the shard file ``rel`` (DCP's ``__{rank}_{k}.distcp``), else None."""
     m = _SHARD.fullmatch(rel)
-    if m is None:
+    return int(m.group(1)) if m else None
+
+
+def _owner(rel: str) -> int:
+    r = shard_writer(rel)
+    if r is None:
         raise ValueError(f"DCP item in {rel!r}, not a shard file __{{rank}}_{{k}}.distcp")
-    return int(m.group(1))
+    return r
 
 
 # ============================================================================ writing
