@@ -14,8 +14,10 @@ local and SeaweedFS, 1 and 2 ranks:
 
 OLMo-core runs in .venv-olmo, built by scripts/setup_olmo_venv.sh (idempotent; a
 failed install FAILS these tests with pip's log, it is part of the suite), through
-tests/integrations/olmo/olmo_tool.py. SeaweedFS's AWS_* environment is passed on:
-OLMo-core's boto3 client reads AWS_ENDPOINT_URL. Everything stays on 127.0.0.1.
+tests/integrations/olmo/olmo_tool.py, each command a process forked from one server per
+module that imported torch and olmo_core once (tests/integrations/olmo/forkserver.py).
+SeaweedFS's AWS_* environment is passed on: OLMo-core's boto3 client reads
+AWS_ENDPOINT_URL. Everything stays on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ from cloudckpt.testing.multiprocess import run_ranks
 from cloudckpt.testing.servers import free_port
 
 from .olmo import cc_ranks
+from .olmo.forkserver import OlmoServer
 from .olmo.olmo_tool import _diff, _synthetic, _zeros_like, load_reference
 
-pytestmark = pytest.mark.slow  # ~1.5 min on 2 cores (+ ~1 min for the venv on a fresh machine); CI runs slow tests
+pytestmark = pytest.mark.slow  # ~1 min on 2 cores (+ ~1 min for the venv on a fresh machine); CI runs slow tests
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL = Path(__file__).parent / "olmo" / "olmo_tool.py"
@@ -64,21 +67,34 @@ def olmo_python() -> str:
     return r.stdout.strip().splitlines()[-1]
 
 
-def olmo(py: str, *args: str, ranks: int = 1, tmp: Path, timeout: float = 240) -> dict:
-    """Run olmo_tool.py with OLMo-core's python (under torch.distributed.run for 2 ranks);
-    returns its JSON document, failing the test with its output when it did not succeed."""
+def _env(tmp: Path) -> dict:
+    return dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH="", HF_HUB_OFFLINE="1",
+                WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false", CACHED_PATH_CACHE_ROOT=str(tmp / "cached_path"))
+
+
+@pytest.fixture(scope="module")
+def olmo_server(olmo_python, tmp_path_factory):
+    """OLMo-core's python with torch and olmo_core imported once: each command below is a
+    fork of it, a process of its own (tests/integrations/olmo/forkserver.py)."""
+    tmp = tmp_path_factory.mktemp("olmo-server")
+    server = OlmoServer(olmo_python, _env(tmp), log=str(tmp / "server.log"))
+    yield server
+    server.close()
+
+
+def olmo(server: OlmoServer, *args: str, ranks: int = 1, tmp: Path, timeout: float = 240) -> dict:
+    """Run olmo_tool.py in OLMo-core's venv (a fork of ``server``; 2 ranks as
+    torch.distributed.run starts them); returns its JSON document, failing the test with
+    its output when it did not succeed."""
     out = tmp / f"olmo-{time.monotonic_ns()}.json"
-    launch = [py] if ranks == 1 else [py, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                                      "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH="", HF_HUB_OFFLINE="1",
-               WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false", CACHED_PATH_CACHE_ROOT=str(tmp / "cached_path"))
-    p = subprocess.run([*launch, str(TOOL), "--out", str(out), *args], env=env, capture_output=True, text=True,
-                       timeout=timeout, cwd=tmp)
+    rc, output = server.run([str(TOOL), "--out", str(out), *args], env=_env(tmp), cwd=str(tmp),
+                            log=str(out.with_suffix(".log")), timeout=timeout, ranks=ranks,
+                            master_port=free_port() if ranks > 1 else 0)
     res = json.loads(out.read_text()) if out.exists() else {"ok": False, "error": "no result written"}
-    if p.returncode != 0 or not res.get("ok"):
+    if rc != 0 or not res.get("ok"):
         shown = {k: v for k, v in res.items() if k != "traceback"}
-        pytest.fail(f"OLMo-core {args[0]} failed (exit {p.returncode}): {shown}\n{res.get('traceback', '')}"
-                    f"\n--- output tail ---\n{(p.stdout + p.stderr)[-4000:]}")
+        pytest.fail(f"OLMo-core {args[0]} failed (exit {rc}): {shown}\n{res.get('traceback', '')}"
+                    f"\n--- output tail ---\n{output[-4000:]}")
     return res
 
 
@@ -87,13 +103,13 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def olmo_local_run(olmo_python, tmp_path_factory) -> tuple[str, Path]:
+def olmo_local_run(olmo_server, tmp_path_factory) -> tuple[str, Path]:
     """OLMo-core's Trainer, 1 rank, 4 steps into a local folder, checkpoints every 2
     steps; and what OLMo-core itself reads back from its newest step (REF)."""
     tmp = tmp_path_factory.mktemp("olmo-local")
     folder = str(tmp / "run")
-    olmo(olmo_python, "train", folder, "--work", str(tmp / "work"), tmp=tmp)
-    olmo(olmo_python, "truth", f"{folder}/step4", str(tmp / "truth4.pt"), tmp=tmp)
+    olmo(olmo_server, "train", folder, "--work", str(tmp / "work"), tmp=tmp)
+    olmo(olmo_server, "truth", f"{folder}/step4", str(tmp / "truth4.pt"), tmp=tmp)
     return folder, tmp / "truth4.pt"
 
 
@@ -107,16 +123,16 @@ def _load_bitexact(step: str, ref_path: Path, work: str, **load) -> tuple[list[s
 
 
 @pytest.mark.parametrize("case", ["local-1rank", "s3-2ranks-fsdp"])
-def test_olmo_core_steps_are_found_listed_and_loaded_bitexactly_then_adopted(case, olmo_python, olmo_local_run,
+def test_olmo_core_steps_are_found_listed_and_loaded_bitexactly_then_adopted(case, olmo_server, olmo_local_run,
                                                                             request, tmp_path):
     if case == "local-1rank":
         folder, ref = olmo_local_run
     else:
         folder, ref = request.getfixturevalue("s3_bucket") + "/run", tmp_path / "truth4.pt"
-        olmo(olmo_python, "train", folder, "--work", str(tmp_path / "work"), "--fsdp", ranks=2, tmp=tmp_path)
-        olmo(olmo_python, "truth", f"{folder}/step4", str(ref), tmp=tmp_path)
+        olmo(olmo_server, "train", folder, "--work", str(tmp_path / "work"), "--fsdp", ranks=2, tmp=tmp_path)
+        olmo(olmo_server, "truth", f"{folder}/step4", str(ref), tmp=tmp_path)
     step = layout.step_dir(folder, 4)
-    theirs = olmo(olmo_python, "check", folder, tmp=tmp_path)
+    theirs = olmo(olmo_server, "check", folder, tmp=tmp_path)
     found = list(discovery.find_checkpoints(folder, with_markers=True))
     assert [s for s, _, _ in found] == sorted(s for s, _ in theirs["found"]) and 4 in [s for s, _, _ in found]
     assert {m.kind for _, _, m in found} == {"olmo-core"} and not any(m.verified for _, _, m in found)
@@ -145,7 +161,7 @@ def test_olmo_core_steps_are_found_listed_and_loaded_bitexactly_then_adopted(cas
     assert r.returncode == 0 and r.stdout.startswith("OK:"), r.stdout + r.stderr
     assert discovery.read_marker(step).kind == "olmo-core+manifest"
     assert _load_bitexact(step, ref, str(tmp_path / "w"))[0] == []
-    after = olmo(olmo_python, "check", folder, "--steps", step, tmp=tmp_path)  # OLMo-core after adopt
+    after = olmo(olmo_server, "check", folder, "--steps", step, tmp=tmp_path)  # OLMo-core after adopt
     assert after["latest"] == step and after["is_checkpoint"][step]
     assert sorted(s for s, _ in after["found"]) == sorted(s for s, _ in theirs["found"])
     # its strict marker parse (find_checkpoints(ephemeral=...)) answers as before: its marker is untouched
@@ -200,12 +216,12 @@ def _save_ours(folder: str, steps: list[int], work: str, **cfg) -> None:
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
-def test_a_folder_both_wrote_resumes_the_newest_step_and_olmo_core_reads_ours_after(backend, olmo_python, request,
+def test_a_folder_both_wrote_resumes_the_newest_step_and_olmo_core_reads_ours_after(backend, olmo_server, request,
                                                                                     tmp_path):
     folder = str(tmp_path / "run") if backend == "local" else request.getfixturevalue("s3_bucket") + "/run"
     work = str(tmp_path / "w")
     _save_ours(folder, [10, 20], work)
-    olmo(olmo_python, "save", layout.step_dir(folder, 30), str(tmp_path / "ref30.pt"), "--seed", "30", tmp=tmp_path)
+    olmo(olmo_server, "save", layout.step_dir(folder, 30), str(tmp_path / "ref30.pt"), "--seed", "30", tmp=tmp_path)
     assert pointer.read(folder) is None  # saves no longer write one
     # the pointer an earlier cloudckpt left on step 20: `latest --pointer` says the step found is newer
     open_store(folder).put_bytes(pointer.pointer_url(folder), b'{"step": 20, "pending": false}')
@@ -231,7 +247,7 @@ def test_a_folder_both_wrote_resumes_the_newest_step_and_olmo_core_reads_ours_af
 
     torch.save({"sd": sd40, "train": ts40}, tmp_path / "ref40.pt")
     step40 = layout.step_dir(folder, 40)
-    theirs = olmo(olmo_python, "check", folder, "--steps", step40, "--load", step40, str(tmp_path / "ref40.pt"),
+    theirs = olmo(olmo_server, "check", folder, "--steps", step40, "--load", step40, str(tmp_path / "ref40.pt"),
                   tmp=tmp_path)
     assert theirs["latest"] == step40 and theirs["loads"] == {step40: []} and theirs["is_checkpoint"][step40]
     assert sorted(s for s, _ in theirs["found"]) == [30, 40]

@@ -1,11 +1,14 @@
 """Drives the real OLMo-core (ai2-olmo-core 3.0.0) for tests/integrations/test_olmo_core.py.
 
 Runs with the python of .venv-olmo (scripts/setup_olmo_venv.sh), never cloudckpt's:
-this file imports olmo_core and torch only. Each command writes one JSON document
-to ``--out`` (and prints OLMo-core's own logs as it runs).
+this file imports olmo_core and torch only. The tests run each command in a process
+forked from forkserver.py (torch and olmo_core imported once); it runs alike as a script.
+Each command writes one JSON document to ``--out`` (and prints OLMo-core's own logs as it
+runs).
 
     train FOLDER --work W --steps 4 --interval 2 [--fsdp]   OLMo-core's Trainer: a 1M-parameter
-        OLMo2 model on random tokens, CPU, gloo; run it under torch.distributed.run for 2 ranks
+        OLMo2 model on random tokens, CPU, gloo; for 2 ranks run it as torch.distributed.run would
+        (the tests fork its ranks with that environment: forkserver.py)
     truth STEP REF.pt        what OLMo-core itself reads back from STEP: unsharded model and
         optimizer (olmo_core.distributed.checkpoint.unshard_checkpoint) and every rank's train state
     save STEP REF.pt --seed S [--ephemeral]   OLMo-core's trainer Checkpointer.save of a small
