@@ -103,14 +103,22 @@ class _Selected:
     writers: set  # the ranks whose manifest parts this rank's load reads (index parts, items' CRC32Cs, train state)
 
 
-def _index_select(step: Location, marker: Marker, header_bytes: bytes, flat_sd: dict, *, train_state_rank: int):
+def _parse_header(step: Location, marker: Marker, header: "bytes | dcp_index.Header") -> "dcp_index.Header":
+    """The step's DCP index header, checked (``header``: its bytes, or a header parsed already)."""
+    if isinstance(header, dcp_index.Header):
+        return header
+    # a rank that wrote a chunk wrote a part (or, a step of the local tier, an object the marker lists)
+    writers = len(marker.parts) + len(marker.objects)
+    return dcp_index.parse_header(header, url=step.join(dcp_index.HEADER).url, writers=writers)
+
+
+def _index_select(step: Location, marker: Marker, header_bytes: "bytes | dcp_index.Header", flat_sd: dict, *,
+                  train_state_rank: int):
     """This rank's selection from the step's DCP index: the chunks its shards overlap
     and the ranks whose manifest parts its load reads. Not collective."""
     from .._torch_compat import flatten_for_load
 
-    # a rank that wrote a chunk wrote a part (or, a step of the local tier, an object the marker lists)
-    writers = len(marker.parts) + len(marker.objects)
-    header = dcp_index.parse_header(header_bytes, url=step.join(dcp_index.HEADER).url, writers=writers)
+    header = _parse_header(step, marker, header_bytes)
     wanted = dcp_index.wanted_boxes(flatten_for_load(flat_sd))
     needs, owners = dcp_index.select(header, wanted)
     writers = owners | dcp_index.writers_read(header, needs, wanted) | {train_state_rank}
@@ -580,14 +588,20 @@ class Checkpointer:
 
     def load_with(self, dir: str, build: Callable[[Any], dict], **load_kwargs: Any) -> tuple[dict, Any]:
         """Load a step whose shapes the caller does not know: into the state dict
-        ``build(metadata)`` makes from the step's own DCP ``Metadata`` (read once, checked
-        and parsed like any load's), e.g. empty tensors of every saved shape. Collective.
-        The Lightning and OLMo-core integrations load this way.
+        ``build(metadata)`` makes from a DCP ``Metadata`` of the step, e.g. empty tensors
+        of every saved shape. Collective. The Lightning and OLMo-core integrations load
+        this way.
+
+        For a step with the DCP index (every step this library writes), ``metadata`` is
+        built from the index header, which every rank already gets for its load: every
+        key, each tensor's dtype and size, but no chunks and no storage (those grow with
+        the job's ranks; the load plans from the index as :meth:`load` does). A step
+        without the index (written by another tool) gives its whole ``.metadata``.
 
         Args:
             dir: the step folder.
-            build: called with the step's ``torch.distributed.checkpoint.Metadata``;
-                returns the state dict to load into.
+            build: called with that ``torch.distributed.checkpoint.Metadata``; returns
+                the state dict to load into.
             **load_kwargs: as for :meth:`load` (``load_trainer_state``, ``strict``...).
 
         Returns:
@@ -596,20 +610,27 @@ class Checkpointer:
         self._async.wait()
         dir = resolve_step_dir(dir)
         self._connect_in_background(dir)
-        marker, _, data = self.coord.on_coordinator("read marker",
-                                                     lambda: self._read_marker_and_metadata(dir, full=True))
-        state_dict = build(step_files.parse_metadata(self._at(dir), marker, data))  # parts' sizes: checked per rank
+        read = self._shared_read(dir)
+        marker, header, metadata = read
+        if header is not None:
+            header = _parse_header(self._at(dir), marker, header)
+            dcp_index.check_tensor_bytes(header, marker.total_bytes)  # build allocates what the header says
+            shapes = dcp_index.build_metadata(header, {}, {}, {})  # keys, dtypes, sizes: no chunks, no storage
+            read = (marker, header, None)
+        else:
+            shapes = step_files.parse_metadata(self._at(dir), marker, metadata)  # parts' sizes: checked per rank
+        state_dict = build(shapes)
         opts = dict(load_optim_state=None, load_trainer_state=None, strict=True, pre_download=None,
                     exclude_from_loading=(), allow_partial=False)
         opts.update(load_kwargs)
         with collector_paused():
-            train_state = self._load_now(dir, state_dict, read=(marker, None, data), **opts)
+            train_state = self._load_now(dir, state_dict, read=read, **opts)
         return state_dict, train_state
 
     def _load_now(self, dir: str, state_dict: dict, *, load_optim_state: bool | None, load_trainer_state: bool | None,
                   strict: bool, pre_download: bool | None, exclude_from_loading: Sequence[str],
                   allow_partial: bool = False, only: str | None = None,
-                  read: tuple[Marker, bytes | None, bytes | None] | None = None,
+                  read: tuple[Marker, Any, bytes | None] | None = None,  # (marker, index header, .metadata)
                   before_read: Callable[[dict[str, list[tuple[int, int]]]], None] | None = None) -> Any:
         if read is None:
             self._connect_in_background(dir)
@@ -732,10 +753,10 @@ class Checkpointer:
         if withheld:
             marker.parts.add(decode_refs(got))
 
-    def _read_marker_and_metadata(self, dir: str, *, full: bool = False) -> tuple[Marker, bytes | None, bytes | None]:
+    def _read_marker_and_metadata(self, dir: str) -> tuple[Marker, bytes | None, bytes | None]:
         """Rank 0 reads the marker and what every rank plans its load against, once for
         every rank: ``(marker, the DCP index's header, None)`` for a step that has the
-        index (dcp/index.py; ``full``: the ``.metadata`` instead), else ``(marker, None,
+        index (dcp/index.py), else ``(marker, None,
         DCP's .metadata)`` (DCP would have each rank GET ``.metadata``, whose size grows
         with ranks x tensors). ``.metadata`` is None if it is not in the manifest: each
         rank's reader then reports it. The bytes are checked against the manifest before
@@ -747,7 +768,7 @@ class Checkpointer:
             log.warning("loading %s, written by %s without a manifest: sizes are checked, checksums cannot be "
                         "(run `cloudckpt adopt %s --yes` to record them)", dir, marker.writer, dir)
         # the index of our own steps only: a step another tool wrote (sizes from a listing) plans from .metadata
-        entry = None if full or not marker.verified else marker.object(dcp_index.HEADER)
+        entry = None if not marker.verified else marker.object(dcp_index.HEADER)
         if entry is not None:
             url = step.join(dcp_index.HEADER).url
             return marker, read_checked(step.store, url, entry, limit=dcp_index.MAX_INDEX_BYTES, what="DCP index",

@@ -313,9 +313,10 @@ class WithheldParts(Sequence):
     count; asking it for a reference that was not fetched is an error (a bug), never
     taken for "no part"; it cannot be iterated."""
 
-    def __init__(self, count: int, held: dict | None = None):
+    def __init__(self, count: int, held: dict | None = None, total_bytes: int = 0):
         self._count = count
         self._held: dict[int, PartRef | None] = dict(held or {})
+        self.total_bytes = total_bytes  # the withheld parts' own bytes and their objects' (Marker.total_bytes)
 
     def __len__(self) -> int:
         return self._count
@@ -347,7 +348,7 @@ class WithheldParts(Sequence):
         return f"WithheldParts({len(self._held)} of {self._count} held)"
 
     def __reduce__(self):
-        return (WithheldParts, (self._count, self._held))
+        return (WithheldParts, (self._count, self._held, self.total_bytes))
 
 
 REF_INTS = 5  # a part reference as integers: rank, size, CRC32C, objects, bytes (-1 after the rank: no part)
@@ -415,7 +416,7 @@ class Marker:
         the coordinator hands the other ranks of a load, each then fetching those it reads."""
         import dataclasses
 
-        return dataclasses.replace(self, parts=WithheldParts(len(self.parts)))
+        return dataclasses.replace(self, parts=WithheldParts(len(self.parts), total_bytes=self._parts_bytes()))
 
     def __getstate__(self) -> dict:
         # the lookup caches are rebuilt where they are needed, not carried (rank 0 hands markers to every rank)
@@ -444,7 +445,12 @@ class Marker:
     @property
     def total_bytes(self) -> int:
         """Bytes of every object of the step (the parts and what they list included)."""
-        return sum(o.size for o in self.objects) + sum(p.size + p.bytes for p in self.parts)
+        return sum(o.size for o in self.objects) + self._parts_bytes()
+
+    def _parts_bytes(self) -> int:
+        if isinstance(self.parts, WithheldParts):
+            return self.parts.total_bytes
+        return sum(p.size + p.bytes for p in self.parts)
 
     @property
     def object_count(self) -> int:

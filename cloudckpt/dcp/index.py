@@ -669,6 +669,18 @@ def build_metadata(header: Header, needs: dict[str, list[int]], parts: dict[int,
     return md
 
 
+def check_tensor_bytes(header: Header, stored: int) -> None:
+    """Refuse a header whose tensors hold more bytes than the step stores (``stored``,
+    the marker's bytes): what a caller allocates from the header's sizes (``load_with``'s
+    targets) is then at most what the checkpoint holds. Raises CorruptCheckpoint."""
+    total = 0
+    for fqn, t in header.tensors.items():
+        total += math.prod(t.size) * t.dtype.itemsize
+        if total > stored:
+            raise _bad(header.url, f"its tensors (up to {_shown(fqn)}) hold {total:,} bytes, more than the "
+                                   f"{stored:,} bytes the step stores; refused before anything is allocated")
+
+
 def wanted_boxes(flat_state_dict: dict[str, Any]) -> Wanted:
     """Key -> this rank's boxes of each tensor of a flattened state dict (DTensor,
     ShardedTensor or plain tensor, as DCP's planner computes them), None for a value."""

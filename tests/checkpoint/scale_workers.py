@@ -43,9 +43,11 @@ def _kind(url: str) -> str:
             "model_and_optim/.metadata": "dcp metadata"}.get(name, "shard" if name.endswith(".distcp") else name)
 
 
-def load_counting(rank, world_size, dir, work_dir):
+def load_counting(rank, world_size, dir, work_dir, with_build=False):
     """Load this rank's shard; report the small objects it read (GETs by kind), the
-    shard ranges it read, and its CPU seconds for the load."""
+    shard ranges it read, and its CPU seconds for the load. ``with_build``: through
+    ``Checkpointer.load_with``, the targets built once the metadata it hands over is
+    checked (every saved key, its size and dtype; no chunks, no storage)."""
     from cloudckpt.storage import open_store
 
     cls = type(open_store(dir))
@@ -79,7 +81,18 @@ def load_counting(rank, world_size, dir, work_dir):
     try:
         with Checkpointer(work_dir=work_dir) as ck:
             t = time.process_time()
-            ck.load(dir, sd)
+            if with_build:
+                seen = []
+
+                def build(md):
+                    seen.append({k: (tuple(v.size), v.properties.dtype, len(v.chunks)) if hasattr(v, "size")
+                                 else None for k, v in md.state_dict_metadata.items()})
+                    seen.append(len(md.storage_data))
+                    return sd
+
+                ck.load_with(dir, build)
+            else:
+                ck.load(dir, sd)
             cpu = time.process_time() - t
     finally:
         cls.get_bytes, cls.open_range = real_get, real_range
@@ -92,4 +105,4 @@ def load_counting(rank, world_size, dir, work_dir):
     # what rank 0 handed this rank: the marker (part references withheld but those fetched) and the index header
     received = len(pickle.dumps(marker.withholding_parts())) if held is not None else len(pickle.dumps(marker))
     return {"gets": gets, "bytes": got_bytes, "cpu_s": cpu, "bitexact": ok, "parts_held": held,
-            "received_marker_bytes": received}
+            "received_marker_bytes": received, "built_from": seen if with_build else None}

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from cloudckpt.testing.multiprocess import run_ranks
 
 from . import scale_workers as w
@@ -47,3 +49,26 @@ def test_a_rank_reads_a_fixed_set_of_small_objects_whatever_the_world_size(s3_bu
         assert eight["bytes"][k] <= 1.2 * two["bytes"][k], (k, two["bytes"], eight["bytes"])
     # and the marker rank 0 hands it does not grow with the ranks (its part references stay on rank 0)
     assert eight["received_marker_bytes"] <= two["received_marker_bytes"] + 16, (two, eight)  # digits of R
+
+
+def test_load_with_builds_its_targets_from_the_index_header_and_reads_what_load_reads(s3_bucket, tmp_path):
+    # the Lightning and OLMo-core integrations load through load_with: it hands the caller every saved
+    # key with its size and dtype, from the index header every rank already gets; no rank reads .metadata
+    R = 4
+    step = f"{s3_bucket}/with/step5"
+    work = str(tmp_path / "w")
+    run_ranks(R, w.save, step, work, env=_env(), timeout=600)
+    loads = run_ranks(R, w.load_counting, step, work, True, env=_env(), timeout=600)
+    for rank, o in enumerate(loads):
+        g = o["gets"]
+        assert o["bitexact"], rank
+        assert g.get("dcp metadata", 0) == 0, (rank, g)
+        assert g.get("index part") == 1, (rank, g)
+        assert g.get("marker", 0) == g.get("index header", 0) == (1 if rank == 0 else 0), (rank, g)
+        assert o["parts_held"] == (None if rank == 0 else sorted({0, rank})), (rank, o["parts_held"])
+        keys, storage = o["built_from"]
+        assert storage == 0, rank
+        assert len(keys) == 2 * w.TENSORS, rank
+        for t in range(w.TENSORS):
+            assert keys[f"model.layer{t}"] == ((R * w.ROWS, w.COLS), torch.float32, 0), (rank, t)
+            assert keys[f"optim.step{t}"] == ((), torch.int64, 0), (rank, t)

@@ -93,7 +93,8 @@ def _first_object(key: str, value):
     return edit
 
 
-INDEX_PLANNERS = {"load", "load_pre_download", "resume"}  # plan a load of our steps from the DCP index
+# plan a load of our steps from the DCP index (Lightning too: its targets come from the index header)
+INDEX_PLANNERS = {"load", "load_pre_download", "resume", "lightning"}
 
 # name: (what, apply, the entry points that refuse it, also on S3)
 CASES: dict[str, tuple[str, object, set[str], bool]] = {}

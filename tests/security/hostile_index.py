@@ -19,7 +19,8 @@ from .corpus import Step
 from .tries import OK, REFUSED, Try, honest_step, outside_untouched, run_entry
 
 HEADER = "index/header.json"
-ENTRIES = ("load", "load_pre_download", "resume")
+# Lightning builds its targets from the header (Checkpointer.load_with): it allocates what the header says
+ENTRIES = ("load", "load_pre_download", "resume", "lightning")
 
 
 def _header(s: Step) -> dict:
@@ -139,6 +140,14 @@ def _grid_past(s: Step) -> None:
     _grid(s, {"cuts": [[0, 32, 80]], "owners": [0, 0]})
 
 
+def _tensor_huge(s: Step) -> None:
+    """model.w declared [2^40] float32 (4 TiB), its item the honest one: a target built
+    from the header would allocate 4 TiB."""
+    doc = _header(s)
+    _w(doc)[2] = [1 << 40]
+    _put_header(s, doc)
+
+
 def _renamed_key(s: Step) -> None:
     doc = _header(s)
     _w(doc)[0] = "model.x"
@@ -160,12 +169,16 @@ CASES = {
     "index-many-keys": ("200,000 keys the target lacks", _many_keys),
     "index-declared-1tib": ("the header declared 1 TiB", _declared_huge),
     "index-renamed-key": ("the header renames a key", _renamed_key),
+    "index-tensor-huge": ("a tensor declared 2^40 elements (4 TiB), its item the honest one (64 floats)", _tensor_huge),
     "index-grid-huge": ("a grid of 2^40 chunks owned by rule", _grid_huge),
     "index-grid-past": ("a grid's cuts end past its tensor", _grid_past),
 }
 # the header lists keys the target does not have: they are left behind, loudly (KeysNotLoaded
-# for keys under model/optim; here they are top-level keys of their own: loaded as nothing)
-OK_CASES = {"index-many-keys": {"load", "load_pre_download", "resume"}}
+# for keys under model/optim; here they are top-level keys of their own: loaded as nothing). Lightning
+# builds its targets from the header: a renamed key is loaded under the header's name (the header is
+# what the checkpoint says, CRC-checked against its manifest), as it would be from a renamed .metadata
+OK_CASES = {"index-many-keys": {"load", "load_pre_download", "resume", "lightning"},
+            "index-renamed-key": {"lightning"}}
 
 
 def attack(tmp: str, root: str, case: str, entry: str) -> None:

@@ -607,8 +607,8 @@ def honest_import(tmp: str, root: str) -> dict:
 
 # Cases whose refusal costs seconds of parsing in each try (a budget reached, a structure
 # 10^6 deep walked): through one entry point of each reader of ``.metadata`` instead of
-# all eight: Lightning for the library (Checkpointer.load_with parses the whole
-# ``.metadata``; a plain load of our steps plans from the DCP index), inspect for the CLI
+# all eight: Lightning for the library (a crafted ``.metadata`` comes without the DCP index,
+# so Checkpointer.load_with parses it whole, as a plain load does), inspect for the CLI
 # (inspect, verify and export parse it in step_files), the torchtitan import (its own
 # reader). Every entry point meets each class through the cheaper cases.
 PARSER_BUDGET = {"md-set-reduce-memo", "md-size-reduce-64", "md-chunks-1e6-one-item",
