@@ -56,3 +56,11 @@ def test_a_table_is_indexed_like_a_tuple():
     with pytest.raises(IndexError):
         t[3]
     assert hash(t) == hash(parts) and t == parts and t == list(parts) and t != parts[:2]
+
+
+def test_a_marker_with_its_parts_withheld_still_knows_the_steps_bytes():
+    # load_with bounds what it allocates from the index header by the step's bytes, on every rank
+    m = _marker(_refs(range(64)))
+    withheld = pickle.loads(pickle.dumps(m.withholding_parts()))
+    assert withheld.total_bytes == m.total_bytes == 4096 + sum(900_000 + r + 10**11 + r for r in range(64))
+    assert len(withheld.parts) == 64
