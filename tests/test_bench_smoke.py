@@ -24,11 +24,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow  # every bench case end to end: about a minute
+def warm(module: str, *args: str) -> list[str]:
+    """``python -m module args`` with the bench's gloo ranks forked from a warm forkserver
+    instead of spawned (tests/warm_bench.py: the same cases and rank code, torch imported
+    once instead of once per rank and case)."""
+    return [sys.executable, str(ROOT / "tests" / "warm_bench.py"), module, *args]
+
+
+@pytest.mark.slow  # every bench case end to end: 20 s (ranks forked warm), a minute spawned
 def test_smoke_bench_runs_every_case_and_reports_absent_peers_as_not_installed(tmp_path):
     out = tmp_path / "results"
-    argv = [sys.executable, "-m", "bench.run", "--smoke", "--peer-venvs", str(tmp_path / "no-peer-venvs"),
-            "--out-dir", str(out), "--tmp", str(tmp_path)]
+    argv = warm("bench.run", "--smoke", "--peer-venvs", str(tmp_path / "no-peer-venvs"), "--out-dir", str(out),
+                "--tmp", str(tmp_path))
     p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
 
@@ -82,7 +89,7 @@ def test_smoke_range_reads_reads_every_byte_with_every_reader(tmp_path):
     assert "| engine 8MiB |" in (out / "range_reads.md").read_text()
 
 
-@pytest.mark.slow  # exports a git revision and loads through both trees: half a minute
+@pytest.mark.slow  # exports a git revision and loads through both trees: 15 s (ranks forked warm)
 def test_smoke_ab_load_runs_each_revision_from_its_own_tree(tmp_path):
     """``bench/ab_load.py`` (interleaved A/B of the load between git revisions): HEAD
     exported with ``git archive`` against the working tree, both load modes, a tiny
@@ -90,8 +97,8 @@ def test_smoke_ab_load_runs_each_revision_from_its_own_tree(tmp_path):
     if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode != 0:
         pytest.skip("not a git checkout: bench/ab_load.py compares git revisions")
     out = tmp_path / "ab.json"
-    argv = [sys.executable, "-m", "bench.ab_load", "--revs", "HEAD,.", "--modes", "stream,pre", "--size", "4MiB",
-            "--reps", "1", "--out", str(out)]
+    argv = warm("bench.ab_load", "--revs", "HEAD,.", "--modes", "stream,pre", "--size", "4MiB", "--reps", "1",
+                "--out", str(out))
     p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
     rows = json.loads(out.read_text())["rows"]
@@ -131,8 +138,7 @@ def test_smoke_server_profile_attributes_seaweedfs_samples_to_named_functions(tm
     if shutil.which("perf") is None:
         pytest.skip("perf (Debian's linux-perf) is not installed: bench/server_profile.py samples with it")
     out = tmp_path / "profile.json"
-    argv = [sys.executable, "-m", "bench.server_profile", "--size", "4MiB", "--tools", "cloudckpt,s5cmd",
-            "--out", str(out)]
+    argv = warm("bench.server_profile", "--size", "4MiB", "--tools", "cloudckpt,s5cmd", "--out", str(out))
     p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
     rows = json.loads(out.read_text())["rows"]
