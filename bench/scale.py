@@ -29,6 +29,9 @@ functions with the simulated peers:
   its first data byte: the load prologue.
 - ``stock``: stock DCP's per-rank metadata cost: C ``pickle.loads`` of the same
   ``.metadata`` (every rank of a stock DCP load does it).
+- ``finish``: rank 0's side of DCP's own save ``finish`` (every save of a stock
+  ``.metadata``): every rank's write results, gathered to rank 0, unpickled, merged into
+  ``storage_data``, and the whole ``.metadata`` pickled.
 - ``maintain``: ``retention.Maintenance`` after a save with N kept steps (copies of
   this step's marker), once on a fresh manager and once in steady state; store
   calls counted.
@@ -762,6 +765,43 @@ def phase_stock(args) -> dict:
     return {"metadata_bytes": len(data), "items": n, **m.report()}
 
 
+def phase_finish(args) -> dict:
+    """Rank 0's side of DCP's own save ``finish``, which every save of a stock DCP
+    ``.metadata`` runs (ours too: it stays for stock readers): the write results of every
+    rank, gathered to rank 0 (``gather_object``: one pickle per rank, unpickled there),
+    merged into the metadata's ``storage_data`` and the whole ``.metadata`` pickled.
+    Built untimed from the job's ``.metadata``: each rank's ``WriteResult`` list (the
+    rank from each item's file name), pickled as the gather sends it."""
+    import gc
+
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    path = Path(args.work) / "run" / f"step{STEP}" / "model_and_optim" / ".metadata"
+    if json.loads(Path(args.work, "inputs.json").read_text()).get("metadata_stand_in") or \
+            estimate_gb(shape_named(args.shape), args.ranks) > args.mem_gib:
+        return {"skipped": f"the job's .metadata and its gathered write results (~"
+                           f"{estimate_gb(shape_named(args.shape), args.ranks):.0f} GB) do not fit --mem-gib "
+                           f"{args.mem_gib:g}"}
+    md = pickle.loads(path.read_bytes())
+    by_rank: list[list] = [[] for _ in range(args.ranks)]
+    for idx, info in md.storage_data.items():
+        r = int(info.relative_path.split("_")[2])  # "__{rank}_{k}.distcp"
+        by_rank[r].append(WriteResult(index=idx, size_in_bytes=info.length, storage_data=info))
+    blobs = [pickle.dumps(rs) for rs in by_rank]
+    del by_rank
+    md.storage_data = None
+    gc.collect()
+    with Meter() as m:
+        results = [pickle.loads(b) for b in blobs]  # what gather_object hands rank 0
+        storage: dict = {}
+        for rs in results:
+            storage.update({wr.index: wr.storage_data for wr in rs})
+        md.storage_data = storage
+        data = pickle.dumps(md)  # FileSystemWriter.finish: pickle.dump(metadata, file)
+    return {"gathered_bytes": sum(len(b) for b in blobs), "gathered_bytes_per_rank": max(len(b) for b in blobs),
+            "metadata_bytes": len(data), **m.report()}
+
+
 class _Counting:
     """Counts the store calls of one phase (the local backend has no requests to count)."""
 
@@ -841,6 +881,7 @@ def phase_maintain(args) -> dict:
 
 
 PHASES = {"save": phase_save, "resume": phase_resume, "load": phase_load, "stock": phase_stock,
+          "finish": phase_finish,
           "maintain": phase_maintain}
 
 
@@ -1008,7 +1049,7 @@ def main() -> None:
         work = tempfile.mkdtemp(dir=tmp, prefix=f"R{R}-")
         row["inputs"] = run_phase("inputs", shape.name, R, work, mem_gib=args.mem_gib)
         if "error" not in row["inputs"]:
-            for phase in ("save", "resume", "load", "stock"):
+            for phase in ("save", "resume", "load", "stock", "finish"):
                 row[phase] = run_phase(phase, shape.name, R, work, mem_gib=args.mem_gib)
             if args.load_reps > 1 and "error" not in row["load"]:
                 # the load prologue again (its inputs stay): CPU seconds vary by run on a shared machine
@@ -1072,8 +1113,9 @@ def report(res: dict) -> str:
              "| R | DCP items | AGREE in, rank 0 / other rank (MB) | rank 0 save CPU-s / peak MB | marker (MB) | "
              "DCP index header (MB); its build on rank 0, CPU-s: first save / repeated | "
              "resume on rank 0 CPU-s / peak MB | load prologue CPU-s / peak MB / MB in | stock DCP .metadata "
-             "pickle.loads CPU-s / peak MB | maintenance: store calls, CPU-s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "pickle.loads CPU-s / peak MB | DCP's save finish on rank 0: write results gathered (MB), CPU-s / "
+             "peak MB | maintenance: store calls, CPU-s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in res["rows"]:
         save, load, inputs = row.get("save") or {}, row.get("load") or {}, row.get("inputs") or {}
         lines.append(
@@ -1085,6 +1127,8 @@ def report(res: dict) -> str:
             f"{_cell(row, 'resume', 'cpu_s', 'peak_rss_above_base_mb')} | "
             f"{_cell(row, 'load', 'cpu_s', 'peak_rss_above_base_mb')} / {_mb(load.get('received_bytes'))} | "
             f"{_cell(row, 'stock', 'cpu_s', 'peak_rss_above_base_mb')} | "
+            f"{_mb((row.get('finish') or {}).get('gathered_bytes'))}, "
+            f"{_cell(row, 'finish', 'cpu_s', 'peak_rss_above_base_mb')} | "
             + "; ".join(f"N={n}: {_maint(row, n)}" for n in _kept(row)) + " |")
     reps = [(row["ranks"], row["load"]["cpu_s_runs"]) for row in res["rows"] if row.get("load", {}).get("cpu_s_runs")]
     if reps:
