@@ -756,11 +756,10 @@ class Checkpointer:
     def _read_marker_and_metadata(self, dir: str) -> tuple[Marker, bytes | None, bytes | None]:
         """Rank 0 reads the marker and what every rank plans its load against, once for
         every rank: ``(marker, the DCP index's header, None)`` for a step that has the
-        index (dcp/index.py), else ``(marker, None,
-        DCP's .metadata)`` (DCP would have each rank GET ``.metadata``, whose size grows
-        with ranks x tensors). ``.metadata`` is None if it is not in the manifest: each
-        rank's reader then reports it. The bytes are checked against the manifest before
-        they travel."""
+        index (dcp/index.py), else ``(marker, None, DCP's .metadata)`` (DCP would have
+        each rank GET ``.metadata``, whose size grows with ranks x tensors). ``.metadata``
+        is None if it is not in the manifest: each rank's reader then reports it. The
+        bytes are checked against the manifest before they travel."""
         step = self._at(dir)
         marker = discovery.read_header(step)  # format 2: the ranks' parts are read by the ranks that need them
         if not marker.verified:
