@@ -29,9 +29,10 @@ functions with the simulated peers:
   its first data byte: the load prologue.
 - ``stock``: stock DCP's per-rank metadata cost: C ``pickle.loads`` of the same
   ``.metadata`` (every rank of a stock DCP load does it).
-- ``finish``: rank 0's side of DCP's own save ``finish`` (every save of a stock
-  ``.metadata``): every rank's write results, gathered to rank 0, unpickled, merged into
-  ``storage_data``, and the whole ``.metadata`` pickled.
+- ``finish``: rank 0's side of DCP's save ``finish`` through the library's writer
+  (``.metadata`` and the index header): a job's first save (every rank's write results
+  gathered whole, merged, ``.metadata`` pickled) and a repeated one (digests only, the
+  ``.metadata`` reused).
 - ``maintain``: ``retention.Maintenance`` after a save with N kept steps (copies of
   this step's marker), once on a fresh manager and once in steady state; store
   calls counted.
@@ -766,15 +767,18 @@ def phase_stock(args) -> dict:
 
 
 def phase_finish(args) -> dict:
-    """Rank 0's side of DCP's own save ``finish``, which every save of a stock DCP
-    ``.metadata`` runs (ours too: it stays for stock readers): the write results of every
-    rank, gathered to rank 0 (``gather_object``: one pickle per rank, unpickled there),
-    merged into the metadata's ``storage_data`` and the whole ``.metadata`` pickled.
-    Built untimed from the job's ``.metadata``: each rank's ``WriteResult`` list (the
-    rank from each item's file name), pickled as the gather sends it."""
+    """Rank 0's side of DCP's save ``finish``, through the library's own writer
+    (``UploadingWriter.finish``: DCP's ``.metadata`` and the index header): a job's first
+    save (every rank's write results gathered whole, merged, ``.metadata`` pickled) and a
+    repeated one (each rank sends a digest of its unchanged results; the ``.metadata``
+    written before is reused). Built untimed from the job's ``.metadata``: each rank's
+    ``WriteResult`` list (the rank from each item's file name), pickled as DCP's gather
+    sends it; timed: the unpickling on rank 0 and ``finish``."""
     import gc
 
     from torch.distributed.checkpoint.storage import WriteResult
+
+    from cloudckpt.dcp.writer import RankResults, UploadingWriter, results_digest
 
     path = Path(args.work) / "run" / f"step{STEP}" / "model_and_optim" / ".metadata"
     if json.loads(Path(args.work, "inputs.json").read_text()).get("metadata_stand_in") or \
@@ -787,19 +791,29 @@ def phase_finish(args) -> dict:
     for idx, info in md.storage_data.items():
         r = int(info.relative_path.split("_")[2])  # "__{rank}_{k}.distcp"
         by_rank[r].append(WriteResult(index=idx, size_in_bytes=info.length, storage_data=info))
-    blobs = [pickle.dumps(rs) for rs in by_rank]
+    digests = [(results_digest(rs), len(rs)) for rs in by_rank]
+    first_blobs = [pickle.dumps(RankResults(d, n, rs)) for (d, n), rs in zip(digests, by_rank, strict=True)]
+    again_blobs = [pickle.dumps(RankResults(d, n, None)) for d, n in digests]
     del by_rank
-    md.storage_data = None
-    gc.collect()
-    with Meter() as m:
-        results = [pickle.loads(b) for b in blobs]  # what gather_object hands rank 0
-        storage: dict = {}
-        for rs in results:
-            storage.update({wr.index: wr.storage_data for wr in rs})
-        md.storage_data = storage
-        data = pickle.dumps(md)  # FileSystemWriter.finish: pickle.dump(metadata, file)
-    return {"gathered_bytes": sum(len(b) for b in blobs), "gathered_bytes_per_rank": max(len(b) for b in blobs),
-            "metadata_bytes": len(data), **m.report()}
+    md.storage_data = None  # what DCP's plan hands the coordinator's finish
+    cache: dict = {}
+    work = Path(args.work) / "finish"
+    keep = work / "cache"
+    keep.mkdir(parents=True, exist_ok=True)
+    out: dict = {}
+    for name, blobs in (("first", first_blobs), ("repeated", again_blobs)):
+        folder = work / name / "model_and_optim"
+        folder.mkdir(parents=True, exist_ok=True)
+        writer = UploadingWriter(str(folder), lambda *a: None, index_cache=cache, cache_dir=lambda: str(keep))
+        gc.collect()
+        with Meter() as m:
+            writer.finish(md, [pickle.loads(b) for b in blobs])  # what DCP's gather hands rank 0
+        out[name] = {"gathered_bytes": sum(len(b) for b in blobs), **m.report()}
+    out["metadata_bytes"] = (work / "first" / "model_and_optim" / ".metadata").stat().st_size
+    out["same_metadata"] = (work / "first" / "model_and_optim" / ".metadata").read_bytes() == \
+        (work / "repeated" / "model_and_optim" / ".metadata").read_bytes()
+    shutil.rmtree(work, ignore_errors=True)
+    return out
 
 
 class _Counting:
@@ -1094,6 +1108,14 @@ def _cell(row: dict, p: str, *keys, fmt="{:,.2f}") -> str:
     return " / ".join("-" if d.get(k) is None else fmt.format(d[k]) for k in keys)
 
 
+def _finish(row: dict) -> str:
+    d = row.get("finish") or {}
+    if "error" in d or "skipped" in d or not d:
+        return _cell(row, "finish", "cpu_s")
+    return "; ".join(f"{_mb(d[k]['gathered_bytes'])}, {d[k]['cpu_s']:,.2f} / {d[k]['peak_rss_above_base_mb']:,.1f}"
+                     for k in ("first", "repeated"))
+
+
 def _maint(row: dict, n: int) -> str:
     d = row.get(f"maintain_N{n}") or {}
     if "error" in d:
@@ -1113,8 +1135,8 @@ def report(res: dict) -> str:
              "| R | DCP items | AGREE in, rank 0 / other rank (MB) | rank 0 save CPU-s / peak MB | marker (MB) | "
              "DCP index header (MB); its build on rank 0, CPU-s: first save / repeated | "
              "resume on rank 0 CPU-s / peak MB | load prologue CPU-s / peak MB / MB in | stock DCP .metadata "
-             "pickle.loads CPU-s / peak MB | DCP's save finish on rank 0: write results gathered (MB), CPU-s / "
-             "peak MB | maintenance: store calls, CPU-s |",
+             "pickle.loads CPU-s / peak MB | DCP's save finish on rank 0 (.metadata, index header): results "
+             "gathered (MB), CPU-s / peak MB, first save; repeated save | maintenance: store calls, CPU-s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in res["rows"]:
         save, load, inputs = row.get("save") or {}, row.get("load") or {}, row.get("inputs") or {}
@@ -1127,8 +1149,7 @@ def report(res: dict) -> str:
             f"{_cell(row, 'resume', 'cpu_s', 'peak_rss_above_base_mb')} | "
             f"{_cell(row, 'load', 'cpu_s', 'peak_rss_above_base_mb')} / {_mb(load.get('received_bytes'))} | "
             f"{_cell(row, 'stock', 'cpu_s', 'peak_rss_above_base_mb')} | "
-            f"{_mb((row.get('finish') or {}).get('gathered_bytes'))}, "
-            f"{_cell(row, 'finish', 'cpu_s', 'peak_rss_above_base_mb')} | "
+            f"{_finish(row)} | "
             + "; ".join(f"N={n}: {_maint(row, n)}" for n in _kept(row)) + " |")
     reps = [(row["ranks"], row["load"]["cpu_s_runs"]) for row in res["rows"] if row.get("load", {}).get("cpu_s_runs")]
     if reps:

@@ -37,7 +37,7 @@ import threading
 import time
 import uuid
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -266,6 +266,7 @@ class Checkpointer:
         self.last_save_stats: SaveStats | None = None
         self.last_load_info: LoadInfo | None = None
         self._index_cache: dict = {}  # the DCP index's layouts, kept across saves (dcp/index.header_bytes)
+        self._metadata_cache: str | None = None  # rank 0: its last DCP .metadata, for a repeated save (dcp/writer.py)
         self._async = AsyncSaver(self._save_now, max_in_flight=self.options.max_in_flight)
 
     @property
@@ -453,13 +454,18 @@ class Checkpointer:
             uploads.append((rel, path, sums, self.engine.submit_upload(path, urls.join(dir, rel), crc32c=crc)))
 
         writer = UploadingWriter(os.path.join(work, layout.MODEL_DIR), on_file, thread_count=self.options.thread_count,
-                                 index_cache=self._index_cache)
+                                 index_cache=self._index_cache, cache_dir=self._metadata_cache_dir)
         error: BaseException | None = None
         try:
             with _quiet_dcp():
                 planner = caching_save_planner(f"{self.coord.world_size}:{self.coord.rank}")
-                dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=self.coord.group,
-                         no_dist=self.coord.local)
+                try:
+                    dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=self.coord.group,
+                             no_dist=self.coord.local)
+                except BaseException:
+                    writer.abandoned()
+                    raise
+                writer.completed()
             index_part = writer.write_index_part(self.coord.rank)
             if index_part is not None:
                 on_file(index_part)
@@ -481,6 +487,9 @@ class Checkpointer:
         except BaseException as e:  # noqa: BLE001 - carried to every rank by AGREE
             for *_, f in uploads:
                 f.cancel()
+            # the uploads already running end first (each within the engine's time limits): the failed
+            # attempt's cleanup then sees every object, and none lands after it
+            wait([f for *_, f in uploads])
             error = error or e
         return _RankResult(entries, t0, error)
 
@@ -818,12 +827,22 @@ class Checkpointer:
         """``url`` with this checkpointer's storage options."""
         return Location.of(url, self.storage_options)
 
+    def _metadata_cache_dir(self) -> str:
+        """Rank 0's folder for the last DCP ``.metadata`` it wrote (made at first use, in
+        ``work_dir``, 0700; removed by :meth:`close`)."""
+        if self._metadata_cache is None:
+            self._metadata_cache = private_dir(self.work_dir, "dcp-metadata-")
+        return self._metadata_cache
+
     def close(self) -> None:
         """Wait for in-flight async saves (raising an unreported failure), then release resources."""
         try:
             self._async.close()
         finally:
             self.engine.close()
+            if self._metadata_cache is not None:
+                shutil.rmtree(self._metadata_cache, ignore_errors=True)
+                self._metadata_cache = None
 
     def __enter__(self):
         return self

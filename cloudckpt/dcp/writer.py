@@ -7,24 +7,33 @@ stays readable by stock ``FileSystemReader`` once downloaded.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 import os
+import pickle
 import queue
+import shutil
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import google_crc32c
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import WriteItemType
+from torch.futures import Future
 
 from .._torch_compat import element_size, split_by_size_and_type, write_files
+from ..errors import SaveFailed
 from ..transfer.checksum import bytes_pieces
 from ..units import MiB
 from . import index
+
+DCP_VERSION = "1.0.0"  # what FileSystemWriter.finish writes as Metadata.version (torch 2.13)
+_SENT = ("cloudckpt", "write results sent")  # index_cache: the digest this rank's last completed save sent
+_MERGED = ("cloudckpt", "write results merged")  # index_cache, coordinator: what its last finish merged
 
 
 def _chunk_bytes(item) -> int:
@@ -136,6 +145,43 @@ class _NotifyingFileSystem(FileSystem):
         self._on_closed(str(new_path), sums)
 
 
+@dataclass(frozen=True)
+class RankResults:
+    """What a rank hands DCP's gather of write results (``write_data``'s value, which
+    DCP passes to the coordinator's ``finish`` untouched): a digest of its WriteResults
+    and the results themselves, or None when they are the ones it sent at the last
+    save that completed (the coordinator still holds those). A repeated save then
+    gathers 16 bytes a rank instead of one WriteResult per item (0.3-0.4 MB a rank for
+    a 70B model with AdamW), and the coordinator reuses the ``.metadata`` it wrote."""
+
+    digest: bytes
+    count: int
+    results: list | None
+
+
+def results_digest(results: list) -> bytes:
+    """A digest of a rank's WriteResults (every field: index, size, file, offset, length),
+    whatever the order the writer's threads finished them in."""
+    ordered = sorted(results, key=lambda wr: (wr.index.fqn, tuple(wr.index.offset or ()), wr.index.index or 0))
+    return hashlib.blake2b(pickle.dumps(ordered, protocol=4), digest_size=16).digest()
+
+
+@dataclass
+class _Merged:
+    """The coordinator's last finish: the metadata it completed (DCP's plan cache hands
+    the same object again while no rank's plan changes), the merged storage, each
+    rank's keys and digest, and where the ``.metadata`` it wrote is kept."""
+
+    metadata: Any
+    state_dict_metadata: Any
+    planner_data: Any
+    storage: dict
+    keys: list
+    digests: list
+    file: str
+    sums: "FileChecksums | None"
+
+
 class UploadingWriter(FileSystemWriter):
     """Writes into ``local_dir`` and calls ``on_file(local_path, checksums)`` when
     each file is complete (``checksums``: a FileChecksums computed while writing, or
@@ -153,6 +199,7 @@ class UploadingWriter(FileSystemWriter):
         target_file_size: int = 256 * MiB,
         max_files_per_rank: int = 64,
         index_cache: dict | None = None,
+        cache_dir: Callable[[], str] | None = None,
     ):
         super().__init__(local_dir, single_file_per_rank=True, sync_files=False, thread_count=thread_count,
                          overwrite=True)
@@ -164,6 +211,8 @@ class UploadingWriter(FileSystemWriter):
         self.ranges: dict[str, list[tuple[int, int]]] = {}
         self.index_items: list[list] = []  # this rank's part of the DCP index (dcp/index.py)
         self.index_cache = {} if index_cache is None else index_cache  # kept across saves by the caller
+        self._cache_dir = cache_dir  # the coordinator keeps its last .metadata there (None: not kept)
+        self._digest: tuple[bytes, int] | None = None
         self._lock = threading.Lock()
 
     def write_data(self, plan, planner):
@@ -184,12 +233,76 @@ class UploadingWriter(FileSystemWriter):
             with self._lock:
                 self.ranges.setdefault(sd.relative_path, []).append((sd.offset, sd.length))
         self.index_items = index.part_items(items, fut.value())
-        return fut
+        results = fut.value()
+        self._digest = (results_digest(results), len(results))
+        same = self._cache_dir is not None and self.index_cache.get(_SENT) == self._digest
+        out: Future = Future()
+        out.set_result(RankResults(*self._digest, None if same else results))
+        return out
+
+    def completed(self) -> None:
+        """DCP's save returned on this rank (the coordinator's finish merged what this
+        rank sent): the next save may send only the digest if its results are the same."""
+        if self._digest is not None:
+            self.index_cache[_SENT] = self._digest
+
+    def abandoned(self) -> None:
+        """DCP's save failed on this rank: the next save sends its results whole (and the
+        coordinator, which may not have merged this one, forgets what it holds)."""
+        self.index_cache.pop(_SENT, None)
+        self.index_cache.pop(_MERGED, None)
 
     def finish(self, metadata, results) -> None:
         """On the coordinator: DCP's ``.metadata``, then the DCP index's header beside
-        the DCP folder (``index/header.json``, dcp/index.py), each handed to ``on_file``."""
-        super().finish(metadata, results)
+        the DCP folder (``index/header.json``, dcp/index.py), each handed to ``on_file``.
+
+        ``results``: each rank's :class:`RankResults`. When every rank sent only its
+        digest and DCP handed the same metadata as at the last finish, the ``.metadata``
+        written then is used again (linked, not rebuilt): a repeated save costs the
+        coordinator O(R) here instead of unpickling, merging and pickling every item of
+        the job. ``Metadata.storage_meta`` is not written (stock readers supply one), so
+        that the bytes are the same from save to save."""
+        prev = self.index_cache.pop(_MERGED, None)
+        for r, got in enumerate(results):
+            if got.results is None and (prev is None or len(prev.digests) != len(results)
+                                        or prev.digests[r] != got.digest):
+                raise SaveFailed(f"rank {r} sent the digest of its write results (the same as at its last save) but "
+                                 "the coordinator does not hold them (an earlier save failed between the ranks); "
+                                 "save again: the next save sends them whole")
+        meta_path = os.path.join(str(self.path), ".metadata")
+        if (prev is not None and all(got.results is None for got in results) and prev.metadata is metadata
+                and prev.state_dict_metadata is metadata.state_dict_metadata
+                and prev.planner_data is metadata.planner_data and os.path.isfile(prev.file)):
+            metadata.storage_data = prev.storage
+            metadata.storage_meta = None
+            _link_or_copy(prev.file, meta_path)
+            self._on_file(meta_path, prev.sums)
+            merged = prev
+        else:
+            storage: dict = {}
+            keys: list = []
+            for r, got in enumerate(results):
+                if got.results is None:  # its entries are the ones merged last time
+                    mine = prev.keys[r]
+                    storage.update((k, prev.storage[k]) for k in mine)
+                else:
+                    mine = [wr.index for wr in got.results]
+                    storage.update((wr.index, wr.storage_data) for wr in got.results)
+                keys.append(mine)
+            metadata.version = DCP_VERSION
+            metadata.storage_data = storage
+            metadata.storage_meta = None
+            tmp = os.path.join(str(self.path), ".metadata.tmp")
+            with self.fs.create_stream(tmp, "wb") as f:
+                pickle.dump(metadata, f)
+            self.fs.rename(tmp, meta_path)  # on_file, with the CRC32C taken while writing
+            merged = _Merged(metadata, metadata.state_dict_metadata, metadata.planner_data, storage, keys,
+                             [got.digest for got in results], "", self._sums.get(".metadata"))
+            if self._cache_dir is not None:
+                merged.file = os.path.join(self._cache_dir(), ".metadata")
+                _link_or_copy(meta_path, merged.file + ".tmp")
+                os.replace(merged.file + ".tmp", merged.file)  # a step that linked the old one keeps it
+        self.index_cache[_MERGED] = merged
         path = os.path.join(os.path.dirname(str(self.path)), index.HEADER)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
@@ -238,3 +351,12 @@ def _item_crc(sums: FileChecksums | None, path: str, offset: int, length: int) -
         f.seek(offset)
         return f"{google_crc32c.value(f.read(length)):08x}"
 
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """``dst`` a new name of ``src``'s bytes: a hard link (never written in place
+    afterwards: each is replaced by a rename), or a copy across file systems."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)

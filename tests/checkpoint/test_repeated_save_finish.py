@@ -1,0 +1,75 @@
+"""A repeated save's DCP finish on rank 0 costs O(R), not O(R x T): each rank sends only
+a digest of its write results when they are those of its last completed save, and rank
+0 reuses the `.metadata` it wrote then (dcp/writer.py). Real gloo ranks; every step's
+`.metadata` is checked by stock DCP loading the step, bit for bit."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from cloudckpt.testing.multiprocess import run_ranks
+
+from . import finish_workers as w
+
+R = 2
+
+
+def _stock_load(step_dir: str, step: int, extra: bool) -> None:
+    """Stock DCP (FileSystemReader, no cloudckpt) loads the step's model_and_optim folder."""
+    want = w.full(w.state_single(step, extra))
+    got = {k: torch.zeros_like(v) for k, v in want.items()}
+    nested: dict = {}
+    for k, v in got.items():
+        top, name = k.split(".", 1)
+        nested.setdefault(top, {})[name] = v
+    dcp.load(nested, storage_reader=dcp.FileSystemReader(os.path.join(step_dir, "model_and_optim")), no_dist=True)
+    for k, v in want.items():
+        assert torch.equal(nested[k.split(".", 1)[0]][k.split(".", 1)[1]], v), (step, k)
+
+
+@pytest.mark.parametrize("fail_step", [None, 3], ids=["no failure", "rank 1 fails step 3's write"])
+def test_a_repeated_save_sends_digests_and_reuses_the_metadata_which_stock_dcp_loads(tmp_path, fail_step):
+    root = str(tmp_path / "run")
+    res = run_ranks(R, w.saves, root, str(tmp_path / "work"), fail_step, timeout=600)
+    on0 = res[0]
+    ok = {r["step"]: r["ok"] for r in on0}
+    assert ok == {s: s != fail_step for s in range(1, 6)}, ok
+    digest_only = {r["step"]: r["digest_only"] for r in on0}
+    assert digest_only[1] == [False] * R  # a job's first save: the results whole
+    if fail_step is None:
+        assert digest_only[2] == digest_only[3] == digest_only[4] == [True] * R  # the same results: digests only
+    else:
+        assert digest_only[2] == [True] * R
+        assert digest_only[3] is None  # rank 1's write failed: no finish
+        assert digest_only[4] == [False] * R  # after a failed save, every rank sends its results whole
+    assert digest_only[5] == [False] * R  # a new tensor: the plan and the results changed
+    metas = {s: open(os.path.join(root, f"step{s}", "model_and_optim", ".metadata"), "rb").read()
+             for s in range(1, 6) if ok[s]}
+    first = metas[1]
+    for s in (2, 3, 4) if fail_step is None else (2,):
+        assert metas[s] == first, s  # reused (linked), not rebuilt
+    assert metas[5] != first
+    for s, committed in ok.items():
+        if committed:
+            _stock_load(os.path.join(root, f"step{s}"), s, extra=s == 5)
+
+
+def test_digests_the_coordinator_does_not_hold_fail_the_save_with_a_typed_error(tmp_path):
+    # a rank's last save completed but the coordinator's finish of it did not (a failure between
+    # the ranks): a digest alone cannot be merged, the save fails, and the next sends results whole
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from cloudckpt.dcp.writer import RankResults, UploadingWriter
+    from cloudckpt.errors import SaveFailed
+
+    cache: dict = {}
+    writer = UploadingWriter(str(tmp_path / "m"), lambda *a: None, index_cache=cache, cache_dir=lambda: str(tmp_path))
+    with pytest.raises(SaveFailed, match="rank 1 sent the digest"):
+        writer.finish(Metadata(state_dict_metadata={}), [RankResults(b"a" * 16, 0, []),
+                                                        RankResults(b"b" * 16, 3, None)])
+    writer.abandoned()
+    assert cache == {}
