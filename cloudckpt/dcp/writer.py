@@ -7,6 +7,7 @@ stays readable by stock ``FileSystemReader`` once downloaded.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import math
@@ -34,6 +35,9 @@ from . import index
 DCP_VERSION = "1.0.0"  # what FileSystemWriter.finish writes as Metadata.version (torch 2.13)
 _SENT = ("cloudckpt", "write results sent")  # index_cache: the digest this rank's last completed save sent
 _MERGED = ("cloudckpt", "write results merged")  # index_cache, coordinator: what its last finish merged
+# a .metadata this large is kept (linked) for the next save instead of pickled again; smaller ones
+# (a few seconds of CPU at most) are pickled again from the merged storage, and work_dir stays empty
+KEEP_METADATA_BYTES = 64 * MiB
 
 
 def _chunk_bytes(item) -> int:
@@ -256,12 +260,14 @@ class UploadingWriter(FileSystemWriter):
         """On the coordinator: DCP's ``.metadata``, then the DCP index's header beside
         the DCP folder (``index/header.json``, dcp/index.py), each handed to ``on_file``.
 
-        ``results``: each rank's :class:`RankResults`. When every rank sent only its
-        digest and DCP handed the same metadata as at the last finish, the ``.metadata``
-        written then is used again (linked, not rebuilt): a repeated save costs the
-        coordinator O(R) here instead of unpickling, merging and pickling every item of
-        the job. ``Metadata.storage_meta`` is not written (stock readers supply one), so
-        that the bytes are the same from save to save."""
+        ``results``: each rank's :class:`RankResults`. A rank that sent only its digest
+        has the entries merged last time (no unpickling or merging of its items); when
+        every rank did and DCP handed the same metadata as at the last finish, a
+        ``.metadata`` of ``KEEP_METADATA_BYTES`` or more written then is used again
+        (linked from ``cache_dir``, not pickled again): a repeated save of a large job
+        costs the coordinator O(R) here instead of O(R x T). ``Metadata.storage_meta``
+        is not written (stock readers supply one), so the bytes are the same from save
+        to save."""
         prev = self.index_cache.pop(_MERGED, None)
         for r, got in enumerate(results):
             if got.results is None and (prev is None or len(prev.digests) != len(results)
@@ -270,8 +276,8 @@ class UploadingWriter(FileSystemWriter):
                                  "the coordinator does not hold them (an earlier save failed between the ranks); "
                                  "save again: the next save sends them whole")
         meta_path = os.path.join(str(self.path), ".metadata")
-        if (prev is not None and all(got.results is None for got in results) and prev.metadata is metadata
-                and prev.state_dict_metadata is metadata.state_dict_metadata
+        if (prev is not None and prev.file and all(got.results is None for got in results)
+                and prev.metadata is metadata and prev.state_dict_metadata is metadata.state_dict_metadata
                 and prev.planner_data is metadata.planner_data and os.path.isfile(prev.file)):
             metadata.storage_data = prev.storage
             metadata.storage_meta = None
@@ -298,8 +304,10 @@ class UploadingWriter(FileSystemWriter):
             self.fs.rename(tmp, meta_path)  # on_file, with the CRC32C taken while writing
             merged = _Merged(metadata, metadata.state_dict_metadata, metadata.planner_data, storage, keys,
                              [got.digest for got in results], "", self._sums.get(".metadata"))
-            if self._cache_dir is not None:
+            if self._cache_dir is not None and os.path.getsize(meta_path) >= KEEP_METADATA_BYTES:
                 merged.file = os.path.join(self._cache_dir(), ".metadata")
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(merged.file + ".tmp")
                 _link_or_copy(meta_path, merged.file + ".tmp")
                 os.replace(merged.file + ".tmp", merged.file)  # a step that linked the old one keeps it
         self.index_cache[_MERGED] = merged

@@ -32,10 +32,16 @@ def full(sd: dict) -> dict:
     return out
 
 
-def saves(rank, world_size, root, work_dir, fail_step=None):
+def saves(rank, world_size, root, work_dir, fail_step=None, keep_bytes=None):
     """Save steps 1..5 (step 5 with an extra tensor); ``fail_step``: rank 1's DCP write
-    fails in that step's save. Returns, per save, what rank 0's finish got from each rank
-    (True: the digest only) and whether the save committed."""
+    fails in that step's save; ``keep_bytes``: the writer's KEEP_METADATA_BYTES (0: every
+    .metadata is kept and linked). Returns, per save, what rank 0's finish got from each
+    rank (True: the digest only), whether the save committed, and what work_dir held
+    after it."""
+    import os
+
+    if keep_bytes is not None:
+        dcp_writer.KEEP_METADATA_BYTES = keep_bytes
     seen: list = []
     real_finish = dcp_writer.UploadingWriter.finish
     real_write = dcp_writer.write_files
@@ -60,7 +66,8 @@ def saves(rank, world_size, root, work_dir, fail_step=None):
                 ok = False
             finally:
                 dcp_writer.write_files = real_write
-            out.append({"step": step, "ok": ok, "digest_only": seen[before] if len(seen) > before else None})
+            out.append({"step": step, "ok": ok, "digest_only": seen[before] if len(seen) > before else None,
+                        "work_dir": sorted(os.listdir(work_dir))})
     return out
 
 

@@ -31,11 +31,20 @@ def _stock_load(step_dir: str, step: int, extra: bool) -> None:
         assert torch.equal(nested[k.split(".", 1)[0]][k.split(".", 1)[1]], v), (step, k)
 
 
-@pytest.mark.parametrize("fail_step", [None, 3], ids=["no failure", "rank 1 fails step 3's write"])
-def test_a_repeated_save_sends_digests_and_reuses_the_metadata_which_stock_dcp_loads(tmp_path, fail_step):
+@pytest.mark.parametrize("fail_step,keep", [(None, None), (None, 0), (3, 0)],
+                         ids=["pickled again", "kept and linked", "kept; rank 1 fails step 3's write"])
+def test_a_repeated_save_sends_digests_and_reuses_the_metadata_which_stock_dcp_loads(tmp_path, fail_step, keep):
     root = str(tmp_path / "run")
-    res = run_ranks(R, w.saves, root, str(tmp_path / "work"), fail_step, timeout=600)
+    work = str(tmp_path / "work")
+    res = run_ranks(R, w.saves, root, work, fail_step, keep, timeout=600)
+    assert os.listdir(work) == []  # close() removed rank 0's folder
     on0 = res[0]
+    for save in on0:
+        # rank 0 keeps a .metadata at or over KEEP_METADATA_BYTES in a private folder of its own
+        # (removed by close); a smaller one leaves nothing in work_dir (the ranks share it here, so
+        # another rank's step folder may still be there)
+        kept = [n for n in save["work_dir"] if n.startswith("dcp-metadata-")]
+        assert len(kept) == (1 if keep == 0 else 0), save
     ok = {r["step"]: r["ok"] for r in on0}
     assert ok == {s: s != fail_step for s in range(1, 6)}, ok
     digest_only = {r["step"]: r["digest_only"] for r in on0}
