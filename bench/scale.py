@@ -791,9 +791,9 @@ def phase_finish(args) -> dict:
     for idx, info in md.storage_data.items():
         r = int(info.relative_path.split("_")[2])  # "__{rank}_{k}.distcp"
         by_rank[r].append(WriteResult(index=idx, size_in_bytes=info.length, storage_data=info))
-    digests = [(results_digest(rs), len(rs)) for rs in by_rank]
-    first_blobs = [pickle.dumps(RankResults(d, n, rs)) for (d, n), rs in zip(digests, by_rank, strict=True)]
-    again_blobs = [pickle.dumps(RankResults(d, n, None)) for d, n in digests]
+    digests = [results_digest(rs) for rs in by_rank]
+    first_blobs = [pickle.dumps(RankResults(d, rs)) for d, rs in zip(digests, by_rank, strict=True)]
+    again_blobs = [pickle.dumps(RankResults(d, None)) for d in digests]
     del by_rank
     md.storage_data = None  # what DCP's plan hands the coordinator's finish
     cache: dict = {}

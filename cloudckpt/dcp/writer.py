@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import google_crc32c
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystem
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.futures import Future
 
@@ -32,7 +32,6 @@ from ..transfer.checksum import bytes_pieces
 from ..units import MiB
 from . import index
 
-DCP_VERSION = "1.0.0"  # what FileSystemWriter.finish writes as Metadata.version (torch 2.13)
 _SENT = ("cloudckpt", "write results sent")  # index_cache: the digest this rank's last completed save sent
 _MERGED = ("cloudckpt", "write results merged")  # index_cache, coordinator: what its last finish merged
 # a .metadata this large is kept (linked) for the next save instead of pickled again; smaller ones
@@ -159,7 +158,6 @@ class RankResults:
     a 70B model with AdamW), and the coordinator reuses the ``.metadata`` it wrote."""
 
     digest: bytes
-    count: int
     results: list | None
 
 
@@ -216,7 +214,7 @@ class UploadingWriter(FileSystemWriter):
         self.index_items: list[list] = []  # this rank's part of the DCP index (dcp/index.py)
         self.index_cache = {} if index_cache is None else index_cache  # kept across saves by the caller
         self._cache_dir = cache_dir  # the coordinator keeps its last .metadata there (None: not kept)
-        self._digest: tuple[bytes, int] | None = None
+        self._digest: bytes | None = None
         self._lock = threading.Lock()
 
     def write_data(self, plan, planner):
@@ -231,17 +229,16 @@ class UploadingWriter(FileSystemWriter):
         for k, bucket in enumerate(b for b in split_by_size_and_type(bins, list(items)) if b):
             name = f"{plan.storage_data.prefix}{k}.distcp"
             file_queue.put((self.fs.concat_path(self.path, name), name, bucket))
-        fut = write_files(self, planner, file_queue)
-        for wr in fut.value():
+        results = write_files(self, planner, file_queue).value()
+        for wr in results:
             sd = wr.storage_data
             with self._lock:
                 self.ranges.setdefault(sd.relative_path, []).append((sd.offset, sd.length))
-        self.index_items = index.part_items(items, fut.value())
-        results = fut.value()
-        self._digest = (results_digest(results), len(results))
+        self.index_items = index.part_items(items, results)
+        self._digest = results_digest(results)
         same = self._cache_dir is not None and self.index_cache.get(_SENT) == self._digest
         out: Future = Future()
-        out.set_result(RankResults(*self._digest, None if same else results))
+        out.set_result(RankResults(self._digest, None if same else results))
         return out
 
     def completed(self) -> None:
@@ -295,7 +292,7 @@ class UploadingWriter(FileSystemWriter):
                     mine = [wr.index for wr in got.results]
                     storage.update((wr.index, wr.storage_data) for wr in got.results)
                 keys.append(mine)
-            metadata.version = DCP_VERSION
+            metadata.version = CURRENT_DCP_VERSION  # as FileSystemWriter.finish writes it
             metadata.storage_data = storage
             metadata.storage_meta = None
             tmp = os.path.join(str(self.path), ".metadata.tmp")

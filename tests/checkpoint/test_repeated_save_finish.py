@@ -78,7 +78,6 @@ def test_digests_the_coordinator_does_not_hold_fail_the_save_with_a_typed_error(
     cache: dict = {}
     writer = UploadingWriter(str(tmp_path / "m"), lambda *a: None, index_cache=cache, cache_dir=lambda: str(tmp_path))
     with pytest.raises(SaveFailed, match="rank 1 sent the digest"):
-        writer.finish(Metadata(state_dict_metadata={}), [RankResults(b"a" * 16, 0, []),
-                                                        RankResults(b"b" * 16, 3, None)])
+        writer.finish(Metadata(state_dict_metadata={}), [RankResults(b"a" * 16, []), RankResults(b"b" * 16, None)])
     writer.abandoned()
     assert cache == {}
