@@ -53,7 +53,8 @@ def _marker(world: int, ranks=None, *, size=999_999, objects=99, nbytes=99_999_9
                   for r in ranks)
     return Marker(step=step, ephemeral=False, world_size=world, parts=parts, format_version=FORMAT_VERSION,
                   objects=(ObjectEntry("index/header.json", 4096, "0123abcd"), ObjectEntry(META, 10**9, "89abcdef")),
-                  torch_version="2.13.0+cu128", save_id="f" * 32)
+                  torch_version="2.13.0+cu128", save_id="f" * 32,
+                  created_unix=1_790_000_000.123456)  # fixed: time.time()'s repr varies in length
 
 
 # ------------------------------------------------------------------ size
