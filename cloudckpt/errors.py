@@ -58,6 +58,11 @@ class PreconditionFailed(StorageError):
     """A conditional request's precondition did not hold."""
 
 
+class CopyUnsupported(StorageError):
+    """The store cannot copy an object server-side (or the two URLs are in different
+    stores): send the bytes instead."""
+
+
 class AccessDenied(StorageError, PermissionError):
     """The credentials are missing, wrong, or lack a permission."""
 
