@@ -6,7 +6,7 @@ backend), so nothing above ``storage/`` needs to know which backend it talks to.
 
 Errors: every method raises only the storage branch of :mod:`cloudckpt.errors`
 (NotFound, BucketNotFound, AlreadyExists, PreconditionFailed, AccessDenied,
-Throttled/Transient, InvalidURL, UnsafeDelete), with the URL in the message.
+Throttled/Transient, InvalidURL, UnsafeDelete, CopyUnsupported), with the URL in the message.
 Thread safety: a store instance is shared by all threads of a process.
 """
 
@@ -19,7 +19,16 @@ from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, ClassVar, Iterable, Iterator, Optional
 
 from .. import rules
-from ..errors import AccessDenied, BucketNotFound, DeleteFailed, StorageError, Transient, UnsafeDelete
+from ..errors import (
+    AccessDenied,
+    BucketNotFound,
+    CopyUnsupported,
+    DeleteFailed,
+    PreconditionFailed,
+    StorageError,
+    Transient,
+    UnsafeDelete,
+)
 from ..units import MiB
 from . import url as urls
 
@@ -135,6 +144,10 @@ class ObjectInfo:
     url: str
     size: int
     mtime: float | None = None  # seconds since the epoch
+    # CRC32C of the object's bytes as 8 lowercase hex digits (cloudckpt.transfer.checksum's
+    # form), where the backend had it for free (``copy``: GCS's answer, local's own pass);
+    # None otherwise: never a promise that the store checked anything
+    crc32c: str | None = None
 
 
 @dataclass(frozen=True)
@@ -294,6 +307,11 @@ class ObjectStore(ABC):
     #: it) the checkpointer leaves the pointer alone and discovery lists.
     conditional_replace: ClassVar[bool] = False
 
+    #: ``copy`` works: S3 and GCS copy within the store (no byte passes through this
+    #: process), local folders copy the file. False (the default): ``copy`` raises
+    #: CopyUnsupported and the caller sends the bytes itself.
+    copies_objects: ClassVar[bool] = False
+
     #: Used when StorageOptions leaves multipart_threshold / part_size as None.
     default_multipart_threshold: ClassVar[int] = 64 * MiB
     default_part_size: ClassVar[int] = 16 * MiB
@@ -418,6 +436,27 @@ class ObjectStore(ABC):
         return StorageError(f"{url}: the {type(self).__name__} backend cannot replace an object conditionally "
                             "(its conditional_replace is False); callers check store.conditional_replace first",
                             url=url)
+
+    def copy(self, src_url: str, dst_url: str, *, size: int, progress: Progress = None) -> ObjectInfo:
+        """Server-side copy of the object ``src_url`` to ``dst_url`` in the same store (no
+        byte passes through this process on S3/GCS). ``size``: the size the caller expects
+        src to have. An existing ``dst_url`` is replaced; a copy of an object onto itself
+        changes nothing. Returns the destination's ObjectInfo (``crc32c`` where the backend
+        has it for free). Raises NotFound (src missing, naming src), PreconditionFailed
+        (src is not ``size`` bytes, or it changed between the check and the copy; nothing
+        is written then), the usual StorageError types otherwise (AccessDenied, Transient,
+        InvalidURL...). This default (a store without :attr:`copies_objects`) raises
+        CopyUnsupported."""
+        raise CopyUnsupported(f"copy {src_url} to {dst_url}: the {type(self).__name__} backend cannot copy an "
+                              "object within the store; read it and write the bytes instead", url=src_url)
+
+    @staticmethod
+    def _check_copy_source(info: ObjectInfo, size: int, dst_url: str) -> None:
+        """Raise PreconditionFailed unless the copy's source ``info`` holds ``size`` bytes."""
+        if info.size != size:
+            raise PreconditionFailed(f"copy {info.url} to {dst_url}: the source holds {info.size} bytes, not the "
+                                     f"{size} expected; nothing was copied (send the bytes instead, or pass the "
+                                     "size the source has)", url=info.url)
 
     def list_multipart_uploads(self, prefix: str) -> list[PendingUpload]:
         """Incomplete multipart uploads under ``prefix`` (empty where the backend has none)."""

@@ -207,6 +207,7 @@ class GCSStore(ObjectStore):
 
     scheme = "gs"
     conditional_replace = True  # if_generation_match
+    copies_objects = True  # rewriteTo
     # a bucket starts at about 1,000 object writes and 5,000 reads per second (it scales
     # up over minutes; above that GCS answers 429/503)
     default_request_rates = (1000.0, 5000.0)
@@ -428,14 +429,76 @@ class GCSStore(ObjectStore):
             raise self._translate(e, url, "download") from None
         return writer.total
 
-    def stat(self, url: str) -> ObjectInfo:
+    def _reload(self, url: str, op: str) -> storage.Blob:
+        """The object's Blob with its metadata (size, generation, crc32c) read."""
         bucket, key = _object(url)
         try:
             blob = self.client.bucket(bucket).blob(key)
             blob.reload(timeout=self._timeout, retry=self._retry())
         except Exception as e:  # noqa: BLE001 - translated below
-            raise self._translate(e, url, "stat") from None
+            raise self._translate(e, url, op) from None
+        return blob
+
+    def stat(self, url: str) -> ObjectInfo:
+        blob = self._reload(url, "stat")
         return ObjectInfo(url, int(blob.size or 0), _ts(blob.updated))
+
+    def copy(self, src_url: str, dst_url: str, *, size: int, progress: Progress = None) -> ObjectInfo:
+        """Read the source's metadata (its size must be ``size``), then ``rewriteTo`` with
+        ``ifSourceGenerationMatch`` = that generation, called again on its rewrite token
+        until done (a large rewrite across locations or storage classes takes several
+        calls; within one bucket GCS finishes in one). Each call has the store's retry and
+        deadline. ``progress``: per call, the bytes it rewrote. The result's ``crc32c`` is
+        GCS's, from the final answer."""
+        src_bucket, src_key = _object(src_url)
+        bucket, key = _object(dst_url)
+        src = self._reload(src_url, "copy")
+        self._check_copy_source(ObjectInfo(src_url, int(src.size or 0)), size, dst_url)
+        if (src_bucket, src_key) == (bucket, key):  # onto itself: nothing to change
+            return ObjectInfo(dst_url, size, _ts(src.updated), _crc32c_hex(src.crc32c))
+        generation = src.generation
+        dst = self.client.bucket(bucket).blob(key)
+        token, done = None, 0
+        try:
+            while True:
+                # ``src`` has its generation: the request names it (sourceGeneration) and
+                # matches it (ifSourceGenerationMatch), so only the bytes checked are copied
+                token, rewritten, _total = dst.rewrite(src, token=token, if_source_generation_match=generation,
+                                                       timeout=self._timeout, retry=self._retry())
+                rewritten = min(rewritten, size)  # the server's count: never more than the object
+                if progress and rewritten > done:
+                    progress(rewritten - done)
+                done = max(done, rewritten)
+                if token is None:
+                    break
+        except Exception as e:  # noqa: BLE001 - translated below
+            err = self._translate(e, dst_url, f"copy {src_url} to")
+            if isinstance(err, NotFound) and not isinstance(err, BucketNotFound):
+                # the generation named is gone: the source was deleted, or replaced (a bucket
+                # without versioning keeps no older generation; fake-gcs-server answers 404)
+                if not self._exists_quietly(src_bucket, src_key):
+                    raise NotFound(f"copy {src_url} to {dst_url}: the source was deleted during the copy",
+                                   url=src_url) from None
+                err = PreconditionFailed("", url=src_url)
+            if isinstance(err, PreconditionFailed):
+                raise PreconditionFailed(f"copy {src_url} to {dst_url}: the source changed since it was checked "
+                                         f"(its generation is no longer {generation}); nothing was copied",
+                                         url=src_url) from None
+            raise err from None
+        got = int(dst.size if dst.size is not None else size)
+        if got != size:
+            raise PreconditionFailed(f"copy {src_url} to {dst_url}: the store says the copy holds {got} bytes, not "
+                                     f"the source's {size}; check the destination", url=dst_url)
+        if progress and size > done:  # the final answer counted fewer bytes than the object holds
+            progress(size - done)
+        return ObjectInfo(dst_url, size, _ts(dst.updated), _crc32c_hex(dst.crc32c))
+
+    def _exists_quietly(self, bucket: str, key: str) -> bool:
+        """Whether the object exists; True when that cannot be told (an error)."""
+        try:
+            return self.client.bucket(bucket).blob(key).exists(timeout=self._timeout, retry=self._retry())
+        except Exception:  # noqa: BLE001 - cannot tell: assume it exists
+            return True
 
     def list(self, prefix: str, *, delimiter: str | None = "/") -> Iterator[ListEntry]:
         bucket, key = _split(prefix)
@@ -587,6 +650,21 @@ class _Writer:
 
     def flush(self) -> None:
         self._f.flush()
+
+
+def _crc32c_hex(value: str | None) -> str | None:
+    """GCS's CRC32C (base64 of 4 big-endian bytes) as cloudckpt writes CRCs (8 lowercase
+    hex digits); None when absent or not 4 bytes of base64 (never trusted as given)."""
+    import base64
+    import binascii
+
+    if not value:
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return raw.hex() if len(raw) == 4 else None
 
 
 def _ts(v) -> float | None:

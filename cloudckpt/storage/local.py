@@ -111,6 +111,7 @@ class LocalStore(ObjectStore):
     scheme = "file"
     streams_ranges = True
     conditional_replace = True  # compare-and-rename under a lock
+    copies_objects = True  # a file copy through this process (temp file, then rename)
 
     @staticmethod
     def _path(url: str) -> str:
@@ -190,6 +191,53 @@ class LocalStore(ObjectStore):
                     progress(len(chunk))
 
         self._write(url, fill, if_absent=if_absent)
+
+    def copy(self, src_url: str, dst_url: str, *, size: int, progress: Progress = None) -> ObjectInfo:
+        """Copy the file through this process, as every local write goes: the source
+        opened without following a link (a regular file of ``size`` bytes), its bytes
+        written to a temporary file beside the destination (mode 0600, fsynced) and
+        renamed into place, the CRC32C computed on the way; ``progress`` per chunk. A
+        source that grows, shrinks or is modified while it is read raises
+        PreconditionFailed and leaves no destination."""
+        import google_crc32c
+
+        with self._open(src_url) as src:  # NotFound / UnsafeCheckpoint naming the source
+            fd = src.fileno()
+            before = os.fstat(fd)
+            self._check_copy_source(ObjectInfo(src_url, before.st_size), size, dst_url)
+            if self._path(src_url) == self._path(dst_url):  # onto itself: nothing to change
+                return ObjectInfo(dst_url, size, before.st_mtime)
+            state = {"crc": 0, "n": 0, "mtime": None}
+
+            def changed(how: str) -> PreconditionFailed:
+                return PreconditionFailed(f"copy {src_url} to {dst_url}: the source {how} while it was copied; "
+                                          "nothing was written (copy it again once no one writes it)", url=src_url)
+
+            def fill(f) -> None:
+                while True:
+                    try:  # at most one byte past ``size``: enough to see that the source grew
+                        chunk = src.read(min(_CHUNK, size + 1 - state["n"]))
+                    except OSError as e:
+                        raise self._err(e, src_url, "copy: read") from e
+                    if not chunk:
+                        break
+                    state["n"] += len(chunk)
+                    if state["n"] > size:
+                        raise changed("grew")
+                    state["crc"] = google_crc32c.extend(state["crc"], chunk)
+                    f.write(chunk)
+                    if progress:
+                        progress(len(chunk))
+                after = os.fstat(fd)
+                if state["n"] != size or after.st_size != size:
+                    raise changed("shrank")
+                if (after.st_mtime_ns, after.st_ino) != (before.st_mtime_ns, before.st_ino):
+                    raise changed("was modified")
+                f.flush()
+                state["mtime"] = os.fstat(f.fileno()).st_mtime
+
+            self._write(dst_url, fill, if_absent=False)
+        return ObjectInfo(dst_url, size, state["mtime"], f"{state['crc']:08x}")
 
     # ------------------------------------------------------------ reads
     def _open(self, url: str) -> BinaryIO:

@@ -2,7 +2,7 @@
 
 A subclass implements the reads (``get_bytes``, ``stat``, ``download_fileobj``, and
 ``open_range`` where it streams) and :meth:`ReadOnlyStore.read_only_error`; every
-write, delete, conditional replace and listing raises that
+write, copy, delete, conditional replace and listing raises that
 :class:`~cloudckpt.errors.ReadOnlyLocation` (the subclass says where to save instead).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import BinaryIO, Iterable, Iterator
 
 from ..errors import ReadOnlyLocation
-from .base import ListEntry, ObjectStore, PendingUpload, Progress
+from .base import ListEntry, ObjectInfo, ObjectStore, PendingUpload, Progress
 
 
 class ReadOnlyStore(ObjectStore):
@@ -36,6 +36,9 @@ class ReadOnlyStore(ObjectStore):
 
     def upload_file(self, local_path: str, url: str, *, if_absent: bool = False, progress: Progress = None) -> int:
         raise self.read_only_error(url, "upload to")
+
+    def copy(self, src_url: str, dst_url: str, *, size: int, progress: Progress = None) -> ObjectInfo:
+        raise self.read_only_error(dst_url, "copy to")
 
     def get_bytes_versioned(self, url: str, *, limit: int | None = None) -> tuple[bytes, str]:
         raise self.read_only_error(url, "update")  # only ever read to replace the object

@@ -36,7 +36,16 @@ from typing import Callable, Iterator, Optional
 
 import pytest
 
-from ..errors import AccessDenied, AlreadyExists, BucketNotFound, InvalidURL, NotFound, Transient, UnsafeDelete
+from ..errors import (
+    AccessDenied,
+    AlreadyExists,
+    BucketNotFound,
+    InvalidURL,
+    NotFound,
+    PreconditionFailed,
+    Transient,
+    UnsafeDelete,
+)
 from ..storage import ObjectStore, StorageOptions, clear_cache, open_store
 from ..storage import url as urls
 from ..storage.url import parse_url
@@ -397,6 +406,87 @@ class ObjectStoreConformance:
         assert backend.store.stat(u).size == size
         if (parts := self.uploaded_parts(backend, u)) is not None:
             assert parts == 2
+
+    # ------------------------------------------------------------ server-side copy
+    def _copied(self, backend: StoreUnderTest, store: ObjectStore, data: bytes, name: str):
+        """Put ``data`` at ``copy/<name>.src``, copy it to ``copy/<name>.dst`` with
+        ``store``; check what every copy promises; returns (dst url, the progress calls)."""
+        from ..transfer import crc32c_bytes
+
+        src, dst = backend.url(f"copy/{name}.src"), backend.url(f"copy/{name}.dst")
+        backend.store.put_bytes(src, data)
+        progress: list[int] = []
+        info = store.copy(src, dst, size=len(data), progress=progress.append)
+        assert (info.url, info.size) == (dst, len(data))
+        if info.crc32c is not None:
+            assert info.crc32c == crc32c_bytes(data)
+        assert sum(progress) == len(data) and all(n > 0 for n in progress), progress
+        assert backend.store.get_bytes(dst) == data
+        assert backend.store.get_bytes(src) == data, "the source is left as it was"
+        assert backend.store.stat(dst).size == len(data)
+        return dst, progress
+
+    def test_copy_of_a_small_object_is_one_request_with_identical_bytes(self, backend):
+        if not backend.store.copies_objects:
+            pytest.skip(f"{type(backend.store).__name__} cannot copy (copies_objects is False)")
+        dst, progress = self._copied(backend, backend.store, payload(MiB + 7, seed=3), "small")
+        if (parts := self.uploaded_parts(backend, dst)) is not None:
+            assert parts == 1  # one CopyObject
+        dst, _ = self._copied(backend, backend.store, b"", "empty")
+        assert backend.store.get_bytes(dst) == b""
+
+    def test_copy_above_the_multipart_threshold_is_copied_in_parts(self, backend):
+        """A copy larger than ``multipart_threshold`` goes in ``part_size`` parts where the
+        store has parts (S3's UploadPartCopy: one CopyObject stops at 5 GiB)."""
+        if not backend.store.copies_objects:
+            pytest.skip(f"{type(backend.store).__name__} cannot copy (copies_objects is False)")
+        store = backend.store_with(multipart_threshold=5 * MiB, part_size=5 * MiB)
+        size = 12 * MiB + 5  # three parts: 5, 5 and 2 MiB + 5 bytes
+        dst, progress = self._copied(backend, store, payload(size, seed=4), "parts")
+        if (parts := self.uploaded_parts(backend, dst)) is not None:
+            assert parts == 3
+            assert sorted(progress) == sorted([5 * MiB, 5 * MiB, 2 * MiB + 5]), "progress once per part"
+
+    def test_copy_replaces_an_existing_destination(self, backend):
+        if not backend.store.copies_objects:
+            pytest.skip(f"{type(backend.store).__name__} cannot copy (copies_objects is False)")
+        backend.store.put_bytes(backend.url("copy/over.dst"), b"an older, longer object" * 100)
+        self._copied(backend, backend.store, b"the new bytes", "over")
+
+    def test_copy_of_an_object_onto_itself_changes_nothing(self, backend):
+        if not backend.store.copies_objects:
+            pytest.skip(f"{type(backend.store).__name__} cannot copy (copies_objects is False)")
+        u = backend.url("copy/self.bin")
+        backend.store.put_bytes(u, b"unchanged")
+        info = backend.store.copy(u, u, size=9)
+        assert (info.url, info.size) == (u, 9)
+        assert backend.store.get_bytes(u) == b"unchanged"
+
+    def test_copy_of_a_missing_source_raises_not_found_naming_it_and_writes_nothing(self, backend):
+        if not backend.store.copies_objects:
+            pytest.skip(f"{type(backend.store).__name__} cannot copy (copies_objects is False)")
+        src, dst = backend.url("copy/missing.src"), backend.url("copy/missing.dst")
+        backend.store.put_bytes(backend.url("copy/present"), b"x")  # the folder exists
+        with pytest.raises(NotFound) as ei:
+            backend.store.copy(src, dst, size=1)
+        assert src in str(ei.value) and ei.value.url == src
+        assert not isinstance(ei.value, BucketNotFound)
+        assert not backend.store.exists(dst)
+
+    def test_copy_of_a_source_of_another_size_raises_precondition_failed_and_writes_nothing(self, backend):
+        if not backend.store.copies_objects:
+            pytest.skip(f"{type(backend.store).__name__} cannot copy (copies_objects is False)")
+        src, dst, kept = backend.url("copy/sized.src"), backend.url("copy/sized.dst"), backend.url("copy/kept.dst")
+        backend.store.put_bytes(src, b"12345")
+        backend.store.put_bytes(kept, b"keep me")
+        for expected in (4, 6, 0):
+            with pytest.raises(PreconditionFailed) as ei:
+                backend.store.copy(src, dst, size=expected, progress=lambda n: pytest.fail("no byte moves"))
+            assert src in str(ei.value) and f"{expected} expected" in str(ei.value)
+            with pytest.raises(PreconditionFailed):
+                backend.store.copy(src, kept, size=expected)
+        assert not backend.store.exists(dst)
+        assert backend.store.get_bytes(kept) == b"keep me"
 
     # ------------------------------------------------------------ conditional create
     def test_conditional_create_raced_by_two_writers_has_exactly_one_winner(self, backend):
