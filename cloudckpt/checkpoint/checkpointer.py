@@ -267,6 +267,7 @@ class Checkpointer:
         self.last_load_info: LoadInfo | None = None
         self._index_cache: dict = {}  # the DCP index's layouts, kept across saves (dcp/index.header_bytes)
         self._metadata_cache: str | None = None  # rank 0: its last DCP .metadata, for a repeated save (dcp/writer.py)
+        self._metadata_sent: tuple[str, str] | None = None  # rank 0: (URL, CRC32C) of the last .metadata it sent
         self._async = AsyncSaver(self._save_now, max_in_flight=self.options.max_in_flight)
 
     @property
@@ -445,13 +446,21 @@ class Checkpointer:
         t0 = time.monotonic()
         uploads: list = []  # (rel, local_path, checksums or None, future)
 
-        def on_file(path: str, sums=None) -> None:
+        def on_file(path: str, sums=None, same_as_last: bool = False) -> None:
             rel = os.path.relpath(path, work).replace(os.sep, "/")
             if dir is None:
                 uploads.append((rel, path, sums, _kept(path, sums.crc32c if sums is not None else None)))
                 return
             crc = sums.crc32c if sums is not None and self.engine.config.checksum else None
-            uploads.append((rel, path, sums, self.engine.submit_upload(path, urls.join(dir, rel), crc32c=crc)))
+            url = urls.join(dir, rel)
+            sent = self._metadata_sent  # (url, CRC32C) of the last .metadata this rank put in the bucket
+            if same_as_last and sent is not None and sums is not None and sent[1] == sums.crc32c:
+                fut = self.engine.submit_copy_or_upload(sent[0], path, url, crc32c=crc)  # no second upload
+            else:
+                fut = self.engine.submit_upload(path, url, crc32c=crc)
+            if rel == layout.DCP_METADATA and sums is not None:
+                fut.add_done_callback(lambda f: self._metadata_put(url, sums.crc32c, f))
+            uploads.append((rel, path, sums, fut))
 
         writer = UploadingWriter(os.path.join(work, layout.MODEL_DIR), on_file, thread_count=self.options.thread_count,
                                  index_cache=self._index_cache, cache_dir=self._metadata_cache_dir)
@@ -833,6 +842,13 @@ class Checkpointer:
         if self._metadata_cache is None:
             self._metadata_cache = private_dir(self.work_dir, "dcp-metadata-")
         return self._metadata_cache
+
+    def _metadata_put(self, url: str, crc32c: str, fut) -> None:
+        """A ``.metadata`` upload (or copy) ended: remember where its bytes are, so that a
+        repeated save whose ``.metadata`` has the same bytes copies it server-side. A step
+        aborted later loses it: the next copy finds it gone and uploads (engine)."""
+        if not fut.cancelled() and fut.exception() is None:
+            self._metadata_sent = (url, crc32c)
 
     def close(self) -> None:
         """Wait for in-flight async saves (raising an unreported failure), then release resources."""

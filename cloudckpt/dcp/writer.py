@@ -187,7 +187,9 @@ class _Merged:
 class UploadingWriter(FileSystemWriter):
     """Writes into ``local_dir`` and calls ``on_file(local_path, checksums)`` when
     each file is complete (``checksums``: a FileChecksums computed while writing, or
-    None when the file was written some other way). After the save, :meth:`manifest`
+    None when the file was written some other way); the coordinator's ``.metadata``
+    comes as ``on_file(local_path, checksums, True)`` when it is the one handed on at
+    the last save, byte for byte (the caller may copy it server-side). After the save, :meth:`manifest`
     gives the CRC32C of every item of every shard file it wrote (what the step's
     manifest records); ``ranges`` holds the item byte ranges of every shard file:
     ``{file_name: [(offset, length), ...]}``."""
@@ -279,7 +281,7 @@ class UploadingWriter(FileSystemWriter):
             metadata.storage_data = prev.storage
             metadata.storage_meta = None
             _link_or_copy(prev.file, meta_path)
-            self._on_file(meta_path, prev.sums)
+            self._on_file(meta_path, prev.sums, True)  # the bytes handed on at the last save
             merged = prev
         else:
             storage: dict = {}

@@ -37,7 +37,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from ..errors import TransferStalled, Transient
+from ..errors import PreconditionFailed, TransferStalled, Transient
 from ..storage.base import ObjectStore, RangeReader
 from . import pacing
 from .checksum import Crc32cReader, crc32c_file
@@ -64,6 +64,8 @@ class Task:
     uploads = False
     #: each attempt goes on where the last one ended (streams): its new bytes count from 0
     resumes = False
+    #: its bytes pass through this process (the bandwidth cap applies); a server-side copy's do not
+    local_bytes = True
 
     def __init__(self, url: str, size: int = 0):
         self.url = url
@@ -123,6 +125,37 @@ class UploadTask(Task):
         # on the way when the backend read the file front to back, else read it again
         crc = reader.hexdigest() if reader.bytes_covered == size else crc32c_file(self.local_path)
         return self._result(self.local_path, size, crc, number, clock)
+
+
+class CopyTask(Task):
+    """A server-side copy of ``src`` to ``url`` in one store (``store.copy``): no byte
+    passes through this process, so it holds none of the byte budget and the bandwidth
+    cap does not apply. The destination must hold ``expected`` bytes (and ``crc32c``,
+    where the store reports the copy's CRC32C), else PreconditionFailed."""
+
+    __slots__ = ("src", "local_path", "expected", "crc32c")
+    local_bytes = False
+
+    def __init__(self, src: str, url: str, *, size: int, crc32c: str | None, local_path: str | None):
+        super().__init__(url, 0)
+        self.src = src
+        self.expected = size
+        self.crc32c = crc32c
+        self.local_path = local_path  # the local file with the same bytes (the result names it)
+
+    def describe(self) -> str:
+        return f"copy {self.src} -> {self.url}"
+
+    def requests(self, store):
+        return pacing.WRITE, pacing.upload_requests(self.expected, store) + 1  # a HEAD of src first
+
+    def run(self, store, progress, number, *, checksum, clock):
+        info = store.copy(self.src, self.url, size=self.expected, progress=progress)
+        got = getattr(info, "crc32c", None)
+        if info.size != self.expected or (self.crc32c is not None and got is not None and got != self.crc32c):
+            raise PreconditionFailed(f"{self.describe()}: the copy holds {info.size} bytes (CRC32C {got}), not "
+                                     f"{self.expected} (CRC32C {self.crc32c}); the source changed", url=self.url)
+        return self._result(self.local_path, self.expected, self.crc32c, number, clock)
 
 
 class DownloadTask(Task):

@@ -130,7 +130,8 @@ class TransferStats:
     """A snapshot of the engine's counters.
 
     transfers: transfers that finished successfully; bytes_uploaded /
-    bytes_downloaded: their sizes (reads count as downloaded); retries: engine-level
+    bytes_downloaded: their sizes (reads count as downloaded); bytes_copied: the
+    sizes of server-side copies (no byte of them crossed this process's link); retries: engine-level
     re-attempts; sdk_retries: requests the SDK retried (reported by the stores);
     throttled: throttle signals seen (SDK retries on 503/429 and Throttled errors);
     stalls: attempts failed by the stall watchdog; concurrency: the current limit;
@@ -141,6 +142,7 @@ class TransferStats:
     transfers: int = 0
     bytes_uploaded: int = 0
     bytes_downloaded: int = 0
+    bytes_copied: int = 0
     retries: int = 0
     sdk_retries: int = 0
     throttled: int = 0

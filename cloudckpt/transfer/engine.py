@@ -37,12 +37,13 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Iterable, Sequence
 
-from ..errors import Throttled, TransferStalled
+from ..errors import CopyUnsupported, NotFound, PreconditionFailed, Throttled, TransferStalled
 from ..storage.base import ObjectStore, RangeReader, StorageOptions
 from ..storage.registry import open_store
 from . import batch, pacing
 from .attempts import (
     Attempt,
+    CopyTask,
     DownloadTask,
     ReadTask,
     RetryPolicy,
@@ -135,6 +136,52 @@ class TransferEngine:
         except OSError:
             size = 0  # the attempt will fail opening it, with the OS's message
         return self._submit(UploadTask(url, local_path, if_absent=if_absent, size=size, crc32c=crc32c), size)
+
+    def submit_copy(self, src: str, url: str, *, size: int, crc32c: str | None = None,
+                    local_path: str | None = None) -> "Future[TransferResult]":
+        """Copy the object ``src`` to ``url`` server-side (``store.copy``: no byte passes
+        through this process; retried, paced and bounded like an upload; it holds none
+        of the byte budget and the bandwidth cap does not apply). ``size`` (and
+        ``crc32c``, where the store reports the copy's) is what the copy must hold,
+        else PreconditionFailed. The result is a TransferResult with ``size``,
+        ``crc32c`` and ``local_path`` (a local file with the same bytes, if any).
+        ``src`` in another store than ``url`` fails with CopyUnsupported."""
+        if self._store(src) is not self._store(url):
+            fut: Future = Future()
+            fut.set_exception(CopyUnsupported(f"copy {src} -> {url}: not in the same store; upload it instead",
+                                              url=url))
+            return fut
+        return self._submit(CopyTask(src, url, size=size, crc32c=crc32c, local_path=local_path), 0)
+
+    def submit_copy_or_upload(self, src: str, local_path: str, url: str, *,
+                              crc32c: str | None = None) -> "Future[TransferResult]":
+        """Put the file ``local_path`` at ``url`` by copying ``src`` (an object the
+        caller put there from a file with the same bytes) server-side; when the copy
+        cannot be made (``src`` gone or changed: NotFound, PreconditionFailed; a store
+        without copies: CopyUnsupported) the file is uploaded instead (logged). Other
+        failures fail the future as an upload's would. The future cannot be cancelled
+        (it is running from the start)."""
+        size = os.path.getsize(local_path)
+        out: Future = Future()
+        out.set_running_or_notify_cancel()
+
+        def settle(f: Future) -> None:
+            exc = cf.CancelledError(f"{url}: cancelled") if f.cancelled() else f.exception()
+            out.set_result(f.result()) if exc is None else out.set_exception(exc)
+
+        def after_copy(f: Future) -> None:
+            exc = None if f.cancelled() else f.exception()
+            if f.cancelled() or not isinstance(exc, (NotFound, PreconditionFailed, CopyUnsupported)):
+                settle(f)
+                return
+            log.info("%s: not copied from %s (%s); uploading %s instead", url, src, exc, local_path)
+            try:
+                self.submit_upload(local_path, url, crc32c=crc32c).add_done_callback(settle)
+            except BaseException as e:  # noqa: BLE001 - closed meanwhile: handed to the future
+                out.set_exception(e)
+
+        self.submit_copy(src, url, size=size, crc32c=crc32c, local_path=local_path).add_done_callback(after_copy)
+        return out
 
     def submit_download(self, url: str, local_path: str, *, size: int | None = None) -> "Future[TransferResult]":
         """Download ``url`` to ``local_path`` (a temporary file renamed into place,
@@ -279,7 +326,7 @@ class TransferEngine:
         if self._progress is not None:
             def notify(nbytes: int) -> None:
                 self._notify("on_progress", task.url, nbytes)
-        throttle = self._bucket.consume if self._bucket is not None else None
+        throttle = self._bucket.consume if self._bucket is not None and task.local_bytes else None
         progress = att.progress_fn(self._clock, throttle, notify)
         return task.run(store, progress, att.number, checksum=self.config.checksum, clock=self._clock)
 
@@ -319,7 +366,9 @@ class TransferEngine:
                 self._sched.throttled_locked()
             if exc is None:
                 s.transfers += 1
-                if task.uploads:
+                if not task.local_bytes:
+                    s.bytes_copied += task.nbytes(result)
+                elif task.uploads:
                     s.bytes_uploaded += task.nbytes(result)
                 else:
                     s.bytes_downloaded += task.nbytes(result)

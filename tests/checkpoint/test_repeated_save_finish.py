@@ -81,3 +81,46 @@ def test_digests_the_coordinator_does_not_hold_fail_the_save_with_a_typed_error(
         writer.finish(Metadata(state_dict_metadata={}), [RankResults(b"a" * 16, []), RankResults(b"b" * 16, None)])
     writer.abandoned()
     assert cache == {}
+
+
+def test_a_reused_metadata_is_copied_server_side_and_uploaded_when_its_source_is_gone(any_root, tmp_path,
+                                                                                       monkeypatch, caplog):
+    # rank 0 of a large job would upload the same ~1.6 GB .metadata at every save (4,096 ranks of a
+    # 70B model): a repeated save copies the last step's object in the store instead, checked by size
+    # (and CRC32C where the store reports it); the source gone, the file is uploaded, and said so
+    import logging
+
+    from cloudckpt import Checkpointer
+    from cloudckpt.checkpoint import layout
+    from cloudckpt.dcp import writer as dcp_writer
+    from cloudckpt.storage import open_store
+
+    monkeypatch.setattr(dcp_writer, "KEEP_METADATA_BYTES", 0)  # every .metadata is kept, as a large job's
+    root = any_root.rstrip("/")
+    store = open_store(root)
+    sd = w.state_single(1)
+    meta = lambda s: f"{root}/step{s}/{layout.DCP_METADATA}"  # noqa: E731
+    moved = []
+    with Checkpointer(work_dir=str(tmp_path / "work")) as ck:
+        for s in (1, 2, 3):
+            before = ck.engine.stats()
+            ck.save(f"{root}/step{s}", sd)
+            after = ck.engine.stats()
+            moved.append((after.bytes_uploaded - before.bytes_uploaded, after.bytes_copied - before.bytes_copied))
+        size = store.stat(meta(1)).size
+        assert moved[0][1] == 0 and moved[0][0] > size  # the first save uploads every file, .metadata included
+        for up, copied in moved[1:]:
+            assert copied == size and up == moved[0][0] - size, moved  # the rest as before: shards, index
+        first = store.get_bytes(meta(1))
+        assert store.get_bytes(meta(2)) == store.get_bytes(meta(3)) == first
+        store.delete(meta(3))  # the copy's source is gone (a user removed it): uploaded, and logged
+        before = ck.engine.stats()
+        with caplog.at_level(logging.INFO, logger="cloudckpt.transfer.engine"):
+            ck.save(f"{root}/step4", sd)
+        after = ck.engine.stats()
+        assert after.bytes_copied == before.bytes_copied and after.bytes_uploaded - before.bytes_uploaded == moved[0][0]
+        assert any("not copied from" in r.getMessage() and "uploading" in r.getMessage() for r in caplog.records)
+        assert store.get_bytes(meta(4)) == first
+        got = w.state_single(0)
+        ck.load(f"{root}/step2", got)
+        assert all(torch.equal(a, b) for a, b in zip(w.full(got).values(), w.full(sd).values(), strict=True))
