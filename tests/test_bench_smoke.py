@@ -194,3 +194,15 @@ def test_smoke_scale_runs_every_phase_and_agrees_with_real_ranks(tmp_path):
     # a repeated save of the same structure sends less in DCP's gathers (the plan cache answers)
     assert all(r["dcp_gather_sent_bytes"][1] < r["dcp_gather_sent_bytes"][0] for r in c["real"]), c["real"]
     assert "| 4 |" in (tmp_path / "scale_quick.md").read_text()
+
+
+def test_smoke_metadata_copy_bench_copies_without_sending_a_byte_and_checks_each_copy(tmp_path):
+    # its own process: the bench starts its own stores and points the environment at them
+    p = subprocess.run([sys.executable, "-m", "bench.metadata_copy", "--smoke", "--out-dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    got = json.loads((tmp_path / "metadata_copy_smoke.json").read_text())
+    assert [r["store"] for r in got["rows"]] == ["SeaweedFS (S3)", "fake-gcs-server (GCS)"]
+    for r in got["rows"]:
+        assert (r["upload_sent"], r["copy_sent"], r["copied"]) == (got["size"], 0, got["size"]), r
+    assert "| copy / upload |" in (tmp_path / "metadata_copy_smoke.md").read_text()
