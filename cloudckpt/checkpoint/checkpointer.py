@@ -267,7 +267,8 @@ class Checkpointer:
         self.last_load_info: LoadInfo | None = None
         self._index_cache: dict = {}  # the DCP index's layouts, kept across saves (dcp/index.header_bytes)
         self._metadata_cache: str | None = None  # rank 0: its last DCP .metadata, for a repeated save (dcp/writer.py)
-        self._metadata_sent: tuple[str, str] | None = None  # rank 0: (URL, CRC32C) of the last .metadata it sent
+        # rank 0: (URL, CRC32C, local file identity) of the last DCP .metadata it sent
+        self._metadata_sent: tuple[str, str, tuple] | None = None
         self._async = AsyncSaver(self._save_now, max_in_flight=self.options.max_in_flight)
 
     @property
@@ -452,14 +453,8 @@ class Checkpointer:
                 uploads.append((rel, path, sums, _kept(path, sums.crc32c if sums is not None else None)))
                 return
             crc = sums.crc32c if sums is not None and self.engine.config.checksum else None
-            url = urls.join(dir, rel)
-            sent = self._metadata_sent  # (url, CRC32C) of the last .metadata this rank put in the bucket
-            if same_as_last and sent is not None and sums is not None and sent[1] == sums.crc32c:
-                fut = self.engine.submit_copy_or_upload(sent[0], path, url, crc32c=crc)  # no second upload
-            else:
-                fut = self.engine.submit_upload(path, url, crc32c=crc)
-            if rel == layout.DCP_METADATA and sums is not None:
-                fut.add_done_callback(lambda f: self._metadata_put(url, sums.crc32c, f))
+            fut = self._send(path, urls.join(dir, rel), rel, crc, sums.crc32c if sums is not None else None,
+                             same_as_last=same_as_last)
             uploads.append((rel, path, sums, fut))
 
         writer = UploadingWriter(os.path.join(work, layout.MODEL_DIR), on_file, thread_count=self.options.thread_count,
@@ -505,7 +500,7 @@ class Checkpointer:
     def _upload_files(self, dir: str, files: Sequence[tuple[str, ObjectEntry]]):
         """Upload files written earlier, each checked against its entry's CRC32C."""
         t0 = time.monotonic()
-        futures = [self.engine.submit_upload(path, urls.join(dir, e.path), crc32c=e.crc32c) for path, e in files]
+        futures = [self._send(path, urls.join(dir, e.path), e.path, e.crc32c, e.crc32c) for path, e in files]
         error: BaseException | None = None
         try:
             for (path, e), res in zip(files, TransferEngine.wait_all(futures), strict=True):
@@ -843,12 +838,31 @@ class Checkpointer:
             self._metadata_cache = private_dir(self.work_dir, "dcp-metadata-")
         return self._metadata_cache
 
-    def _metadata_put(self, url: str, crc32c: str, fut) -> None:
+    def _send(self, path: str, url: str, rel: str, crc: str | None, own_crc: str | None, *,
+              same_as_last: bool = False):
+        """Upload the step file ``path`` to ``url`` (``crc``: its CRC32C, checked by the
+        transfer; ``own_crc``: its CRC32C whatever the checksum setting). DCP's
+        ``.metadata`` with the bytes of the last one this rank sent (the writer says so,
+        ``same_as_last``, or it is the same file on disk: a local step's link to it) is
+        copied server-side from where that one went (``TransferEngine.submit_copy_or_upload``):
+        rank 0 of a large job does not send the same ~GB at every save."""
+        if rel != layout.DCP_METADATA or own_crc is None:
+            return self.engine.submit_upload(path, url, crc32c=crc)
+        ident = _file_identity(path)
+        sent = self._metadata_sent
+        if sent is not None and sent[1] == own_crc and (same_as_last or sent[2] == ident):
+            fut = self.engine.submit_copy_or_upload(sent[0], path, url, crc32c=crc)
+        else:
+            fut = self.engine.submit_upload(path, url, crc32c=crc)
+        fut.add_done_callback(lambda f: self._metadata_put(url, own_crc, ident, f))
+        return fut
+
+    def _metadata_put(self, url: str, crc32c: str, ident: tuple, fut) -> None:
         """A ``.metadata`` upload (or copy) ended: remember where its bytes are, so that a
         repeated save whose ``.metadata`` has the same bytes copies it server-side. A step
         aborted later loses it: the next copy finds it gone and uploads (engine)."""
         if not fut.cancelled() and fut.exception() is None:
-            self._metadata_sent = (url, crc32c)
+            self._metadata_sent = (url, crc32c, ident)
 
     def close(self) -> None:
         """Wait for in-flight async saves (raising an unreported failure), then release resources."""
@@ -865,6 +879,13 @@ class Checkpointer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _file_identity(path: str) -> tuple:
+    """What makes two names one file whose bytes did not change: a hard link of it (the
+    writer links a reused ``.metadata``, never writes one in place)."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class PendingCommit:

@@ -15,7 +15,7 @@ import google_crc32c
 import pytest
 import torch
 
-from cloudckpt.checkpoint import discovery
+from cloudckpt.checkpoint import discovery, layout
 from cloudckpt.checkpoint.local import parts
 from cloudckpt.checkpoint.local.groups import Replication
 from cloudckpt.errors import ConfigError
@@ -350,3 +350,32 @@ def test_files_move_between_ranks_in_pipelined_pieces_byte_for_byte(tmp_path):
     assert ranged == b"\0" * 777 + data[777:777 + 4_321] + b"\0" * 5 and crc == google_crc32c.value(data[777:5_098])
     assert got["one"] == (data[:1000], google_crc32c.value(data[:1000]))
     assert got["small"] == (data[3:20], google_crc32c.value(data[3:20]))
+
+
+def test_a_persisted_local_steps_reused_metadata_is_copied_in_the_bucket_not_uploaded_again(any_root, tmp_path,
+                                                                                         monkeypatch):
+    # the local tier persists from the local step's files; a .metadata the writer reused is a link
+    # to the one persisted last: the persister copies that object in the store instead of sending it
+    from cloudckpt import CheckpointConfig
+    from cloudckpt.dcp import writer as dcp_writer
+    from cloudckpt.storage import open_store
+
+    monkeypatch.setattr(dcp_writer, "KEEP_METADATA_BYTES", 0)  # kept at every size, as a large job's
+    root = any_root.rstrip("/")
+    cfg = CheckpointConfig(save_folder=root, local_dir=str(tmp_path / "local"), local_save_interval=1,
+                           save_interval=2, keep_last_local=2, work_dir=str(tmp_path / "w"), exact_resume=False)
+    sd = {"w": torch.arange(8.0), "b": torch.ones(3)}
+    with cfg.build() as mgr:
+        for step in range(1, 7):
+            mgr.maybe_save(step, sd, {"step": step})
+            mgr.wait()
+        stats = mgr.local.persister.engine.stats()
+    store = open_store(root)
+    metas = [store.get_bytes(f"{root}/step{s}/{layout.DCP_METADATA}") for s in (2, 4, 6)]
+    assert metas[0] == metas[1] == metas[2]
+    assert stats.bytes_copied == 2 * len(metas[0])  # steps 4 and 6: copied from the step persisted before
+    with cfg.build() as mgr:
+        shutil.rmtree(tmp_path / "local")
+        got = {"w": torch.zeros(8), "b": torch.zeros(3)}
+        assert mgr.resume(got) == {"step": 6} and mgr.resumed_from == "bucket"
+    assert all(torch.equal(got[k], sd[k]) for k in sd)
