@@ -107,9 +107,7 @@ def _parse_header(step: Location, marker: Marker, header: "bytes | dcp_index.Hea
     """The step's DCP index header, checked (``header``: its bytes, or a header parsed already)."""
     if isinstance(header, dcp_index.Header):
         return header
-    # a rank that wrote a chunk wrote a part (or, a step of the local tier, an object the marker lists)
-    writers = len(marker.parts) + len(marker.objects)
-    return dcp_index.parse_header(header, url=step.join(dcp_index.HEADER).url, writers=writers)
+    return step_files.parse_index_header(step, marker, header)
 
 
 def _index_select(step: Location, marker: Marker, header_bytes: "bytes | dcp_index.Header", flat_sd: dict, *,

@@ -54,7 +54,7 @@ def cmd_inspect(args) -> int:
         tensors = rep.tensors
         total = sum(t["size_bytes"] for t in tensors)
         numel = sum(t["numel"] for t in tensors)
-        print(f"tensors ({layout.DCP_METADATA}): {len(tensors)} tensors, {numel:,} elements, {size(total)}")
+        print(f"tensors ({rep.tensors_from}): {len(tensors)} tensors, {numel:,} elements, {size(total)}")
         if tensors:
             table(["KEY", "DTYPE", "SHAPE", "SIZE", "CHUNKS"],
                   [[t["key"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", size(t["size_bytes"]),

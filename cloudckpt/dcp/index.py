@@ -681,6 +681,21 @@ def check_tensor_bytes(header: Header, stored: int) -> None:
                                    f"{stored:,} bytes the step stores; refused before anything is allocated")
 
 
+def check_owners(header: Header, world_size: int) -> None:
+    """Refuse a header whose chunks name a writer outside the ``world_size`` ranks that
+    saved the step (a load finds out when it asks for that rank's part; a reader of the
+    header alone, such as ``cloudckpt inspect``, asks here). Raises CorruptCheckpoint."""
+    for lay in header.layouts:
+        if lay.owner_rule is not None:
+            start, step = lay.owner_rule
+            last = start + (lay.n - 1) * step
+        else:
+            last = int(lay.owner_list.max()) if lay.n else -1
+        if last >= world_size:
+            raise _bad(header.url, f"a chunk is written by rank {last}, outside the {world_size} ranks that saved "
+                                   "the step")
+
+
 def wanted_boxes(flat_state_dict: dict[str, Any]) -> Wanted:
     """Key -> this rank's boxes of each tensor of a flattened state dict (DTensor,
     ShardedTensor or plain tensor, as DCP's planner computes them), None for a value."""
