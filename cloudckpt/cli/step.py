@@ -106,6 +106,8 @@ def cmd_verify(args) -> int:
             print(f"OK: {rep.object_count} objects, {size(rep.total_bytes)}: {what} match the marker")
         if rep.no_checksum and not args.size_only:
             print(f"note: {len(rep.no_checksum)} object(s) have no CRC32C in the marker; only their size was checked")
+        for n in rep.notes:
+            print(f"note: {n['path']}: {n['detail']}")
     if rep.bad:
         print(f"cloudckpt: verify failed for {args.step}: {', '.join(r['path'] for r in rep.bad)}", file=sys.stderr)
         return EXIT_NO

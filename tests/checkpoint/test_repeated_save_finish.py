@@ -66,6 +66,7 @@ def test_a_repeated_save_sends_digests_and_reuses_the_metadata_which_stock_dcp_l
         if committed:
             _stock_load(os.path.join(root, f"step{s}"), s, extra=s == 5)
     _inspect_matches_stock(os.path.join(root, "step5"))
+    _verify_checks_the_index(os.path.join(root, "step4"))
 
 
 def _inspect_matches_stock(step_dir: str) -> None:
@@ -153,3 +154,44 @@ def test_a_reused_metadata_is_copied_server_side_and_uploaded_when_its_source_is
         got = w.state_single(0)
         ck.load(f"{root}/step2", got)
         assert all(torch.equal(a, b) for a, b in zip(w.full(got).values(), w.full(sd).values(), strict=True))
+
+
+def _verify_checks_the_index(step_dir: str) -> None:
+    """``cloudckpt verify`` parses what a load parses, the DCP index rank by rank; a
+    ``.metadata`` too large to unpickle on a laptop (here: any) is checked by size and
+    CRC32C and said so; a part that lacks a chunk the header gives its rank is BAD."""
+    import json
+
+    from cloudckpt.ops import verify as verify_mod
+
+    rep = verify_mod.verify_step(step_dir)
+    assert rep.ok and rep.notes == [], rep.bad  # a small .metadata is parsed (and agrees with the index)
+    real = verify_mod.PARSE_METADATA_BYTES
+    verify_mod.PARSE_METADATA_BYTES = 0
+    try:
+        rep = verify_mod.verify_step(step_dir)
+        assert rep.ok and [n["path"] for n in rep.notes] == ["model_and_optim/.metadata"], rep.notes
+        assert "not parsed" in rep.notes[0]["detail"]
+        part = os.path.join(step_dir, "index", "rank1.json")
+        doc = json.loads(open(part, "rb").read())
+        doc["items"] = doc["items"][1:]  # a chunk of rank 1 gone; the manifest made to match
+        body = json.dumps(doc).encode()
+        open(part, "wb").write(body)
+        _relist(step_dir, "index/rank1.json", body)
+        rep = verify_mod.verify_step(step_dir)
+        assert [b["path"] for b in rep.bad] == ["index/rank1.json"], rep.bad
+        assert "lacks the chunk" in rep.bad[0]["detail"]
+    finally:
+        verify_mod.PARSE_METADATA_BYTES = real
+
+
+def _relist(step_dir: str, rel: str, body: bytes) -> None:
+    """The step's manifest entry of ``rel`` made to match ``body`` (as an attacker with the
+    bucket would): only the parse checks can tell."""
+    from cloudckpt.storage import open_store
+    from cloudckpt.storage import url as urls
+    from cloudckpt.transfer.checksum import crc32c_bytes
+
+    from security.corpus import Step
+
+    Step(open_store(step_dir), step_dir, urls.join).relist(rel, len(body), crc32c_bytes(body))

@@ -524,3 +524,31 @@ def test_a_grid_in_a_version_1_header_is_refused_and_a_version_1_boxes_header_st
     needs, owners = index.select(h, wanted)
     small = index.build_metadata(h, needs, parts_of(parts), wanted)
     assert owners == {1} and reads(small, wanted) == reads(md, wanted)
+
+
+@pytest.mark.parametrize("compact", [True, False], ids=["cuts", "boxes"])
+@pytest.mark.parametrize("grid", [False, True])
+def test_check_part_finds_every_chunk_of_each_rank_and_refuses_a_part_that_lacks_one(grid, compact):
+    # what `cloudckpt verify` checks rank by rank: each rank's chunks (owners by rule, listed, or boxes)
+    R = 8
+    md, parts = job(R, grid=grid)
+    h = header_of(md, compact=compact)
+    files = {f"__{r}_0.distcp": 10**6 for r in range(R)}
+    got = parts_of(parts)
+    for r in range(R):
+        for lay in h.layouts:
+            assert lay.chunks_of(r) == [k for k in range(lay.n) if lay.owners_of([k]) == [r]]
+        assert index.check_part(h, r, got[r], files) == 3  # a chunk of each of the 3 sharded tensors
+    index.check_items(h, files)
+    index.check_owners(h, R)
+    with pytest.raises(CorruptCheckpoint, match="rank 7, outside the 7 ranks"):
+        index.check_owners(h, R - 1)
+    first = next(iter(got[2]))
+    with pytest.raises(CorruptCheckpoint, match="index part of rank 2 lacks the chunk"):
+        index.check_part(h, 2, {k: v for k, v in got[2].items() if k != first}, files)
+    with pytest.raises(CorruptCheckpoint, match="no index part"):
+        index.check_part(h, 2, None, files)
+    with pytest.raises(CorruptCheckpoint, match="not inside one of the step's shard files"):
+        index.check_part(h, 2, got[2], {**files, "__2_0.distcp": 1})
+    with pytest.raises(CorruptCheckpoint, match="not inside one of the step's shard files"):
+        index.check_items(h, {})

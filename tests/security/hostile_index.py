@@ -20,7 +20,7 @@ from .tries import OK, REFUSED, Try, honest_step, outside_untouched, run_entry
 
 HEADER = "index/header.json"
 # Lightning builds its targets from the header (Checkpointer.load_with): it allocates what the header says
-ENTRIES = ("load", "load_pre_download", "resume", "lightning", "cli_inspect")
+ENTRIES = ("load", "load_pre_download", "resume", "lightning", "cli_inspect", "cli_verify")
 
 
 def _header(s: Step) -> dict:
