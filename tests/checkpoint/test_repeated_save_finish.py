@@ -188,10 +188,10 @@ def _verify_checks_the_index(step_dir: str) -> None:
 def _relist(step_dir: str, rel: str, body: bytes) -> None:
     """The step's manifest entry of ``rel`` made to match ``body`` (as an attacker with the
     bucket would): only the parse checks can tell."""
+    from security.corpus import Step
+
     from cloudckpt.storage import open_store
     from cloudckpt.storage import url as urls
     from cloudckpt.transfer.checksum import crc32c_bytes
-
-    from security.corpus import Step
 
     Step(open_store(step_dir), step_dir, urls.join).relist(rel, len(body), crc32c_bytes(body))
