@@ -37,7 +37,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Iterable, Sequence
 
-from ..errors import CopyUnsupported, NotFound, PreconditionFailed, Throttled, TransferStalled
+from ..errors import AccessDenied, CopyUnsupported, NotFound, PreconditionFailed, Throttled, TransferStalled
 from ..storage.base import ObjectStore, RangeReader, StorageOptions
 from ..storage.registry import open_store
 from . import batch, pacing
@@ -158,8 +158,10 @@ class TransferEngine:
         """Put the file ``local_path`` at ``url`` by copying ``src`` (an object the
         caller put there from a file with the same bytes) server-side; when the copy
         cannot be made (``src`` gone or changed: NotFound, PreconditionFailed; a store
-        without copies: CopyUnsupported) the file is uploaded instead (logged). Other
-        failures fail the future as an upload's would. The future cannot be cancelled
+        without copies: CopyUnsupported; no read access to ``src``: AccessDenied) the
+        file is uploaded instead (logged). Other failures (the store failing, timeouts)
+        fail the future as an upload's would. A copy's bytes are not reported to the
+        progress subscriber (they do not pass through this process). The future cannot be cancelled
         (it is running from the start)."""
         size = os.path.getsize(local_path)
         out: Future = Future()
@@ -171,10 +173,14 @@ class TransferEngine:
 
         def after_copy(f: Future) -> None:
             exc = None if f.cancelled() else f.exception()
-            if f.cancelled() or not isinstance(exc, (NotFound, PreconditionFailed, CopyUnsupported)):
+            if f.cancelled() or not isinstance(exc, (NotFound, PreconditionFailed, CopyUnsupported, AccessDenied)):
                 settle(f)
                 return
-            log.info("%s: not copied from %s (%s); uploading %s instead", url, src, exc, local_path)
+            if isinstance(exc, AccessDenied):  # a copy reads the source: a write-only grant does not cover it
+                log.warning("%s: not copied from %s (%s: a copy needs read access to the source, e.g. s3:GetObject); "
+                            "uploading %s instead", url, src, exc, local_path)
+            else:
+                log.info("%s: not copied from %s (%s); uploading %s instead", url, src, exc, local_path)
             try:
                 self.submit_upload(local_path, url, crc32c=crc32c).add_done_callback(settle)
             except BaseException as e:  # noqa: BLE001 - closed meanwhile: handed to the future
@@ -323,7 +329,7 @@ class TransferEngine:
         task = att.task
         store = self._store(task.url)
         notify = None
-        if self._progress is not None:
+        if self._progress is not None and task.local_bytes:  # a server-side copy's bytes are not ours to count
             def notify(nbytes: int) -> None:
                 self._notify("on_progress", task.url, nbytes)
         throttle = self._bucket.consume if self._bucket is not None and task.local_bytes else None
@@ -376,7 +382,7 @@ class TransferEngine:
             elif retry:
                 s.retries += 1
         taken_back = att.take_back()
-        if exc is not None and taken_back:
+        if exc is not None and taken_back and task.local_bytes:
             self._notify("on_progress", task.url, -taken_back)
         if retry:
             task.last_exc = exc

@@ -68,18 +68,50 @@ def test_a_source_in_another_store_or_a_store_without_copies_is_uploaded(placed,
     assert faulty.get_bytes("faulty://bucket/m") == faulty.get_bytes("faulty://bucket/n") == data
 
 
-def test_a_failure_other_than_a_missing_or_changed_source_is_not_papered_over(placed, tmp_path, monkeypatch):
-    # denied, the copy's error is the transfer's: an upload would only hide it (and likely be denied too)
+def test_a_denied_copy_is_uploaded_with_a_warning_and_a_timeout_is_not_papered_over(placed, tmp_path, monkeypatch,
+                                                                                     caplog):
+    # a copy reads the source: a grant that lets the trainer write but not read that object denies it, and
+    # the upload then decides; a store that times out is failing: the copy's error is the transfer's
+    from cloudckpt.errors import Timeout
+
     path, data, src, crc = placed
     store = open_store(src)
+    raised = {"error": AccessDenied(f"copy {src}: denied (injected)", url=src)}
 
-    def denied(*a, **kw):
-        raise AccessDenied(f"copy {src}: denied (injected)", url=src)
+    def failing(*a, **kw):
+        raise raised["error"]
 
-    monkeypatch.setattr(store, "copy", denied)
+    monkeypatch.setattr(store, "copy", failing)
     dst = (tmp_path / "bucket" / "step2" / "meta").as_uri()
     with TransferEngine() as engine:
-        with pytest.raises(AccessDenied, match="injected"):
-            engine.submit_copy_or_upload(src, path, dst, crc32c=crc).result(timeout=60)
-        assert engine.stats().bytes_uploaded == 0
-    assert not open_store(dst).exists(dst)
+        with caplog.at_level(logging.WARNING, logger="cloudckpt.transfer.engine"):
+            assert engine.submit_copy_or_upload(src, path, dst, crc32c=crc).result(timeout=60).size == len(data)
+        assert engine.stats().bytes_uploaded == len(data)
+        assert [r for r in caplog.records if r.levelno == logging.WARNING and "read access" in r.getMessage()]
+        raised["error"] = Timeout(f"copy {src}: no answer (injected)", url=src)
+        dst2 = (tmp_path / "bucket" / "step3" / "meta").as_uri()
+        with pytest.raises(Timeout, match="injected"):
+            engine.submit_copy_or_upload(src, path, dst2, crc32c=crc).result(timeout=120)
+        assert engine.stats().bytes_uploaded == len(data)
+    assert not open_store(dst2).exists(dst2)
+
+
+def test_a_progress_bar_counts_an_upload_not_a_copy(placed, tmp_path):
+    from cloudckpt.transfer.progress import ProgressSubscriber
+
+    class Count(ProgressSubscriber):
+        queued = moved = 0
+
+        def on_queued(self, url, size):
+            self.queued += size or 0
+
+        def on_progress(self, url, nbytes):
+            self.moved += nbytes
+
+    path, data, src, crc = placed
+    bar = Count()
+    with TransferEngine(progress=bar) as engine:
+        engine.submit_copy(src, (tmp_path / "bucket" / "c").as_uri(), size=len(data), crc32c=crc).result(timeout=60)
+        assert (bar.queued, bar.moved) == (0, 0)
+        engine.submit_upload(path, (tmp_path / "bucket" / "u").as_uri()).result(timeout=60)
+    assert (bar.queued, bar.moved) == (len(data), len(data))
