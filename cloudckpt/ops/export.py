@@ -292,6 +292,22 @@ def _write_torch(f: BinaryIO, entries: list[_Entry], reader: _TensorReader) -> N
 
 
 # ---------------------------------------------------------------- entry point
+def _read_metadata(step: Location, key_prefix: str, verify: bool):
+    """The marker and the DCP metadata export plans with: from the DCP index where the
+    step has one, with the chunks of the keys under ``key_prefix`` only (reading the
+    index parts of the ranks that wrote them; not ``.metadata``, 1.6 GB at 4,096 ranks of
+    a 70B model, ~27 GB of memory to unpickle), else ``.metadata``."""
+    from ..checkpoint import discovery
+
+    marker = discovery.read_marker(step)
+    header = step_files.index_header(step, marker, verify=verify)
+    if header is None:
+        return marker, step_files.parse_metadata(step, marker, step_files.metadata_bytes(step, marker, verify=verify))
+    prefix = f"{key_prefix}." if key_prefix else ""
+    keys = {k for k in header.keys() if k.startswith(prefix)}
+    return marker, step_files.index_metadata(step, marker, header, keys, verify=verify)
+
+
 def export_weights(
     step_url: str,
     dest_url: str,
@@ -341,7 +357,7 @@ def export_weights(
         raise AlreadyExists(f"{dest_url} already exists; pass overwrite=True (--force) to replace it", url=dest_url)
 
     step = Location.of(step_url, storage_options).resolved_step()
-    marker, metadata = step_files.read_dcp_metadata(step, verify=verify_checksums)
+    marker, metadata = _read_metadata(step, key_prefix, verify_checksums)
     entries, skipped = _plan(metadata, key_prefix, out_dtype, safetensors=fmt == "safetensors")
     if skipped:
         log.warning("export skips %d non-tensor value(s) under %r: %s", len(skipped), key_prefix,

@@ -66,6 +66,7 @@ def test_a_repeated_save_sends_digests_and_reuses_the_metadata_which_stock_dcp_l
         if committed:
             _stock_load(os.path.join(root, f"step{s}"), s, extra=s == 5)
     _inspect_matches_stock(os.path.join(root, "step5"))
+    _export_reads_the_index(os.path.join(root, "step5"), str(tmp_path / "model.safetensors"))
     _verify_checks_the_index(os.path.join(root, "step4"))
 
 
@@ -195,3 +196,32 @@ def _relist(step_dir: str, rel: str, body: bytes) -> None:
     from cloudckpt.transfer.checksum import crc32c_bytes
 
     Step(open_store(step_dir), step_dir, urls.join).relist(rel, len(body), crc32c_bytes(body))
+
+
+def _export_reads_the_index(step_dir: str, dest: str) -> None:
+    """``cloudckpt export`` plans from the DCP index (the header, then the parts of the
+    ranks that wrote the model's chunks), never ``.metadata``: the file holds every
+    tensor of the model, whole, bit for bit."""
+    from safetensors.torch import load_file
+
+    from cloudckpt.ops.export import export_weights
+    from cloudckpt.storage.local import LocalStore
+
+    real_open = LocalStore._open
+    read: list[str] = []
+
+    def opened(self, url, *a, **kw):
+        read.append(url)
+        return real_open(self, url, *a, **kw)
+
+    LocalStore._open = opened
+    try:
+        export_weights(step_dir, dest)
+    finally:
+        LocalStore._open = real_open
+    want = {k.removeprefix("model."): v for k, v in w.full(w.state_single(5, extra=True)).items()
+            if k.startswith("model.")}
+    got = load_file(dest)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert not [u for u in read if u.endswith("/.metadata")]
+    assert {u.rsplit("/", 1)[-1] for u in read if "/index/" in u} == {"header.json", "rank0.json", "rank1.json"}

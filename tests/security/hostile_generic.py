@@ -95,8 +95,8 @@ def _first_object(key: str, value):
 
 # plan a load of our steps from the DCP index (Lightning too: its targets come from the index header)
 INDEX_PLANNERS = {"load", "load_pre_download", "resume", "lightning"}
-# read a step's tensors from the DCP index header (inspect: without reading .metadata or a shard)
-INDEX_READERS = INDEX_PLANNERS | {"cli_inspect"}
+# read a step's tensors from the DCP index (inspect: the header alone; export: the parts it reads too)
+INDEX_READERS = INDEX_PLANNERS | {"cli_inspect", "cli_export"}
 
 # name: (what, apply, the entry points that refuse it, also on S3)
 CASES: dict[str, tuple[str, object, set[str], bool]] = {}

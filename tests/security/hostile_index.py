@@ -20,7 +20,7 @@ from .tries import OK, REFUSED, Try, honest_step, outside_untouched, run_entry
 
 HEADER = "index/header.json"
 # Lightning builds its targets from the header (Checkpointer.load_with): it allocates what the header says
-ENTRIES = ("load", "load_pre_download", "resume", "lightning", "cli_inspect", "cli_verify")
+ENTRIES = ("load", "load_pre_download", "resume", "lightning", "cli_inspect", "cli_verify", "cli_export")
 
 
 def _header(s: Step) -> dict:
@@ -178,9 +178,10 @@ CASES = {
 # builds its targets from the header: a renamed key is loaded under the header's name (the header is
 # what the checkpoint says, CRC-checked against its manifest), as it would be from a renamed .metadata
 # `cloudckpt inspect` reads the header alone (checked: layouts, dtypes, owners within the job, the bytes its
-# tensors hold against the step's): what parts and items say is for a load and `verify` to refuse
-OK_CASES = {"index-many-keys": {"load", "load_pre_download", "resume", "lightning", "cli_inspect"},
-            "index-renamed-key": {"lightning", "cli_inspect"},
+# tensors hold against the step's): what parts and items say is for a load and `verify` to refuse. Export
+# writes the model's tensors under the names the header gives (many keys outside `model.` are not exported)
+OK_CASES = {"index-many-keys": {"load", "load_pre_download", "resume", "lightning", "cli_inspect", "cli_export"},
+            "index-renamed-key": {"lightning", "cli_inspect", "cli_export"},
             **{case: {"cli_inspect"} for case in ("index-part-other-rank", "index-part-lacks-chunk",
                                                   "index-part-missing", "index-item-past-file")}}
 

@@ -209,9 +209,9 @@ def _metadata_declared(size: int, part_bytes: int | None = None):
     return apply
 
 
-# the entry points that read DCP's .metadata of one of our steps (load, resume, Lightning and inspect read the
-# DCP index instead)
-METADATA_READERS = {"cli_verify", "cli_export", "cli_download"}
+# the entry points that read DCP's .metadata of one of our steps (load, resume, Lightning, inspect and export read
+# the DCP index instead)
+METADATA_READERS = {"cli_verify", "cli_download"}
 
 CASES.update({
     "columns-length-disagree": ("format 3: one part size more than the other columns hold",
