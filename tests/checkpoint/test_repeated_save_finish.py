@@ -5,6 +5,7 @@ a digest of its write results when they are those of its last completed save, an
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -75,23 +76,12 @@ def _inspect_matches_stock(step_dir: str) -> None:
     ``.metadata``, 1.6 GB at 4,096 ranks): the same keys, dtypes, shapes and chunk counts
     as stock DCP reads from ``.metadata``."""
     from cloudckpt.ops.inspect import inspect_step
-    from cloudckpt.storage.local import LocalStore
 
     md = dcp.FileSystemReader(os.path.join(step_dir, "model_and_optim")).read_metadata()
     want = {k: (str(m.properties.dtype).removeprefix("torch."), list(m.size), len(m.chunks))
             for k, m in md.state_dict_metadata.items() if hasattr(m, "chunks")}
-    real_open = LocalStore._open  # every read of a local store opens the object here
-    read: list[str] = []
-
-    def opened(self, url, *a, **kw):
-        read.append(url)
-        return real_open(self, url, *a, **kw)
-
-    LocalStore._open = opened
-    try:
+    with _opened() as read:
         rep = inspect_step(step_dir)
-    finally:
-        LocalStore._open = real_open
     assert {t["key"]: (t["dtype"], t["shape"], t["chunks"]) for t in rep.tensors} == want
     assert max(c for *_, c in want.values()) == R  # sharded tensors: a chunk per rank
     assert rep.non_tensor_keys == sorted(k for k, m in md.state_dict_metadata.items() if not hasattr(m, "chunks"))
@@ -205,6 +195,20 @@ def _export_reads_the_index(step_dir: str, dest: str) -> None:
     from safetensors.torch import load_file
 
     from cloudckpt.ops.export import export_weights
+
+    with _opened() as read:
+        export_weights(step_dir, dest)
+    want = {k.removeprefix("model."): v for k, v in w.full(w.state_single(5, extra=True)).items()
+            if k.startswith("model.")}
+    got = load_file(dest)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert not [u for u in read if u.endswith("/.metadata")]
+    assert {u.rsplit("/", 1)[-1] for u in read if "/index/" in u} == {"header.json", "rank0.json", "rank1.json"}
+
+
+@contextlib.contextmanager
+def _opened():
+    """The URLs every read of a local store opens meanwhile (``LocalStore._open``)."""
     from cloudckpt.storage.local import LocalStore
 
     real_open = LocalStore._open
@@ -216,12 +220,6 @@ def _export_reads_the_index(step_dir: str, dest: str) -> None:
 
     LocalStore._open = opened
     try:
-        export_weights(step_dir, dest)
+        yield read
     finally:
         LocalStore._open = real_open
-    want = {k.removeprefix("model."): v for k, v in w.full(w.state_single(5, extra=True)).items()
-            if k.startswith("model.")}
-    got = load_file(dest)
-    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
-    assert not [u for u in read if u.endswith("/.metadata")]
-    assert {u.rsplit("/", 1)[-1] for u in read if "/index/" in u} == {"header.json", "rank0.json", "rank1.json"}
