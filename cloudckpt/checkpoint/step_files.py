@@ -76,35 +76,57 @@ def index_header(step: Location, marker: Marker, *, verify: bool = True) -> Any:
     return parse_index_header(step, marker, data)
 
 
-def index_metadata(step: Location, marker: Marker, header: Any, keys: set[str], *, verify: bool = True) -> Any:
-    """DCP ``Metadata`` of the step from its DCP index, holding every key and, for
-    storage, the chunks and items of ``keys`` only (what a reader of those keys needs,
-    not the step's whole ``.metadata``). The header is checked against the step (its
-    tensors' bytes, owners within the saved world, its own items inside the shard files);
-    each rank's part that holds a chunk of ``keys`` is read (checked against the marker),
-    every chunk the header gives that rank found in it inside the shard files
-    (``index.check_part``), and only the chunks of ``keys`` kept. Raises
-    CorruptCheckpoint, UnsafeCheckpoint, storage errors."""
+def index_files(marker: Marker) -> dict[str, int]:
+    """``{shard file under model_and_optim/: size}``: what the DCP index's items must lie in."""
+    return {rel: o.size for rel, o in marker.files_under(layout.MODEL_DIR).items()}
+
+
+def check_index_header(marker: Marker, header: Any, files: dict[str, int]) -> None:
+    """The DCP index header checked against the step: its tensors hold no more bytes than
+    the step stores, its owners are ranks of the saved world, its own items lie inside
+    ``files``. Raises CorruptCheckpoint."""
     from ..dcp import index
 
-    files = {rel: o.size for rel, o in marker.files_under(layout.MODEL_DIR).items()}
     index.check_tensor_bytes(header, marker.total_bytes)
     index.check_owners(header, marker.world_size)
     index.check_items(header, files)
+
+
+def index_part(step: Location, marker: Marker, header: Any, rank: int, files: dict[str, int], *,
+               verify: bool = True) -> dict | None:
+    """Rank ``rank``'s DCP index part, read (checked against the marker) and parsed, with
+    every chunk the header gives that rank found in it inside ``files``
+    (``index.check_part``); None when the step has none (and the rank wrote no chunk).
+    Raises CorruptCheckpoint, UnsafeCheckpoint, storage errors."""
+    from ..dcp import index
+
+    rel = index.part_name(rank)
+    entry, url = marker.object(rel), step.join(rel).url
+    part = None
+    if entry is not None:
+        data = read_checked(step.store, url, entry, limit=index.MAX_INDEX_BYTES, what="DCP index part", verify=verify)
+        part = index.parse_part(data, url=url, rank=rank)
+    index.check_part(header, rank, part, files)
+    return part
+
+
+def index_metadata(step: Location, marker: Marker, header: Any, keys: set[str], *, verify: bool = True) -> Any:
+    """DCP ``Metadata`` of the step from its DCP index, holding every key and, for
+    storage, the chunks and items of ``keys`` only (what a reader of those keys needs,
+    not the step's whole ``.metadata``). The header is checked against the step
+    (``check_index_header``); each rank's part that holds a chunk of ``keys`` is read and
+    checked (``index_part``), and only the chunks of ``keys`` kept. Raises
+    CorruptCheckpoint, UnsafeCheckpoint, storage errors."""
+    from ..dcp import index
+
+    files = index_files(marker)
+    check_index_header(marker, header, files)
     wanted = {k: [((0,) * len(t.size), tuple(t.size))] for k, t in header.tensors.items() if k in keys}
     wanted.update((k, None) for k in header.values if k in keys)
     needs, owners = index.select(header, wanted)
-    parts: dict[int, dict] = {}
-    for rank in sorted(owners):
-        rel = index.part_name(rank)
-        entry, url = marker.object(rel), step.join(rel).url
-        part = None
-        if entry is not None:
-            data = read_checked(step.store, url, entry, limit=index.MAX_INDEX_BYTES, what="DCP index part",
-                                verify=verify)
-            part = index.parse_part(data, url=url, rank=rank)
-        index.check_part(header, rank, part, files)
-        parts[rank] = {k: v for k, v in (part or {}).items() if k[0] in keys}
+    parts = {rank: {k: v for k, v in (index_part(step, marker, header, rank, files, verify=verify) or {}).items()
+                    if k[0] in keys}
+             for rank in sorted(owners)}
     return index.build_metadata(header, needs, parts, wanted)
 
 

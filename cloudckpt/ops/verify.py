@@ -20,7 +20,6 @@ from ..storage import Location, Where
 from .progress import Progress
 
 _PART_JOBS = 8  # index parts read at once
-_HEADER = "index/header.json"  # the DCP index's header (dcp/index.py HEADER; not imported: it imports torch)
 
 
 @dataclass(frozen=True)
@@ -136,18 +135,19 @@ def check_contents(step: Location, marker: Marker, notes: list[dict] | None = No
     refused. ``.metadata`` of a step with the index is parsed too up to
     ``PARSE_METADATA_BYTES``; above, ``{path, url, detail}`` goes to ``notes``."""
     from ..checkpoint import step_files
+    from ..dcp.index import HEADER
 
     bad = []
     header = None
     try:
         header = step_files.index_header(step, marker)
     except CorruptCheckpoint as e:
-        bad.append({"path": _HEADER, "url": step.join(_HEADER).url, "detail": str(e)})
+        bad.append({"path": HEADER, "url": step.join(HEADER).url, "detail": str(e)})
     for o in marker.objects:
         url = step.join(o.path).url
         try:
             if o.path == step_files.METADATA_REL:
-                if marker.object(_HEADER) is not None and o.size > PARSE_METADATA_BYTES:
+                if marker.object(HEADER) is not None and o.size > PARSE_METADATA_BYTES:
                     if notes is not None:
                         notes.append({"path": o.path, "url": url, "detail": (
                             f"{o.size:,} bytes: checked by size and CRC32C, not parsed (over {PARSE_METADATA_BYTES:,};"
@@ -186,28 +186,21 @@ def _check_index(step: Location, marker: Marker, header) -> list[dict]:
     """The DCP index as the loads of every rank check it: the header against the step
     (bytes, owners, its own items), then each rank's part for the chunks the header
     gives that rank (one part in memory at a time)."""
+    from ..checkpoint import step_files
     from ..dcp import index
-    from ..untrusted import read_checked
 
-    files = {rel: o.size for rel, o in marker.files_under(layout.MODEL_DIR).items()}
+    files = step_files.index_files(marker)
     try:
-        index.check_tensor_bytes(header, marker.total_bytes)
-        index.check_owners(header, marker.world_size)
-        index.check_items(header, files)
+        step_files.check_index_header(marker, header, files)
     except CorruptCheckpoint as e:
-        return [{"path": _HEADER, "url": step.join(_HEADER).url, "detail": str(e)}]
+        return [{"path": index.HEADER, "url": step.join(index.HEADER).url, "detail": str(e)}]
 
     def check(rank: int) -> dict | None:
-        rel = index.part_name(rank)
-        entry, url = marker.object(rel), step.join(rel).url
         try:
-            part = None
-            if entry is not None:
-                data = read_checked(step.store, url, entry, limit=index.MAX_INDEX_BYTES, what="DCP index part")
-                part = index.parse_part(data, url=url, rank=rank)
-            index.check_part(header, rank, part, files)
+            step_files.index_part(step, marker, header, rank, files)
         except CorruptCheckpoint as e:
-            return {"path": rel, "url": url, "detail": str(e)}
+            rel = index.part_name(rank)
+            return {"path": rel, "url": step.join(rel).url, "detail": str(e)}
         return None
 
     # the parts' reads overlap (4,096 GETs); the parse and check (~0.04 CPU-s a rank of a 70B model) hold
