@@ -500,6 +500,7 @@ def make_inputs(args) -> dict:
     Reports the header's size and what building it costs rank 0 at a save: the first
     save of a job, and a repeated one (its layouts cached while DCP hands the same
     chunk lists)."""
+    from cloudckpt.checkpoint import layout
     from cloudckpt.dcp import index
     from cloudckpt.transfer import crc32c_file
 
@@ -515,11 +516,11 @@ def make_inputs(args) -> dict:
     t = time.process_time()
     assert index.header_bytes(jmd, cache) == header
     again = time.process_time() - t
-    (step / index.HEADER).write_bytes(header)
+    (step / layout.INDEX_HEADER).write_bytes(header)
     for r in (0, 1):
         part = index_part(shape, args.ranks, r)
         if part is not None:
-            (step / index.part_name(r)).write_bytes(part)
+            (step / layout.index_part_name(r)).write_bytes(part)
     out = {"index_header_bytes": len(header), "index_header_crc32c": _crc(header),
            "index_header_build_cpu_s": round(first, 3), "index_header_rebuild_cpu_s": round(again, 3),
            "index_part_bytes": len(index_part(shape, args.ranks, 1) or b"")}

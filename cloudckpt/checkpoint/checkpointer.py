@@ -65,7 +65,7 @@ from ..untrusted import MAX_TRAIN_STATE_BYTES, load_plain, read_checked
 from . import discovery, layout, step_files
 from .async_save import AsyncSaver
 from .commit import StepCommit
-from .marker import Marker, ObjectEntry, PartRef, part_name, split_by_rank
+from .marker import Marker, ObjectEntry, PartRef, split_by_rank
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def _index_metadata(step: Location, manifest: "discovery.StepManifest", sel: _Se
     them (read concurrently, each checked against its manifest part)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    rels = {r: dcp_index.part_name(r) for r in sorted(sel.owners)}
+    rels = {r: layout.index_part_name(r) for r in sorted(sel.owners)}
     entries = manifest.entries(rels.values())
 
     def read(rank: int) -> dict:
@@ -409,7 +409,7 @@ class Checkpointer:
                     raise SaveFailed(f"{dir}: rank {rank} wrote {shared[0].path!r}; only rank 0 writes the step's "
                                      "own files")
                 if own:  # every rank publishes its part at once: paced like its data
-                    self.engine.pace(urls.join(dir, part_name(rank)), "write")
+                    self.engine.pace(urls.join(dir, layout.part_name(rank)), "write")
                 return _Report(attempt.publish_part(rank, own) if own else None, tuple(shared))
 
             reports = self.coord.to_coordinator("agree", report, error=SaveFailed.from_failures)
@@ -778,9 +778,9 @@ class Checkpointer:
             log.warning("loading %s, written by %s without a manifest: sizes are checked, checksums cannot be "
                         "(run `cloudckpt adopt %s --yes` to record them)", dir, marker.writer, dir)
         # the index of our own steps only: a step another tool wrote (sizes from a listing) plans from .metadata
-        entry = None if not marker.verified else marker.object(dcp_index.HEADER)
+        entry = None if not marker.verified else marker.object(layout.INDEX_HEADER)
         if entry is not None:
-            url = step.join(dcp_index.HEADER).url
+            url = step.join(layout.INDEX_HEADER).url
             return marker, read_checked(step.store, url, entry, limit=dcp_index.MAX_INDEX_BYTES, what="DCP index",
                                         verify=self.options.verify_checksums), None
         return marker, None, step_files.metadata_bytes(step, marker, verify=self.options.verify_checksums)

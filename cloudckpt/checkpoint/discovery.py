@@ -37,7 +37,6 @@ from ..storage import url as urls
 from ..untrusted import MAX_MARKER_BYTES, read_capped
 from . import layout
 from .marker import (
-    ADOPTED_MANIFEST,
     MAX_PART_BYTES,
     ForeignMarker,
     ManifestPart,
@@ -109,8 +108,8 @@ def _foreign(dir: str, step: int, fm: ForeignMarker, data: bytes, store) -> Mark
 
     prefix = urls.as_prefix(dir)
     listing = [(o.url[len(prefix):], o.size, o.mtime) for o in store.walk(prefix)]
-    url = urls.join(dir, ADOPTED_MANIFEST)
-    if any(rel == ADOPTED_MANIFEST for rel, _, _ in listing):
+    url = urls.join(dir, layout.ADOPTED_MANIFEST)
+    if any(rel == layout.ADOPTED_MANIFEST for rel, _, _ in listing):
         try:
             adopted = Marker.from_bytes(read_capped(store, url, limit=MAX_MARKER_BYTES, what="adopted manifest"),
                                         url=url)

@@ -1,10 +1,18 @@
-"""Names on storage. One place for the layout (compatible with OLMo-core's)::
+"""Names on storage: the one module that spells a step's objects (compatible with
+OLMo-core's layout)::
 
     {save_folder}/step{N}/
         train/rank{R}.pt          per-rank train state (torch.save of plain data)
         model_and_optim/          a standard DCP checkpoint: .metadata + __{R}_{K}.distcp
+        index/header.json         the DCP index's header (rank 0; dcp/index)
+        index/rank{R}.json        rank R's part of the DCP index
+        manifest/rank{R}.json     rank R's manifest part (checkpoint/parts.py)
         .lock                     held while a save of this step runs (deleted after commit)
         .metadata.json            the commit marker, written LAST, by one rank, once
+        .cloudckpt.json           our manifest beside another tool's marker (``cloudckpt adopt``)
+
+Every name here is relative to the step folder. Import-light (the standard library
+and ``cloudckpt.errors``): the marker's schema and the DCP index import it.
 """
 
 from __future__ import annotations
@@ -12,13 +20,16 @@ from __future__ import annotations
 import re
 
 from ..errors import NotACheckpoint
-from ..storage import url as urls
 
 MARKER = ".metadata.json"
 LOCK = ".lock"
 TRAIN_DIR = "train"
 MODEL_DIR = "model_and_optim"
 DCP_METADATA = f"{MODEL_DIR}/.metadata"  # DCP's own file name, fixed by torch.distributed.checkpoint
+PARTS_DIR = "manifest"  # step{N}/manifest/rank{R}.json
+INDEX_DIR = "index"  # step{N}/index/header.json, step{N}/index/rank{R}.json
+INDEX_HEADER = f"{INDEX_DIR}/header.json"
+ADOPTED_MANIFEST = ".cloudckpt.json"  # our manifest beside another tool's marker (``cloudckpt adopt``)
 LATEST_POINTER = "latest"
 
 # the one spelling of a step folder: ASCII digits, no leading zero (step0 is allowed), at
@@ -28,8 +39,13 @@ _STEP_RE = re.compile(r"step(0|[1-9][0-9]{0,18})")
 # names that look like a step folder and are not one (shown as junk, never counted)
 _STEPLIKE_RE = re.compile(r"step\D{0,3}\d", re.IGNORECASE)
 
-
-_RANK_RE = re.compile(rf"{TRAIN_DIR}/rank(0|[1-9][0-9]{{0,8}})\.pt")
+# a rank (captured) and a file number in a name: ASCII digits, no leading zero, at most 9
+_R = r"(0|[1-9][0-9]{0,8})"
+_K = r"(?:0|[1-9][0-9]{0,8})"
+_SHARD = re.compile(rf"__{_R}_{_K}\.distcp")  # DCP's shard file, under MODEL_DIR
+_SHARD_FILE = re.compile(rf"{MODEL_DIR}/__{_R}_{_K}\.distcp")
+_INDEX_PART = re.compile(rf"{INDEX_DIR}/rank{_R}\.json")
+_RANK_RE = re.compile(rf"{TRAIN_DIR}/rank{_R}\.pt")
 
 
 def train_state_name(rank: int) -> str:
@@ -42,7 +58,35 @@ def rank_of_train_state(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def part_name(rank: int) -> str:
+    """The manifest part of rank ``rank``."""
+    return f"{PARTS_DIR}/rank{int(rank)}.json"
+
+
+def index_part_name(rank: int) -> str:
+    """The DCP index part of rank ``rank``."""
+    return f"{INDEX_DIR}/rank{int(rank)}.json"
+
+
+def shard_writer(rel: str) -> int | None:
+    """The rank that wrote the shard file ``rel``, relative to ``MODEL_DIR`` (DCP's
+    ``__{rank}_{k}.distcp``), else None."""
+    m = _SHARD.fullmatch(rel)
+    return int(m.group(1)) if m else None
+
+
+def owner_of(path: str) -> int | None:
+    """The rank whose part lists ``path`` (its shard files ``model_and_optim/__{R}_{K}.distcp``,
+    its train state ``train/rank{R}.pt`` and its DCP index part ``index/rank{R}.json``), or
+    None for the step's own files (DCP's ``.metadata``, ``index/header.json``), listed in
+    the marker itself."""
+    m = _SHARD_FILE.fullmatch(path) or _INDEX_PART.fullmatch(path)
+    return int(m.group(1)) if m is not None else rank_of_train_state(path)
+
+
 def step_dir(folder: str, step: int) -> str:
+    from ..storage import url as urls
+
     return urls.join(folder, f"step{int(step)}")
 
 
@@ -64,6 +108,8 @@ def is_step_junk(name: str) -> bool:
 def parse_step_dir(dir: str) -> int:
     """The step number of a checkpoint folder. Raises NotACheckpoint if the last
     path component is not exactly ``step{N}``."""
+    from ..storage import url as urls
+
     step = step_of_name(urls.basename(dir))
     if step is None:
         raise NotACheckpoint(
@@ -74,4 +120,6 @@ def parse_step_dir(dir: str) -> int:
 
 
 def marker_url(dir: str) -> str:
+    from ..storage import url as urls
+
     return urls.join(dir, MARKER)

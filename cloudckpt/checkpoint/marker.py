@@ -78,43 +78,22 @@ from ..errors import CorruptCheckpoint, IncompatibleCheckpoint, UnsafeCheckpoint
 from ..untrusted.jsondoc import loads_json
 from ..untrusted.limits import MAX_MARKER_BYTES
 from ..untrusted.names import check_name
-from .layout import DCP_METADATA, rank_of_train_state
+from .layout import ADOPTED_MANIFEST, DCP_METADATA, MARKER, PARTS_DIR, owner_of, part_name, rank_of_train_state
 
 FORMAT = "cloudckpt"
 FORMAT_VERSION = 3  # the newest this library reads; what a save writes (the parts as columns)
 INLINE_FORMAT_VERSION = 2  # a marker without parts (adopted, local tier), and format 2 steps (parts as a list)
 PART_FORMAT = "cloudckpt-part"
 PART_FORMAT_VERSION = 2  # manifest parts are unchanged since format 2
-PARTS_DIR = "manifest"  # step{N}/manifest/rank{R}.json
 MAX_PART_BYTES = 1 << 30  # no honest part comes near (~30 bytes per DCP item of one rank)
 MAX_PART_OBJECTS = MAX_PART_BYTES // 32  # objects a part may declare: each entry takes more than 32 bytes of it
 MAX_PART_DATA = (1 << 63) - 1  # bytes a part may declare (the objects' sizes are int64s)
-MARKER_NAME = ".metadata.json"  # layout.MARKER (layout imports storage; this module stays import-light)
-ADOPTED_MANIFEST = ".cloudckpt.json"  # our manifest beside another tool's marker (``cloudckpt adopt``)
 FOREIGN_WRITER = "olmo-core"  # the tool whose layout (step{N}/model_and_optim, .metadata.json) we share
 MAX_FOREIGN_OBJECTS = 1_000_000  # objects a listed (foreign) step may hold; honest ones hold ranks x threads
 MARKER_MAX_DEPTH = 8  # a marker nests 5 deep (marker, objects, entry, chunks, chunk); room for additions
 MAX_WORLD_SIZE = 1 << 20  # ranks a marker may name (jobs run on thousands); its marker stays under MAX_MARKER_BYTES
 MAX_UNIX_TIME = 253402300799.0  # 9999-12-31T23:59:59Z: the latest time a date can show
 _WRITER = re.compile(r"[a-z0-9][a-z0-9._-]{0,39}")
-
-
-_SHARD_FILE = re.compile(r"model_and_optim/__(0|[1-9][0-9]{0,8})_(?:0|[1-9][0-9]{0,8})\.distcp")
-_INDEX_PART = re.compile(r"index/rank(0|[1-9][0-9]{0,8})\.json")  # a rank's part of the DCP index (dcp/index.py)
-
-
-def part_name(rank: int) -> str:
-    """The manifest part of rank ``rank``, relative to the step folder."""
-    return f"{PARTS_DIR}/rank{int(rank)}.json"
-
-
-def owner_of(path: str) -> int | None:
-    """The rank whose part lists ``path`` (its shard files ``model_and_optim/__{R}_{K}.distcp``,
-    its train state ``train/rank{R}.pt`` and its DCP index part ``index/rank{R}.json``), or
-    None for the step's own files (DCP's ``.metadata``, ``index/header.json``), listed in
-    the marker itself."""
-    m = _SHARD_FILE.fullmatch(path) or _INDEX_PART.fullmatch(path)
-    return int(m.group(1)) if m is not None else rank_of_train_state(path)
 
 
 def split_by_rank(entries: Iterable["ObjectEntry"], rank: int) -> tuple[list["ObjectEntry"], list["ObjectEntry"]]:
@@ -635,8 +614,8 @@ def foreign_step(fm: ForeignMarker, *, step: int, listing: Iterable[tuple[str, i
     objects, ranks, created, newest = [], [], None, 0.0
     for rel, size, mtime in listing:
         newest = max(newest, mtime or 0.0)
-        if rel in (MARKER_NAME, ADOPTED_MANIFEST):
-            created = mtime if rel == MARKER_NAME else created
+        if rel in (MARKER, ADOPTED_MANIFEST):
+            created = mtime if rel == MARKER else created
             continue
         if len(objects) >= MAX_FOREIGN_OBJECTS:
             raise UnsafeCheckpoint(f"{url}: the step folder holds more than {MAX_FOREIGN_OBJECTS} objects; refusing it")

@@ -58,7 +58,8 @@ def parse_index_header(step: Location, marker: Marker, data: bytes) -> Any:
     part or, a step of the local tier, an object the marker lists)."""
     from ..dcp import index
 
-    return index.parse_header(data, url=step.join(index.HEADER).url, writers=len(marker.parts) + len(marker.objects))
+    return index.parse_header(data, url=step.join(layout.INDEX_HEADER).url,
+                              writers=len(marker.parts) + len(marker.objects))
 
 
 def index_header(step: Location, marker: Marker, *, verify: bool = True) -> Any:
@@ -68,10 +69,10 @@ def index_header(step: Location, marker: Marker, *, verify: bool = True) -> Any:
     of ``.metadata``'s bytes: 0.24 MB against 1.6 GB at 4,096 ranks of a 70B model."""
     from ..dcp import index
 
-    entry = marker.object(index.HEADER) if marker.verified else None
+    entry = marker.object(layout.INDEX_HEADER) if marker.verified else None
     if entry is None:
         return None
-    data = read_checked(step.store, step.join(index.HEADER).url, entry, limit=index.MAX_INDEX_BYTES,
+    data = read_checked(step.store, step.join(layout.INDEX_HEADER).url, entry, limit=index.MAX_INDEX_BYTES,
                         what="DCP index", verify=verify)
     return parse_index_header(step, marker, data)
 
@@ -100,7 +101,7 @@ def index_part(step: Location, marker: Marker, header: Any, rank: int, files: di
     Raises CorruptCheckpoint, UnsafeCheckpoint, storage errors."""
     from ..dcp import index
 
-    rel = index.part_name(rank)
+    rel = layout.index_part_name(rank)
     entry, url = marker.object(rel), step.join(rel).url
     part = None
     if entry is not None:

@@ -50,10 +50,10 @@ from typing import Callable
 import torch
 
 from .. import dist
+from ..checkpoint.layout import shard_writer
 from ..errors import CorruptCheckpoint, ExchangeFailed
 from ..storage import url as urls
 from ..units import MiB
-from .index import shard_writer
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -57,6 +56,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .._torch_compat import StorageInfo
+from ..checkpoint.layout import shard_writer
 from ..errors import CorruptCheckpoint, UnsafeCheckpoint
 from ..untrusted import loads_json
 from ..untrusted.limits import MAX_DIM, MAX_TENSOR_DIMS
@@ -65,13 +65,10 @@ FORMAT = "cloudckpt-dcp-index"
 VERSION = 1  # of a rank's part
 HEADER_VERSION = 2  # 2: a layout may be a grid (``cuts``)
 HEADER_VERSIONS = (1, 2)
-HEADER = "index/header.json"
 _SHARED = object()  # header_bytes's own entry in its cache
 MAX_INDEX_BYTES = 1 << 30  # a header or a part; the manifest's CRC-checked size bounds each read first
 MAX_KEY_CHARS = 4096
 MAX_RANKS = 1 << 24
-
-_SHARD = re.compile(r"__(0|[1-9][0-9]{0,8})_(0|[1-9][0-9]{0,8})\.distcp")
 
 # dtypes a checkpoint may name: the dense ones DCP writes
 _DTYPES: dict[str, torch.dtype] = {
@@ -82,17 +79,6 @@ _DTYPES: dict[str, torch.dtype] = {
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-
-
-def part_name(rank: int) -> str:
-    """The index part of rank ``rank``, relative to the step folder."""
-    return f"index/rank{int(rank)}.json"
-
-
-def shard_writer(rel: str) -> int | None:
-    """The rank that wrote the shard file ``rel`` (DCP's ``__{rank}_{k}.distcp``), else None."""
-    m = _SHARD.fullmatch(rel)
-    return int(m.group(1)) if m else None
 
 
 def _owner(rel: str) -> int:

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.futures import Future
 
 from .._torch_compat import element_size, split_by_size_and_type, write_files
+from ..checkpoint import layout
 from ..errors import SaveFailed
 from ..transfer.checksum import bytes_pieces
 from ..units import MiB
@@ -310,7 +311,7 @@ class UploadingWriter(FileSystemWriter):
                 _link_or_copy(meta_path, merged.file + ".tmp")
                 os.replace(merged.file + ".tmp", merged.file)  # a step that linked the old one keeps it
         self.index_cache[_MERGED] = merged
-        path = os.path.join(os.path.dirname(str(self.path)), index.HEADER)
+        path = os.path.join(os.path.dirname(str(self.path)), layout.INDEX_HEADER)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             f.write(index.header_bytes(metadata, self.index_cache))
@@ -321,7 +322,7 @@ class UploadingWriter(FileSystemWriter):
         tensors) written beside the DCP folder; its path, or None when it wrote none."""
         if not self.index_items:
             return None
-        path = os.path.join(os.path.dirname(str(self.path)), index.part_name(rank))
+        path = os.path.join(os.path.dirname(str(self.path)), layout.index_part_name(rank))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             f.write(index.part_bytes(rank, self.index_items))

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..checkpoint import discovery, layout
-from ..checkpoint.marker import ADOPTED_MANIFEST, Marker, ObjectEntry
+from ..checkpoint.marker import Marker, ObjectEntry
 from ..errors import AlreadyExists, CorruptCheckpoint
 from ..storage import Location, Where
 from ..storage import url as urls
@@ -65,7 +65,7 @@ def adopt(dir: Where, *, dry_run: bool = True, jobs: int = 8,
     loc = Location.of(dir).resolved_step()
     dir = loc.url
     marker, raw = discovery.read_marker_bytes(loc)
-    manifest_url = urls.join(dir, ADOPTED_MANIFEST)
+    manifest_url = urls.join(dir, layout.ADOPTED_MANIFEST)
     if not marker.foreign or marker.verified:
         return AdoptReport(dir, marker.writer, len(marker.objects), marker.total_bytes, manifest_url, False, True)
     store = loc.store
@@ -114,7 +114,7 @@ def _check_complete(store, dir: str, marker: Marker) -> tuple[dict[str, str], di
 
     prefix = layout.MODEL_DIR + "/"
     files = marker.sizes_under(layout.MODEL_DIR)
-    meta = marker.object(prefix + ".metadata")
+    meta = marker.object(layout.DCP_METADATA)
     url = urls.join(dir, meta.path)
     data = read_checked(store, url, meta, limit=MAX_METADATA_BYTES, what="DCP metadata", verify=False)
     sums = {meta.path: crc32c_bytes(data)}

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from ..checkpoint import discovery, layout
-from ..checkpoint.marker import ADOPTED_MANIFEST, Marker, ObjectEntry
+from ..checkpoint.marker import Marker, ObjectEntry
 from ..errors import CorruptCheckpoint, InvalidURL, NotFound, ObjectTooLarge
 from ..storage import Location, Where
 from ..storage import url as urls
@@ -191,7 +191,7 @@ def run_download(plan: DownloadPlan, *, jobs: int = 8, progress: Progress | None
     # Marker last: only now is DEST a committed checkpoint (atomic rename of a complete file).
     local = Location.of(plan.dest_path)
     if plan.marker.foreign and plan.marker.verified:  # an adopted step: its manifest goes along, before the marker
-        local.store.put_bytes(local.join(ADOPTED_MANIFEST).url, plan.marker.to_bytes())
+        local.store.put_bytes(local.join(layout.ADOPTED_MANIFEST).url, plan.marker.to_bytes())
     local.store.put_bytes(local.join(layout.MARKER).url, plan.marker_bytes)
     return report
 

@@ -94,7 +94,7 @@ def _tensors(step: Location, marker: Marker) -> tuple[bool, list[dict], list[str
         index.check_owners(header, marker.world_size)
         tensors = [_tensor(k, t.dtype, t.size, 1 if t.layout < 0 else header.layouts[t.layout].n)
                    for k, t in sorted(header.tensors.items())]
-        return True, tensors, sorted(header.values), index.HEADER
+        return True, tensors, sorted(header.values), layout.INDEX_HEADER
     data = step_files.metadata_bytes(step, marker)
     if data is None:
         return False, [], [], layout.DCP_METADATA

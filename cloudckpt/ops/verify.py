@@ -135,19 +135,18 @@ def check_contents(step: Location, marker: Marker, notes: list[dict] | None = No
     refused. ``.metadata`` of a step with the index is parsed too up to
     ``PARSE_METADATA_BYTES``; above, ``{path, url, detail}`` goes to ``notes``."""
     from ..checkpoint import step_files
-    from ..dcp.index import HEADER
 
     bad = []
     header = None
     try:
         header = step_files.index_header(step, marker)
     except CorruptCheckpoint as e:
-        bad.append({"path": HEADER, "url": step.join(HEADER).url, "detail": str(e)})
+        bad.append({"path": layout.INDEX_HEADER, "url": step.join(layout.INDEX_HEADER).url, "detail": str(e)})
     for o in marker.objects:
         url = step.join(o.path).url
         try:
             if o.path == step_files.METADATA_REL:
-                if marker.object(HEADER) is not None and o.size > PARSE_METADATA_BYTES:
+                if marker.object(layout.INDEX_HEADER) is not None and o.size > PARSE_METADATA_BYTES:
                     if notes is not None:
                         notes.append({"path": o.path, "url": url, "detail": (
                             f"{o.size:,} bytes: checked by size and CRC32C, not parsed (over {PARSE_METADATA_BYTES:,};"
@@ -187,19 +186,18 @@ def _check_index(step: Location, marker: Marker, header) -> list[dict]:
     (bytes, owners, its own items), then each rank's part for the chunks the header
     gives that rank (one part in memory at a time)."""
     from ..checkpoint import step_files
-    from ..dcp import index
 
     files = step_files.index_files(marker)
     try:
         step_files.check_index_header(marker, header, files)
     except CorruptCheckpoint as e:
-        return [{"path": index.HEADER, "url": step.join(index.HEADER).url, "detail": str(e)}]
+        return [{"path": layout.INDEX_HEADER, "url": step.join(layout.INDEX_HEADER).url, "detail": str(e)}]
 
     def check(rank: int) -> dict | None:
         try:
             step_files.index_part(step, marker, header, rank, files)
         except CorruptCheckpoint as e:
-            rel = index.part_name(rank)
+            rel = layout.index_part_name(rank)
             return {"path": rel, "url": step.join(rel).url, "detail": str(e)}
         return None
 

@@ -691,7 +691,7 @@ class ObjectStoreConformance:
 
     def test_commit_protocol_prepare_commit_writes_the_marker_last_and_releases_the_lock(self, backend):
         from ..checkpoint import discovery
-        from ..checkpoint.marker import part_name
+        from ..checkpoint.layout import part_name
         from ..errors import CheckpointExists
         from ..storage import Location
 
@@ -775,7 +775,8 @@ class ObjectStoreConformance:
 
     def test_commit_protocol_a_part_is_trusted_only_as_the_marker_describes_it(self, backend):
         from ..checkpoint import discovery
-        from ..checkpoint.marker import ManifestPart, part_name
+        from ..checkpoint.layout import part_name
+        from ..checkpoint.marker import ManifestPart
         from ..errors import CorruptCheckpoint, SaveFailed, UnsafeCheckpoint
 
         a = self._attempt(backend)

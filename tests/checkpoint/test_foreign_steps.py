@@ -18,7 +18,7 @@ import torch
 
 from cloudckpt import CheckpointConfig, Checkpointer
 from cloudckpt.checkpoint import discovery, layout, pointer, retention
-from cloudckpt.checkpoint.marker import ADOPTED_MANIFEST
+from cloudckpt.checkpoint.layout import ADOPTED_MANIFEST
 from cloudckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 from cloudckpt.ops.adopt import adopt
 from cloudckpt.storage import open_store

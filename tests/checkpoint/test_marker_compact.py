@@ -24,6 +24,7 @@ from faults import checks
 
 from cloudckpt import Checkpointer
 from cloudckpt.checkpoint import discovery, layout, retention, step_files
+from cloudckpt.checkpoint.layout import part_name
 from cloudckpt.checkpoint.marker import (
     FORMAT_VERSION,
     INLINE_FORMAT_VERSION,
@@ -35,7 +36,6 @@ from cloudckpt.checkpoint.marker import (
     ObjectEntry,
     PartRef,
     as_part_list,
-    part_name,
 )
 from cloudckpt.errors import CorruptCheckpoint, IncompatibleCheckpoint, SaveFailed, UnsafeCheckpoint
 from cloudckpt.storage import Location, open_store

@@ -9,7 +9,8 @@ import pickle
 
 import pytest
 
-from cloudckpt.checkpoint.marker import FORMAT_VERSION, Marker, ObjectEntry, PartRef, PartTable, part_name
+from cloudckpt.checkpoint.layout import part_name
+from cloudckpt.checkpoint.marker import FORMAT_VERSION, Marker, ObjectEntry, PartRef, PartTable
 
 
 def _refs(ranks) -> tuple[PartRef, ...]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from cloudckpt.checkpoint import layout
-from cloudckpt.checkpoint.marker import ADOPTED_MANIFEST
+from cloudckpt.checkpoint.layout import ADOPTED_MANIFEST
 from cloudckpt.storage import open_store
 from cloudckpt.storage import url as urls
 

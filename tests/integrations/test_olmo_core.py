@@ -36,7 +36,7 @@ import torch
 
 from cloudckpt import CheckpointConfig, Checkpointer
 from cloudckpt.checkpoint import discovery, layout, pointer
-from cloudckpt.checkpoint.marker import ADOPTED_MANIFEST
+from cloudckpt.checkpoint.layout import ADOPTED_MANIFEST
 from cloudckpt.errors import UnsafeCheckpoint
 from cloudckpt.storage import open_store
 from cloudckpt.storage import url as urls

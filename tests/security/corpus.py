@@ -85,7 +85,7 @@ class Step:
     def _edit_entry(self, rel: str, edit, add: dict | None = None) -> None:
         """Apply ``edit(objects)`` to the list that holds ``rel``: the marker's, or (format
         2) its rank's manifest part, whose reference in the marker is made to match."""
-        from cloudckpt.checkpoint.marker import owner_of
+        from cloudckpt.checkpoint.layout import owner_of
 
         d = self.marker()
         parts = {p["rank"]: p for p in d.get("parts", [])}

@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from ... import dist
-from ...dcp import index as dcp_index
 from ...errors import CloudCkptError, ConfigError, CorruptCheckpoint, LocalCapacityError, SaveFailed
 from ...storage.nofollow import resolve
 from ...untrusted import loads_json
@@ -295,8 +294,8 @@ class LocalTier:
 
             # read whole before planning: the train state, the rank's part of the DCP index
             # (its chunks: a restart keeps the layout), and on rank 0 what it reads for all
-            whole = [layout.train_state_name(self.rank), dcp_index.part_name(self.rank)] + (
-                [layout.DCP_METADATA, dcp_index.HEADER] if self.rank == 0 else [])
+            whole = [layout.train_state_name(self.rank), layout.index_part_name(self.rank)] + (
+                [layout.DCP_METADATA, layout.INDEX_HEADER] if self.rank == 0 else [])
             fetch({r: [(0, found.markers[owner[r]].object(r).size)] for r in whole if r in owner})
             ts = self.ck.load(view, state_dict, before_read=lambda ranges: fetch(
                 {f"{layout.MODEL_DIR}/{r}": rs for r, rs in ranges.items()}), **load_kwargs)
