@@ -48,10 +48,10 @@ def marker_bytes(step: int) -> bytes:
     """A committed step's marker, built by the writer's own code (``StepCommit.marker``)."""
     from cloudckpt.checkpoint import layout
     from cloudckpt.checkpoint.commit import StepCommit
-    from cloudckpt.checkpoint.marker import ObjectEntry
-    from cloudckpt.storage import Location
+    from cloudckpt.checkpoint.entries import ObjectEntry
+    from cloudckpt.checkpoint.step import StepRef
 
-    c = StepCommit(Location.of(f"s3://{BUCKET}/x/step{step}"), step=step, save_id=f"bench{step}", world_size=1)
+    c = StepCommit(StepRef.of(f"s3://{BUCKET}/x/step{step}", step=step), save_id=f"bench{step}", world_size=1)
     return c.marker((), (ObjectEntry(layout.DCP_METADATA, 3, None),), ephemeral=False).to_bytes()
 
 

@@ -7,8 +7,9 @@ writes the files and runs the collectives (``cloudckpt/dist.py``) between the ca
 
 Call order (``C``: the coordinator, rank 0, alone; ``R``: every rank)::
 
-    c = StepCommit(step_location, step=N, save_id=..., world_size=W, ...)   # R
-    c.prepare()              # C  check the step, take its lock (conditional create)
+    c = StepCommit(step_ref, save_id=..., world_size=W, ...)   # R  (step_ref: a StepRef)
+    c.prepare()              # C  check the step, take its lock (conditional create);
+                             #    returns the save id every rank adopts
     ... each rank writes and uploads its objects ...                       # R
     ref = c.publish_part(rank, entries)   # R  upload this rank's manifest part
     ... "agree": every rank's outcome and ``ref`` travel to the coordinator ...
@@ -55,11 +56,12 @@ from ..errors import (
     SaveFailed,
     SaveInProgress,
 )
-from ..storage import Location
-from ..storage import url as urls
 from ..untrusted import loads_json, read_capped
 from . import layout
-from .marker import FORMAT_VERSION, ManifestPart, Marker, ObjectEntry, PartRef
+from .entries import ObjectEntry
+from .marker import FORMAT_VERSION, Marker
+from .parts import ManifestPart, PartRef
+from .step import StepRef
 
 log = logging.getLogger(__name__)
 
@@ -120,11 +122,13 @@ class StepCommit:
     on every rank. See the module docstring for the order.
     """
 
-    def __init__(self, step_dir: Location, *, step: int, save_id: str, world_size: int,
-                 save_overwrite: bool = False, stale_lock_seconds: float = 600.0):
-        self.loc = step_dir
-        self.dir = step_dir.url
-        self.step = int(step)
+    def __init__(self, step: StepRef, *, save_id: str, world_size: int, save_overwrite: bool = False,
+                 stale_lock_seconds: float = 600.0):
+        if step.number is None:
+            raise ValueError(f"{step}: a save needs the step's number (a folder named step{{N}}, or step=N)")
+        self.ref = step
+        self.dir = step.url
+        self.step = step.number
         self.save_id = save_id
         self.world_size = world_size
         self.save_overwrite = save_overwrite
@@ -133,19 +137,20 @@ class StepCommit:
 
     @property
     def store(self):
-        return self.loc.store
+        return self.ref.store
 
     @property
     def marker_url(self) -> str:
-        return layout.marker_url(self.dir)
+        return self.ref.marker_url
 
     @property
     def lock_url(self) -> str:
-        return urls.join(self.dir, layout.LOCK)
+        return self.ref.lock_url
 
     # ------------------------------------------------------------ coordinator: prepare
-    def prepare(self) -> None:
-        """Check the step and take its lock. Raises CheckpointExists (committed and no
+    def prepare(self) -> str:
+        """Check the step and take its lock; returns this attempt's save id (the
+        coordinator's, which every rank adopts). Raises CheckpointExists (committed and no
         ``save_overwrite``), SaveInProgress (another save holds a fresh lock, or took a
         stale one over first, or the store cannot take a stale lock over: its
         ``conditional_replace`` is False), CorruptCheckpoint (an oversized lock: not ours), storage
@@ -164,13 +169,13 @@ class StepCommit:
             store.put_bytes(lock, body, if_absent=True)
             self._check_not_committed_under_lock()
             self.locked = True
-            return
+            return self.save_id
         except AlreadyExists:
             if self._lock_owner() == self.save_id:
                 # our create landed but its answer was lost; the SDK's retry met our own lock
                 self._check_not_committed_under_lock()
                 self.locked = True
-                return
+                return self.save_id
         try:
             if store.stat(lock).size > MAX_LOCK_BYTES:
                 raise CorruptCheckpoint(f"{lock} is {store.stat(lock).size} bytes: not a cloudckpt save lock (ours are "
@@ -211,7 +216,8 @@ class StepCommit:
         self._check_not_committed_under_lock()
         self.locked = True
         # clear the abandoned save's objects, keeping the lock we now hold
-        store.delete_many(o.url for o in store.walk(urls.as_prefix(dir)) if o.url != lock)
+        store.delete_many(o.url for o in store.walk(self.ref.prefix) if o.url != lock)
+        return self.save_id
 
     def _age(self, data: bytes | None) -> float | None:
         """Seconds since the lock ``data`` was taken: 0 when it is gone (released between
@@ -257,7 +263,7 @@ class StepCommit:
         part = ManifestPart(step=self.step, rank=rank, save_id=self.save_id, objects=tuple(entries))
         data = part.to_bytes()
         ref = PartRef.of(rank, data, part)
-        url = self.loc.join(ref.path).url
+        url = self.ref.part_url(rank)
         try:
             ManifestPart.from_bytes(data, url=url, ref=ref, step=self.step, save_id=self.save_id)
         except CorruptCheckpoint as e:

@@ -128,11 +128,11 @@ def _refuse_existing(args) -> None:
 def _saved_hf_config(args, step) -> dict:
     """The model config cloudckpt's Hugging Face integration saved with the step (rank
     0's train state, read as a load reads it), or exit 2 naming --config."""
-    from ..checkpoint import discovery, layout, step_files
+    from ..checkpoint.committed import CommittedStep
+    from ..checkpoint.step import StepRef
     from ..integrations.hf_export import MAX_CONFIG_BYTES, saved_json
 
-    marker = discovery.read_marker(step)
-    state = step_files.train_state(step, marker, layout.train_state_name(0))
+    state = CommittedStep.open(StepRef.of(step)).train_state(0)
     section = state.get("hf") if isinstance(state, dict) else None
     text = section.get("config") if isinstance(section, dict) else None
     if not isinstance(text, str):

@@ -1,88 +1,81 @@
-"""DCP's load with the planning done on each rank, and only flat collectives.
+"""DCP's load with the planning done on each rank: the steps of DCP's own
+``state_dict_loader._load_state_dict`` (torch 2.13), without its gather of every
+rank's plan.
 
 Stock ``dcp.load`` gathers every rank's load plan (every item it reads) to the
 coordinator and scatters it back: at 4,096 ranks that is millions of read items into
 one process, for a global step that changes nothing (DCP's default global load plan is
 the identity). Here each rank plans against the metadata it was given (with the DCP
-index, only the chunks it reads: dcp/index.py), and what crosses ranks does not grow
-with their number:
+index, only the chunks it reads), and what crosses ranks does not grow with their
+number. The caller (``checkpoint/loading.py``) runs these in order, each on every
+rank, the collectives between them named there::
 
-1. PLAN (every rank): ``metadata(state_dict)`` gives the DCP ``Metadata`` to plan
-   against; the planner checks it (missing keys, shapes: load_guard.py) and makes the
-   local plan; the reader checks the plan against the manifest (``check_plan``).
-   AGREE: one all_reduce of a flag; if any rank failed, every rank raises the lowest
-   failing rank's error.
-2. LEFTOVERS: one all_reduce of a bit per key of the checkpoint (asked for by some
-   rank?) and per top-level key; every rank then judges the keys no rank loads the
-   same way (KeysNotLoaded on every rank, or the list of keys not loaded).
-3. ``before_read`` (the node-local tier's collective fetch from peers) with the
-   ranges this rank reads from storage (with the read-once exchange: its share, the
-   exchange's census made first), then READ: every rank reads its items; AGREE
-   again, so a rank's read error reaches all.
-
-The order of the public planner and reader calls is DCP's own
-(``state_dict_loader._load_state_dict``, torch 2.13): reset, set_up_planner,
-set_up_storage_reader, create_local_plan, prepare_local_plan, create_global_plan,
-prepare_global_plan, finish_plan, read_data. ``Stateful`` values are handled as
-``dcp.load`` does (``state_dict()`` before, ``load_state_dict`` after).
+    sd = unwrap(state_dict)                 Stateful values -> their state_dict()
+    md, local, ranges = plan(sd, md, ...)   reset, set_up_planner, set_up_storage_reader,
+                                            create_local_plan, the reader's check_plan
+                                            (AGREE "load plan")
+    judge_leftovers(coord, planner, md, keys)   one all_reduce of a bit per key
+    local = global_plan(local, ...)         create_global_plan, prepare_global_plan
+    read(local, reader, planner)            finish_plan, read_data (AGREE "load read")
+    put_back(state_dict, sd)                load_state_dict / state_dict[key] = value
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 
-def load(state_dict: dict, *, reader: Any, planner: Any, coord: Any,
-         metadata: Callable[[dict], Metadata], before_read: Callable | None = None,
-         prepare: Callable[[dict], Callable[[], None]] | None = None) -> None:
-    """Load ``state_dict`` in place (see the module docstring). ``reader``: a
-    StreamingReader; ``planner``: a KeyCheckingPlanner; ``coord``: the checkpointer's
-    ``dist.Coordinator``; ``metadata(flat state dict)``: the Metadata this rank plans
-    against. ``prepare(flat state dict)`` (optional; given on every rank or none): run
-    on every rank first (a failure on one fails all), returning a collective step every
-    rank then runs before ``metadata`` (the checkpointer fetches the manifest part
-    references this rank's plan reads there)."""
+def unwrap(state_dict: dict) -> dict:
+    """The state dict DCP plans with: each ``Stateful`` value's ``state_dict()`` (as
+    ``dcp.load`` does), other values as they are."""
+    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
+
+
+def plan(sd: dict, metadata: Metadata, reader: Any, planner: Any, *, is_coordinator: bool):
+    """This rank's local plan against ``metadata``: the planner checks it (missing keys,
+    shapes: load_guard.py) and the reader checks the plan against the manifest.
+    Returns ``(metadata, local plan, {file: [(offset, length), ...]})``. Not collective."""
     reader.reset()
-    keys = sorted(state_dict)
-    sd = {k: (state_dict[k].state_dict() if isinstance(state_dict[k], Stateful) else state_dict[k]) for k in keys}
-    if prepare is not None:
-        coord.agree("load prepare", lambda: prepare(sd))()
+    planner.set_up_planner(sd, metadata, is_coordinator)
+    reader.set_up_storage_reader(metadata, is_coordinator)
+    local = planner.create_local_plan()
+    return metadata, local, reader.check_plan(local)
 
-    def plan():
-        md = metadata(sd)
-        planner.set_up_planner(sd, md, coord.is_coordinator)
-        reader.set_up_storage_reader(md, coord.is_coordinator)
-        local = planner.create_local_plan()
-        ranges = reader.check_plan(local)
-        return md, local, ranges
 
-    md, local, ranges = coord.agree("load plan", plan)
-
-    # keys no rank asks for: one bit per key of the checkpoint and per top-level key
-    ckpt_keys = sorted(md.state_dict_metadata)
+def judge_leftovers(coord: Any, planner: Any, metadata: Metadata, keys: list[str]) -> None:
+    """Collective: one all_reduce of a bit per key of the checkpoint (asked for by some
+    rank?) and per top-level key; every rank then judges the keys no rank loads the same
+    way (KeysNotLoaded on every rank, or the list of keys not loaded)."""
+    ckpt_keys = sorted(metadata.state_dict_metadata)
     tops = sorted({k.split(".", 1)[0] for k in ckpt_keys})  # the same list on every rank
-    asked = planner.asked_keys()
-    mine_top = set(keys)
-    flags = coord.any_rank([k in asked for k in ckpt_keys] + [t in mine_top for t in tops])
+    asked, mine = planner.asked_keys(), set(keys)
+    flags = coord.any_rank([k in asked for k in ckpt_keys] + [t in mine for t in tops])
     asked_all = {k for k, f in zip(ckpt_keys, flags[:len(ckpt_keys)], strict=True) if f}
     top_all = {t for t, f in zip(tops, flags[len(ckpt_keys):], strict=True) if f}
     planner.judge_leftovers(asked_all, top_all, warn=coord.is_coordinator)
 
+
+def global_plan(local: Any, planner: Any, reader: Any) -> Any:
+    """DCP's global step, run on this rank's plan alone (the identity for DCP's planners)."""
     (local,) = planner.create_global_plan([local])
     (local,) = reader.prepare_global_plan([local])
-    if before_read is not None:
-        ex = getattr(reader, "exchange", None)  # read-once: this rank reads its share (the census, made now)
-        before_read(ex.plan_ahead(ranges, reader) if ex is not None else ranges)
+    return local
 
-    def read():
-        final = planner.finish_plan(local)
-        reader.read_data(final, planner).wait()
 
-    coord.agree("load read", read)
-    for k in keys:
+def read(local: Any, reader: Any, planner: Any) -> None:
+    """Read every item of this rank's plan and put it in place."""
+    final = planner.finish_plan(local)
+    reader.read_data(final, planner).wait()
+
+
+def put_back(state_dict: dict, sd: dict) -> None:
+    """Hand the loaded values back as ``dcp.load`` does: ``load_state_dict`` for a
+    ``Stateful``, ``state_dict[key] = value`` for every other top-level value (tensors
+    were filled in place)."""
+    for k in sd:
         if isinstance(state_dict[k], Stateful):
             state_dict[k].load_state_dict(sd[k])
         else:

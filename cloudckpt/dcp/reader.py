@@ -33,6 +33,7 @@ import io
 import logging
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -45,8 +46,6 @@ from ..errors import CorruptCheckpoint
 from ..storage import url as urls
 from ..transfer import crc32c_bytes
 from ..units import MiB
-from ..untrusted import loads_metadata
-from ..untrusted.limits import read_metadata
 from .exchange import for_coordinator
 from .items import load_tensor_into
 from .predownload import read_predownloaded
@@ -55,69 +54,71 @@ from .streaming import read_streamed
 
 log = logging.getLogger(__name__)
 
-METADATA_NAME = ".metadata"
-
 # (offset, length) -> crc32c hex, per relative file name
 Checksums = dict[str, dict[tuple[int, int], str]]
 
 
+@dataclass
+class ShardSource:
+    """Where a rank's load reads the DCP shards from, and what it checks them against.
+
+    Attributes:
+        url: the DCP folder (``{step}/model_and_optim``).
+        stream: ``stream(url, start, end, job)`` runs ``job(open_from, progress)`` on a
+            transfer thread and returns its Future (``TransferEngine.submit_stream``).
+        streamed: the store reads a range as one streamed request
+            (``ObjectStore.streams_ranges``); if not, streams are kept to a quarter of
+            the in-flight budget (each is then one request, held whole).
+        checksums: ``{file: {(offset, length): crc32c}}`` known before the plan (the
+            files a marker lists itself).
+        verify: check each item's CRC32C (sizes are always checked).
+        manifest: for a manifest in parts, ``manifest(files)`` gives the ``(checksums,
+            sizes)`` of the files this rank's plan reads, asked for once the plan is
+            known; every item the plan reads must then lie inside one of them.
+    """
+
+    url: str
+    stream: Callable[[str, int, int, Callable], Future]
+    streamed: bool = True
+    checksums: Checksums = field(default_factory=dict)
+    verify: bool = True
+    manifest: Callable[[list[str]], tuple[Checksums, dict[str, int]]] | None = None
+
+
 class StreamingReader(StorageReader):
-    def __init__(
-        self,
-        remote_dir: str,
-        stream: Callable[[str, int, int, Callable], Future],
-        *,
-        get_bytes: Callable[[str], bytes],
-        checksums: Checksums | None = None,
-        verify: bool = True,
-        local_dir: str | None = None,
-        max_gap: int = 1 * MiB,
-        max_stream_size: int = 512 * MiB,
-        max_inflight_bytes: int = 512 * MiB,
-        streamed: bool = True,
-        download_ahead: int = 2,
-        metadata_bytes: bytes | None = None,
-        files: dict[str, int] | None = None,
-        manifest: Callable[[list[str]], tuple[Checksums, dict[str, int]]] | None = None,
-        before_read: Callable[[dict[str, list[tuple[int, int]]]], None] | None = None,
-        exchange=None,
-    ):
-        """``stream(url, start, end, job)`` runs ``job(open_from, progress)`` on a
-        transfer thread and returns its Future (``TransferEngine.submit_stream``);
-        ``get_bytes(url)`` reads a whole object; ``streamed``: the store reads a range
-        as one streamed request (``ObjectStore.streams_ranges``); if not, streams are
-        kept to a quarter of the in-flight budget (each is then one request, held
-        whole). ``local_dir``: pre-download into this folder (streams too: one per
-        file, written to disk). ``metadata_bytes``: DCP's ``.metadata`` already read (by rank 0,
-        for every rank); it is checked like a fetched object. ``files``: the manifest's
-        ``{relative path: size}`` of this DCP folder; every item of ``.metadata`` must
-        lie inside one of them (None: a checkpoint without a manifest, or one whose
-        manifest is in parts). ``manifest(files)``: for a manifest in parts, the
-        ``(checksums, sizes)`` of the files this rank's plan reads, asked for once the
-        plan is known; every item the plan reads must then lie inside one of them.
-        ``before_read``:
-        called with ``{relative path: [(offset, length), ...]}``, the items this rank's
-        plan reads, once planned and before any is read (on every rank: it may be
-        collective). ``exchange``: the read-once exchange (exchange.py; collective: on
-        every rank or none), or a ``dist.Coordinator``: the job's exchange, on a group of
-        its own made at the first load (none for one process). Items several ranks need
-        are then read from the bucket by one of them and sent to the others."""
+    """DCP's StorageReader over a :class:`ShardSource`: plans are checked against the
+    manifest (:meth:`check_plan`), items are read in streams and put in place
+    (:meth:`read_data`). The DCP ``Metadata`` comes from the caller
+    (``set_up_storage_reader``: a load plans against what ``CommittedStep`` read).
+
+    Args:
+        source: where the shards are and what they are checked against.
+        local_dir: pre-download into this folder (streams too: one per file, written to
+            disk) instead of streaming into the targets.
+        exchange: the read-once exchange (exchange.py; collective: on every rank or
+            none), or a ``dist.Coordinator``: the job's exchange, on a group of its own
+            made at the first load (none for one process). Items several ranks need are
+            then read from the bucket by one of them and sent to the others.
+        max_gap, max_stream_size, max_inflight_bytes, download_ahead: the streams'
+            shape and the memory bound (:meth:`budget`).
+    """
+
+    def __init__(self, source: ShardSource, *, local_dir: str | None = None, exchange: Any = None,
+                 max_gap: int = 1 * MiB, max_stream_size: int = 512 * MiB, max_inflight_bytes: int = 512 * MiB,
+                 download_ahead: int = 2):
         super().__init__()
-        self.remote_dir = remote_dir
-        self._stream = stream
-        self._get_bytes = get_bytes
-        self.checksums = checksums or {}
-        self.verify = verify
+        self.source = source
+        self.remote_dir = source.url
+        self._stream = source.stream
+        self.checksums = dict(source.checksums)
+        self.verify = source.verify
+        self.streamed = source.streamed
         self.local_dir = local_dir
         self.max_gap = max_gap
         self.max_stream_size = max_stream_size
-        self.streamed = streamed
         self.max_inflight_bytes = max_inflight_bytes
         self.download_ahead = max(1, download_ahead)
-        self._metadata_bytes = metadata_bytes
-        self.files = files
-        self.manifest = manifest
-        self.before_read = before_read
+        self.metadata: Metadata | None = None
         self.storage_data: dict = {}
         if isinstance(exchange, dist.Coordinator):  # the job's: its exchange, on a group of its own
             exchange = for_coordinator(exchange)
@@ -125,7 +126,6 @@ class StreamingReader(StorageReader):
         self.bytes_read = 0  # from the bucket
         self.bytes_from_peers = 0  # from other ranks (the exchange)
         self.direct_items = 0  # tensor items copied straight from the fetched bytes (items.py)
-        self.metadata_error: CorruptCheckpoint | None = None
         self._values_lock = threading.Lock()
 
     # ---------------------------------------------------------------- protocol
@@ -133,31 +133,20 @@ class StreamingReader(StorageReader):
         self.storage_data = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        url = urls.join(self.remote_dir, METADATA_NAME)
-        try:
-            data = self._metadata_bytes
-            if data is None:
-                if self.files is not None and METADATA_NAME not in self.files:
-                    raise CorruptCheckpoint(f"{url}: the checkpoint's marker lists no DCP metadata; it is not a "
-                                            "complete checkpoint")
-                data = read_metadata(_Getter(self._get_bytes), url, described=sum((self.files or {}).values()))
-            self._check(METADATA_NAME, 0, len(data), data, url)
-            md = loads_metadata(data, url=url, files=self.files)
-        except CorruptCheckpoint as e:
-            # DCP (2.13) turns a read_metadata error into a bare AssertionError; keep the typed one
-            self.metadata_error = e
-            raise
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        return md
+        """The ``Metadata`` this reader was set up with (the caller reads and checks it)."""
+        if self.metadata is None:
+            raise RuntimeError("StreamingReader.read_metadata: set_up_storage_reader was not called (the caller "
+                               "hands the reader its Metadata)")
+        return self.metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        self.metadata = metadata
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        ranges = self.check_plan(plan)
-        if self.before_read is not None:
-            self.before_read(ranges)
+        """DCP's hook; the planned load checks the plan itself (:meth:`check_plan`)."""
         return plan
 
     def check_plan(self, plan: LoadPlan) -> dict[str, list[tuple[int, int]]]:
@@ -168,14 +157,14 @@ class StreamingReader(StorageReader):
         for r in plan.items:
             s = self.storage_data[r.storage_index]
             ranges.setdefault(s.relative_path, []).append((s.offset, s.length))
-        if self.manifest is not None:
+        if self.source.manifest is not None:
             self._check_planned(ranges)
         return ranges
 
     def _check_planned(self, ranges: dict[str, list[tuple[int, int]]]) -> None:
         """Read the manifest of the files this rank reads (and only those), and refuse
         an item that lies outside its file before any byte is read."""
-        sums, sizes = self.manifest(sorted(ranges))
+        sums, sizes = self.source.manifest(sorted(ranges))
         self.checksums.update(sums)
         for rel, spans in ranges.items():
             url = urls.join(self.remote_dir, rel)
@@ -267,10 +256,3 @@ class StreamingReader(StorageReader):
         if not self.streamed:  # each stream is fetched whole (store.streams_ranges is False)
             return inflight, min(self.max_stream_size, inflight // 4)
         return inflight, min(self.max_stream_size, max(16 * MiB, planned_bytes // 4))
-
-
-class _Getter:
-    """``get_bytes`` as a store-like object for ``untrusted.read_capped``."""
-
-    def __init__(self, get_bytes: Callable):
-        self.get_bytes = get_bytes

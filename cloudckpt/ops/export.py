@@ -41,10 +41,12 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ..checkpoint import layout, step_files
-from ..config import default_work_dir
+from ..checkpoint import layout
+from ..checkpoint.committed import CommittedStep
+from ..checkpoint.step import StepRef
 from ..dcp.items import decode_item_tensor
 from ..errors import AlreadyExists, ConfigError, CorruptCheckpoint, MissingKeys
+from ..options import default_work_dir
 from ..storage import Location, StorageOptions, Where
 from ..storage import url as urls
 from ..transfer import TransferConfig, TransferEngine, crc32c_bytes
@@ -86,9 +88,12 @@ def parse_dtype(dtype: "str | torch.dtype | None") -> torch.dtype | None:
 
 # ---------------------------------------------------------------- reading the checkpoint
 def read_dcp_metadata(step: Where, *, verify: bool = True):
-    """The commit marker and the DCP ``Metadata`` of a committed step: see
-    :func:`cloudckpt.checkpoint.step_files.read_dcp_metadata`."""
-    return step_files.read_dcp_metadata(Location.of(step), verify=verify)
+    """The commit marker (every object inline) and the DCP ``Metadata`` of a committed
+    step, from its ``.metadata`` (unpickled with the allowlist, every item inside the
+    manifest's files). Raises NotACheckpoint, CorruptCheckpoint (no metadata listed, bad
+    size or CRC32C), UnsafeCheckpoint, storage errors."""
+    c = CommittedStep.open(StepRef.of(step), whole=True, verify=verify)
+    return c.marker, c.metadata()
 
 
 @dataclass(frozen=True)
@@ -292,20 +297,16 @@ def _write_torch(f: BinaryIO, entries: list[_Entry], reader: _TensorReader) -> N
 
 
 # ---------------------------------------------------------------- entry point
-def _read_metadata(step: Location, key_prefix: str, verify: bool):
-    """The marker and the DCP metadata export plans with: from the DCP index where the
-    step has one, with the chunks of the keys under ``key_prefix`` only (reading the
-    index parts of the ranks that wrote them; not ``.metadata``, 1.6 GB at 4,096 ranks of
-    a 70B model, ~27 GB of memory to unpickle), else ``.metadata``."""
-    from ..checkpoint import discovery
-
-    marker = discovery.read_marker(step)
-    header = step_files.index_header(step, marker, verify=verify)
+def _read_metadata(c: CommittedStep, key_prefix: str):
+    """The DCP metadata export plans with: from the DCP index where the step has one,
+    with the chunks of the keys under ``key_prefix`` only (reading the index parts of the
+    ranks that wrote them; not ``.metadata``, 1.6 GB at 4,096 ranks of a 70B model, ~27 GB
+    of memory to unpickle), else ``.metadata``."""
+    header = c.header()
     if header is None:
-        return marker, step_files.parse_metadata(step, marker, step_files.metadata_bytes(step, marker, verify=verify))
+        return c.metadata()
     prefix = f"{key_prefix}." if key_prefix else ""
-    keys = {k for k in header.keys() if k.startswith(prefix)}
-    return marker, step_files.index_metadata(step, marker, header, keys, verify=verify)
+    return c.index_metadata({k for k in header.keys() if k.startswith(prefix)})
 
 
 def export_weights(
@@ -356,8 +357,9 @@ def export_weights(
     if not overwrite and dest.store.exists(dest_url):
         raise AlreadyExists(f"{dest_url} already exists; pass overwrite=True (--force) to replace it", url=dest_url)
 
-    step = Location.of(step_url, storage_options).resolved_step()
-    marker, metadata = _read_metadata(step, key_prefix, verify_checksums)
+    c = CommittedStep.open(StepRef.of(step_url, storage_options), whole=True, verify=verify_checksums)
+    step, marker = c.step.loc, c.marker
+    metadata = _read_metadata(c, key_prefix)
     entries, skipped = _plan(metadata, key_prefix, out_dtype, safetensors=fmt == "safetensors")
     if skipped:
         log.warning("export skips %d non-tensor value(s) under %r: %s", len(skipped), key_prefix,
@@ -382,7 +384,7 @@ def export_weights(
         if read_progress is not None:
             read_progress.start(_stored_bytes(metadata, entries))
         reader = _TensorReader(step.join(layout.MODEL_DIR).url, step.store, metadata, pool,
-                               checksums=step_files.item_checksums(marker), verify=verify_checksums,
+                               checksums=c.item_checksums(), verify=verify_checksums,
                                piece_size=piece_size,
                                on_bytes=read_progress.update if read_progress is not None else None)
         with open(tmp, "xb") as f:

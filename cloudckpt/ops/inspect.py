@@ -1,8 +1,8 @@
 """What one committed step holds: its marker, the entries of its DCP metadata (from
 the DCP index's header where the step has one, else ``.metadata``) and the top-level
 keys of rank 0's train state, each read through
-:mod:`cloudckpt.checkpoint.step_files` (checked against the marker, then parsed with
-the untrusted-input checks). Imports torch (the metadata holds torch types), but only
+:class:`cloudckpt.checkpoint.committed.CommittedStep` (checked against the marker, then
+parsed with the untrusted-input checks). Imports torch (the metadata holds torch types), but only
 once the marker is read: a step that is not there is reported without it."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 from ..checkpoint import discovery, layout
 from ..checkpoint.marker import Marker
+from ..checkpoint.step import StepRef
 from ..storage import Location, Where
 
 
@@ -80,27 +81,21 @@ def _tensor(key: str, dtype: Any, size: Any, chunks: int) -> dict:
             "size_bytes": numel * dtype.itemsize, "chunks": chunks}
 
 
-def _tensors(step: Location, marker: Marker) -> tuple[bool, list[dict], list[str], str]:
-    """The step's tensors and other keys: from the DCP index header where the step has one
-    (a fraction of ``.metadata``'s bytes, which grow with ranks x tensors: 1.6 GB at 4,096
-    ranks of a 70B model, ~27 GB of memory to unpickle), else from ``.metadata``."""
-    from ..checkpoint import step_files  # imports torch
-
-    header = step_files.index_header(step, marker)
+def _tensors(c: Any) -> tuple[bool, list[dict], list[str], str]:
+    """The tensors and other keys of the step ``c`` (a CommittedStep): from the DCP index
+    header where the step has one (a fraction of ``.metadata``'s bytes, which grow with
+    ranks x tensors: 1.6 GB at 4,096 ranks of a 70B model, ~27 GB of memory to unpickle),
+    else from ``.metadata``."""
+    header = c.header()  # checked as every reader checks it: what it says the step holds, it stores
     if header is not None:
-        from ..dcp import index
-
-        index.check_tensor_bytes(header, marker.total_bytes)  # what it says the step holds, it stores
-        index.check_owners(header, marker.world_size)
         tensors = [_tensor(k, t.dtype, t.size, 1 if t.layout < 0 else header.layouts[t.layout].n)
                    for k, t in sorted(header.tensors.items())]
         return True, tensors, sorted(header.values), layout.INDEX_HEADER
-    data = step_files.metadata_bytes(step, marker)
-    if data is None:
+    if c.metadata_bytes() is None:
         return False, [], [], layout.DCP_METADATA
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    md = step_files.parse_metadata(step, marker, data)
+    md = c.metadata()
     tensors, others = [], []
     for key in sorted(md.state_dict_metadata):
         sm = md.state_dict_metadata[key]
@@ -111,13 +106,11 @@ def _tensors(step: Location, marker: Marker) -> tuple[bool, list[dict], list[str
     return True, tensors, others, layout.DCP_METADATA
 
 
-def _train_state(step: Location, marker: Marker) -> dict | None:
-    rel = layout.train_state_name(0)
+def _train_state(c: Any) -> dict | None:
+    marker, rel = c.marker, layout.train_state_name(0)
     if marker.object(rel) is None:
         return None
-    from ..checkpoint import step_files  # imports torch
-
-    obj = step_files.train_state(step, marker, rel)
+    obj = c.train_state(0)
     keys = []
     if isinstance(obj, dict):
         for k, v in obj.items():
@@ -132,7 +125,10 @@ def inspect_step(step: Where) -> StepReport:
     """Describe the committed step ``step``. Raises NotACheckpoint (no marker),
     CorruptCheckpoint / UnsafeCheckpoint (metadata or train state refused),
     IncompatibleCheckpoint, storage errors."""
-    loc = Location.of(step).resolved_step()
-    marker = discovery.read_marker(loc)
-    has_md, tensors, others, source = _tensors(loc, marker)
-    return StepReport(Location.of(step).url, marker, has_md, tensors, others, _train_state(loc, marker), source)
+    ref = StepRef.of(step)
+    marker = discovery.read_marker(ref.loc)  # a step that is not there is reported before torch is imported
+    from ..checkpoint.committed import CommittedStep  # imports torch
+
+    c = CommittedStep(ref, marker)
+    has_md, tensors, others, source = _tensors(c)
+    return StepReport(Location.of(step).url, marker, has_md, tensors, others, _train_state(c), source)

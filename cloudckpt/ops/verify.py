@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from ..checkpoint import discovery, layout
-from ..checkpoint.marker import Marker, ObjectEntry
+from ..checkpoint.entries import ObjectEntry
+from ..checkpoint.marker import Marker
+from ..checkpoint.step import StepRef
 from ..errors import BucketNotFound, CorruptCheckpoint, NotFound, ObjectTooLarge
 from ..storage import Location, Where
 from .progress import Progress
@@ -134,33 +136,34 @@ def check_contents(step: Location, marker: Marker, notes: list[dict] | None = No
     DCP's ``.metadata``, and every train state file; ``{path, url, detail}`` for each one
     refused. ``.metadata`` of a step with the index is parsed too up to
     ``PARSE_METADATA_BYTES``; above, ``{path, url, detail}`` goes to ``notes``."""
-    from ..checkpoint import step_files
+    from ..checkpoint.committed import CommittedStep  # imports torch
 
+    c = CommittedStep(StepRef.of(step), marker)
     bad = []
     header = None
     try:
-        header = step_files.index_header(step, marker)
+        header = c.header()
     except CorruptCheckpoint as e:
         bad.append({"path": layout.INDEX_HEADER, "url": step.join(layout.INDEX_HEADER).url, "detail": str(e)})
     for o in marker.objects:
         url = step.join(o.path).url
         try:
-            if o.path == step_files.METADATA_REL:
+            if o.path == layout.DCP_METADATA:
                 if marker.object(layout.INDEX_HEADER) is not None and o.size > PARSE_METADATA_BYTES:
                     if notes is not None:
                         notes.append({"path": o.path, "url": url, "detail": (
                             f"{o.size:,} bytes: checked by size and CRC32C, not parsed (over {PARSE_METADATA_BYTES:,};"
                             " loads read the DCP index, parsed here)")})
                     continue
-                md = step_files.parse_metadata(step, marker, step_files.metadata_bytes(step, marker))
+                md = c.metadata()
                 if header is not None:
                     _same_keys(header, md)
             elif o.path.startswith(layout.TRAIN_DIR + "/"):
-                step_files.train_state(step, marker, o.path)
+                c.train_state_file(o.path)
         except CorruptCheckpoint as e:
             bad.append({"path": o.path, "url": url, "detail": str(e)})
     if header is not None:
-        bad.extend(_check_index(step, marker, header))
+        bad.extend(_check_parts(c))
     return bad
 
 
@@ -181,30 +184,24 @@ def _same_keys(header, md) -> None:
                                 "stock DCP would read different checkpoints")
 
 
-def _check_index(step: Location, marker: Marker, header) -> list[dict]:
-    """The DCP index as the loads of every rank check it: the header against the step
-    (bytes, owners, its own items), then each rank's part for the chunks the header
-    gives that rank (one part in memory at a time)."""
-    from ..checkpoint import step_files
-
-    files = step_files.index_files(marker)
-    try:
-        step_files.check_index_header(marker, header, files)
-    except CorruptCheckpoint as e:
-        return [{"path": layout.INDEX_HEADER, "url": step.join(layout.INDEX_HEADER).url, "detail": str(e)}]
+def _check_parts(c: Any) -> list[dict]:
+    """The DCP index parts as the loads of every rank check them (``c``: a CommittedStep
+    whose header passed its checks): each rank's part for the chunks the header gives
+    that rank (one part in memory at a time)."""
+    files = c.model_files()
 
     def check(rank: int) -> dict | None:
         try:
-            step_files.index_part(step, marker, header, rank, files)
+            c.index_part(rank, files)
         except CorruptCheckpoint as e:
             rel = layout.index_part_name(rank)
-            return {"path": rel, "url": step.join(rel).url, "detail": str(e)}
+            return {"path": rel, "url": c.step.index_part_url(rank), "detail": str(e)}
         return None
 
     # the parts' reads overlap (4,096 GETs); the parse and check (~0.04 CPU-s a rank of a 70B model) hold
     # the GIL, so a few parts are in memory at a time
     with ThreadPoolExecutor(max_workers=_PART_JOBS) as pool:
-        return [r for r in pool.map(check, range(marker.world_size)) if r is not None]
+        return [r for r in pool.map(check, range(c.marker.world_size)) if r is not None]
 
 
 def verify_step(step: Where, *, size_only: bool = False, jobs: int = 16,

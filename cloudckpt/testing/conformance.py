@@ -677,13 +677,13 @@ class ObjectStoreConformance:
     # store alone: every backend runs the protocol here, without ranks.
     def _attempt(self, backend: StoreUnderTest, step: int = 1, **kw):
         from ..checkpoint.commit import StepCommit
-        from ..storage import Location
+        from ..checkpoint.step import StepRef
 
-        return StepCommit(Location.of(backend.url("run", f"step{step}")), step=step, save_id=uuid.uuid4().hex,
+        return StepCommit(StepRef.of(backend.url("run", f"step{step}"), step=step), save_id=uuid.uuid4().hex,
                           world_size=2, **kw)
 
     def _entry(self, backend: StoreUnderTest, attempt, rel: str, data: bytes):
-        from ..checkpoint.marker import ObjectEntry
+        from ..checkpoint.entries import ObjectEntry
         from ..transfer import crc32c_bytes
 
         backend.store.put_bytes(urls.join(attempt.dir, rel), data)
@@ -776,7 +776,7 @@ class ObjectStoreConformance:
     def test_commit_protocol_a_part_is_trusted_only_as_the_marker_describes_it(self, backend):
         from ..checkpoint import discovery
         from ..checkpoint.layout import part_name
-        from ..checkpoint.marker import ManifestPart
+        from ..checkpoint.parts import ManifestPart
         from ..errors import CorruptCheckpoint, SaveFailed, UnsafeCheckpoint
 
         a = self._attempt(backend)

@@ -13,8 +13,9 @@ import pytest
 
 from cloudckpt.checkpoint import layout
 from cloudckpt.checkpoint.commit import StepCommit
+from cloudckpt.checkpoint.step import StepRef
 from cloudckpt.errors import SaveInProgress
-from cloudckpt.storage import Location, open_store
+from cloudckpt.storage import open_store
 from cloudckpt.storage.base import ObjectStore
 from cloudckpt.storage.local import LocalStore
 
@@ -40,7 +41,7 @@ def no_cas(monkeypatch):
 
 
 def _commit(step_dir: str, **kw) -> StepCommit:
-    return StepCommit(Location.of(step_dir), step=3, save_id="new-job", world_size=1, stale_lock_seconds=60, **kw)
+    return StepCommit(StepRef.of(step_dir, step=3), save_id="new-job", world_size=1, stale_lock_seconds=60, **kw)
 
 
 def test_a_stale_lock_on_a_store_without_conditional_replace_is_refused_not_taken_over(tmp_path, no_cas):

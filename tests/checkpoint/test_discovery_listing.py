@@ -12,14 +12,15 @@ import pytest
 
 from cloudckpt.checkpoint import discovery, layout, pointer
 from cloudckpt.checkpoint.commit import StepCommit
-from cloudckpt.checkpoint.marker import ObjectEntry
-from cloudckpt.storage import Location, open_store
+from cloudckpt.checkpoint.entries import ObjectEntry
+from cloudckpt.checkpoint.step import StepRef
+from cloudckpt.storage import open_store
 
 
 def _commit_marker(root: str, step: int, *, ephemeral: bool = False) -> None:
     """A committed step as discovery sees it: the writer's own marker, written directly."""
     d = layout.step_dir(root, step)
-    c = StepCommit(Location.of(d), step=step, save_id=f"t{step}", world_size=1)
+    c = StepCommit(StepRef.of(d, step=step), save_id=f"t{step}", world_size=1)
     data = c.marker((), (ObjectEntry(layout.DCP_METADATA, 3, None),), ephemeral=ephemeral).to_bytes()
     open_store(root).put_bytes(layout.marker_url(d), data)
 

@@ -49,14 +49,13 @@ def test_stages_asking_for_different_keys_load_and_a_key_nobody_asks_for_is_refu
 
 
 def test_a_local_plan_carries_top_level_keys_and_no_key_list(tmp_path):
-    from cloudckpt.checkpoint import step_files
-    from cloudckpt.storage import Location
+    from cloudckpt.ops.export import read_dcp_metadata
 
     path = str(tmp_path / "run" / "step1")
     big = {"model": {f"w{i}": torch.ones(2) for i in range(2000)} | {"empty": torch.empty(0)}}
     with Checkpointer(work_dir=str(tmp_path / "w")) as ck:
         ck.save(path, big)
-    _, metadata = step_files.read_dcp_metadata(Location.of(path))
+    _, metadata = read_dcp_metadata(path)
     planner = KeyCheckingPlanner(strict=True)
     target = {"model": {k: torch.zeros_like(v) for k, v in big["model"].items()}}
     planner.set_up_planner(target, metadata, is_coordinator=True)

@@ -23,21 +23,15 @@ import torch
 from faults import checks
 
 from cloudckpt import Checkpointer
-from cloudckpt.checkpoint import discovery, layout, retention, step_files
+from cloudckpt.checkpoint import discovery, layout, retention
+from cloudckpt.checkpoint.committed import CommittedStep
+from cloudckpt.checkpoint.entries import ObjectEntry
 from cloudckpt.checkpoint.layout import part_name
-from cloudckpt.checkpoint.marker import (
-    FORMAT_VERSION,
-    INLINE_FORMAT_VERSION,
-    MAX_PART_BYTES,
-    MAX_PART_DATA,
-    MAX_PART_OBJECTS,
-    MAX_WORLD_SIZE,
-    Marker,
-    ObjectEntry,
-    PartRef,
-    as_part_list,
-)
+from cloudckpt.checkpoint.marker import FORMAT_VERSION, INLINE_FORMAT_VERSION, MAX_WORLD_SIZE, Marker
+from cloudckpt.checkpoint.parts import MAX_PART_BYTES, MAX_PART_DATA, MAX_PART_OBJECTS, PartRef, as_part_list
+from cloudckpt.checkpoint.step import StepRef
 from cloudckpt.errors import CorruptCheckpoint, IncompatibleCheckpoint, SaveFailed, UnsafeCheckpoint
+from cloudckpt.ops.export import read_dcp_metadata
 from cloudckpt.storage import Location, open_store
 from cloudckpt.storage import url as urls
 from cloudckpt.untrusted import limits
@@ -293,7 +287,7 @@ def test_a_metadata_declared_over_the_ceiling_is_refused_before_any_request(back
     text = str(ei.value)
     assert url in text and "1099511627776 bytes" in text and "load_step" in text and "restore" in text
     with pytest.raises(UnsafeCheckpoint, match="ceiling"):
-        step_files.read_dcp_metadata(loc)  # what inspect, verify and export read
+        read_dcp_metadata(loc)  # what inspect, verify and export read
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
@@ -318,7 +312,7 @@ def test_a_huge_declared_metadata_allocates_only_what_the_store_holds(backend, t
     assert counting.asked == [(0, limits.READ_WINDOW)], "one window: the object ended inside it"
     assert peak < 2 * limits.READ_WINDOW, peak
     with pytest.raises(CorruptCheckpoint, match="the marker says 68719476736"):
-        step_files.metadata_bytes(loc, marker)
+        CommittedStep(StepRef.of(loc), marker).metadata_bytes()
 
 
 def test_a_metadata_over_the_floor_is_read_in_windows_when_the_step_is_larger(tmp_path, monkeypatch):
@@ -335,7 +329,7 @@ def test_a_metadata_over_the_floor_is_read_in_windows_when_the_step_is_larger(tm
                                 described=marker.total_bytes - meta.size)
     assert len(data) == meta.size and len(counting.asked) == meta.size // 200 + 1
     assert counting.asked[:2] == [(0, 200), (200, 400)]
-    _, md = step_files.read_dcp_metadata(Location.of(dir))
+    _, md = read_dcp_metadata(Location.of(dir))
     assert "model.w0" in md.state_dict_metadata
 
 
@@ -346,7 +340,7 @@ def test_a_save_whose_metadata_outweighs_the_step_fails_before_the_marker(tmp_pa
 
     def commit(step: int, part_bytes: int):
         loc = Location.of(layout.step_dir(str(tmp_path / "run"), step))
-        c = StepCommit(loc, step=step, save_id=f"s{step}", world_size=1)
+        c = StepCommit(StepRef.of(loc, step=step), save_id=f"s{step}", world_size=1)
         c.prepare()
         m = c.marker([PartRef(0, part_name(0), 100, "00000000", 1, part_bytes)],
                      [ObjectEntry(META, 2 << 30, "00000000")], ephemeral=False)

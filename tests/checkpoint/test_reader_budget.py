@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from cloudckpt.dcp.reader import StreamingReader, coalesce
+from cloudckpt.dcp.reader import ShardSource, StreamingReader, coalesce
 
 MiB = 1024 * 1024
 
 
 def _reader(**kw) -> StreamingReader:
-    return StreamingReader("s3://b/ck/model_and_optim", lambda *a: None, get_bytes=lambda u: b"", **kw)
+    streamed = kw.pop("streamed", True)
+    return StreamingReader(ShardSource("s3://b/ck/model_and_optim", lambda *a: None, streamed=streamed), **kw)
 
 
 @pytest.mark.parametrize(

@@ -106,8 +106,8 @@ def opener(data, opened):
 
 
 def _stream(data, parts, sums, tally=None, placed=None):
-    reader = R.StreamingReader("s3://b/ck/model_and_optim", lambda *a: None, get_bytes=lambda u: b"",
-                               checksums={"__0_0.distcp": sums})
+    reader = R.StreamingReader(R.ShardSource("s3://b/ck/model_and_optim", lambda *a: None,
+                                             checksums={"__0_0.distcp": sums}))
     reader._consume = placed if placed is not None else Placed()
     tally = tally or S._Tally(1 << 30)
     st = S._ItemStream(reader, None, tally, URL, "__0_0.distcp", parts[0][0], parts[-1][0] + parts[-1][1], parts)

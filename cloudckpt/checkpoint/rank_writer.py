@@ -1,0 +1,222 @@
+"""One rank's side of a save: write its files, hand each to the transfer engine the
+moment it is closed, and report what it made.
+
+``RankWriter.write`` runs DCP's save into the rank's work dir (DCP's own collectives
+plan the save and write ``.metadata`` on the coordinator; ``dcp/writer.py``), then
+the rank's DCP index part and its train state; ``RankWriter.upload`` sends files a
+local step wrote earlier. Both return a :class:`RankResult`: the rank's entries (size,
+CRC32C, item CRC32Cs of every object) or its error, for the save's AGREE step.
+
+The writer keeps what a repeated save reuses, across saves: the DCP index's layouts,
+rank 0's last ``.metadata`` (64 MiB or more, in a private folder of ``work_dir``),
+and where rank 0 sent it, so that a repeated save copies an unchanged ``.metadata``
+inside the store instead of sending it again (``TransferEngine.submit_copy_or_upload``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+import warnings
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .._torch_compat import caching_save_planner
+from ..dcp import UploadingWriter
+from ..errors import CloudCkptError, CorruptCheckpoint
+from ..options import CheckpointerOptions
+from ..storage.nofollow import private_dir
+from ..transfer import TransferEngine, TransferResult, crc32c_file
+from . import layout
+from .entries import ObjectEntry
+from .step import StepRef
+
+
+@dataclass
+class RankOutcome:
+    """What one rank made: its objects' entries, their bytes, the seconds it took."""
+
+    objects: list  # [ObjectEntry]
+    bytes: int
+    seconds: float
+
+
+class RankResult:
+    """A rank's outcome for AGREE: ``result()`` returns it or raises the rank's error."""
+
+    def __init__(self, entries: list, t0: float, error: BaseException | None):
+        self._value = RankOutcome(entries, sum(e.size for e in entries), time.monotonic() - t0)
+        self._error = error
+
+    def result(self) -> RankOutcome:
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class RankWriter:
+    """Writes and uploads one rank's files of each save (see the module docstring)."""
+
+    def __init__(self, coord: Any, engine: TransferEngine, options: CheckpointerOptions):
+        self.coord, self.engine, self.options = coord, engine, options
+        self._index_cache: dict = {}  # the DCP index's layouts, kept across saves (dcp/index.header_bytes)
+        self._metadata_dir: str | None = None  # rank 0: its last DCP .metadata, for a repeated save (dcp/writer.py)
+        self._metadata_sent: tuple[str, str, tuple] | None = None  # rank 0: (URL, CRC32C, file identity) last sent
+
+    def write(self, step: StepRef | None, work: str, state_dict: dict, train_state: Any) -> RankResult:
+        """Write this rank's files into ``work`` and upload each to ``step`` as it is
+        closed (``step`` None: keep them in ``work``, with their CRC32Cs: a local step).
+        Collective (DCP's save). Never raises: the error is in the result."""
+        t0 = time.monotonic()
+        uploads: list = []  # (rel, future)
+
+        def on_file(path: str, sums=None, same_as_last: bool = False) -> None:
+            rel = os.path.relpath(path, work).replace(os.sep, "/")
+            own = sums.crc32c if sums is not None else None
+            if step is None:
+                uploads.append((rel, _kept(path, own)))
+            else:
+                crc = own if self.engine.config.checksum else None
+                uploads.append((rel, self._send(path, step, rel, crc, own, same_as_last=same_as_last)))
+
+        writer = UploadingWriter(os.path.join(work, layout.MODEL_DIR), on_file, thread_count=self.options.thread_count,
+                                 index_cache=self._index_cache, cache_dir=self._metadata_cache_dir)
+        error: BaseException | None = None
+        try:
+            with quiet_dcp():
+                planner = caching_save_planner(f"{self.coord.world_size}:{self.coord.rank}")
+                try:
+                    dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=self.coord.group,
+                             no_dist=self.coord.local)
+                except BaseException:
+                    writer.abandoned()
+                    raise
+                writer.completed()
+            index_part = writer.write_index_part(self.coord.rank)
+            if index_part is not None:
+                on_file(index_part)
+            if train_state is not None:
+                path = os.path.join(work, layout.train_state_name(self.coord.rank))
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                torch.save(train_state, path)
+                on_file(path)
+        except BaseException as e:  # noqa: BLE001 - carried to every rank by AGREE
+            error = _unwrap_dcp(e)
+        futures = [f for _, f in uploads]
+        entries = []
+        try:
+            results = TransferEngine.wait_all(futures)
+            items = writer.manifest() if error is None else {}  # {shard file: ((offset, length, crc32c), ...)}
+            for (rel, _), res in zip(uploads, results, strict=True):
+                in_model = rel.startswith(layout.MODEL_DIR + "/")
+                chunks = items.get(rel[len(layout.MODEL_DIR) + 1:], ()) if in_model else ()
+                entries.append(ObjectEntry(rel, res.size, res.crc32c, chunks))
+        except BaseException as e:  # noqa: BLE001 - carried to every rank by AGREE
+            _cancel(futures)
+            error = error or e
+        return RankResult(entries, t0, error)
+
+    def upload(self, step: StepRef, files: Sequence[tuple[str, ObjectEntry]]) -> RankResult:
+        """Upload files written earlier (a local step's), each checked against its entry's
+        CRC32C and size. Never raises: the error is in the result."""
+        t0 = time.monotonic()
+        futures = [self._send(path, step, e.path, e.crc32c, e.crc32c) for path, e in files]
+        error: BaseException | None = None
+        try:
+            for (path, e), res in zip(files, TransferEngine.wait_all(futures), strict=True):
+                if res.size != e.size:
+                    raise CorruptCheckpoint(f"{path}: {res.size} bytes uploaded, {e.size} were written; the local "
+                                            "file changed since it was written")
+        except BaseException as exc:  # noqa: BLE001 - carried to every rank by AGREE
+            _cancel(futures)
+            error = exc
+        return RankResult([e for _, e in files] if error is None else [], t0, error)
+
+    def close(self) -> None:
+        if self._metadata_dir is not None:
+            shutil.rmtree(self._metadata_dir, ignore_errors=True)
+            self._metadata_dir = None
+
+    def _metadata_cache_dir(self) -> str:
+        """Rank 0's folder for the last DCP ``.metadata`` it wrote (made at first use, in
+        ``work_dir``, 0700; removed by :meth:`close`)."""
+        if self._metadata_dir is None:
+            self._metadata_dir = private_dir(self.options.work_dir, "dcp-metadata-")
+        return self._metadata_dir
+
+    def _send(self, path: str, step: StepRef, rel: str, crc: str | None, own_crc: str | None, *,
+              same_as_last: bool = False) -> Future:
+        """Upload the file ``path`` as the step's object ``rel`` (``crc``: its CRC32C,
+        checked by the transfer; ``own_crc``: its CRC32C whatever the checksum setting).
+        DCP's ``.metadata`` with the bytes of the last one this rank sent (the writer says
+        so, ``same_as_last``, or it is the same file on disk: a local step's link to it)
+        is copied server-side from where that one went: rank 0 of a large job does not
+        send the same ~GB at every save."""
+        url = step.url_of(rel)
+        if rel != layout.DCP_METADATA or own_crc is None:
+            return self.engine.submit_upload(path, url, crc32c=crc)
+        ident = _file_identity(path)
+        sent = self._metadata_sent
+        if sent is not None and sent[1] == own_crc and (same_as_last or sent[2] == ident):
+            fut = self.engine.submit_copy_or_upload(sent[0], path, url, crc32c=crc)
+        else:
+            fut = self.engine.submit_upload(path, url, crc32c=crc)
+
+        def sent_it(f: Future) -> None:
+            # remember where these bytes are; a step aborted later loses them: the next copy
+            # finds the source gone and uploads (engine)
+            if not f.cancelled() and f.exception() is None:
+                self._metadata_sent = (url, own_crc, ident)
+
+        fut.add_done_callback(sent_it)
+        return fut
+
+
+@contextlib.contextmanager
+def quiet_dcp():
+    """DCP warns that it runs without torch.distributed in single-process jobs; that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _cancel(futures: list[Future]) -> None:
+    """Cancel the transfers not started; the ones already running end first (each within
+    the engine's time limits), so a failed attempt's cleanup sees every object and none
+    lands after it."""
+    for f in futures:
+        f.cancel()
+    wait(futures)
+
+
+def _file_identity(path: str) -> tuple:
+    """What makes two names one file whose bytes did not change: a hard link of it (the
+    writer links a reused ``.metadata``, never writes one in place)."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _kept(path: str, crc: str | None) -> Future:
+    """A finished 'transfer' of a file kept where it was written (local steps)."""
+    fut: Future = Future()
+    fut.set_result(TransferResult(url=path, local_path=path, size=os.path.getsize(path),
+                                  crc32c=crc if crc is not None else crc32c_file(path), attempts=0, seconds=0.0))
+    return fut
+
+
+def _unwrap_dcp(e: BaseException) -> BaseException:
+    """DCP wraps per-rank errors in CheckpointException (a BaseException carrying
+    ``{rank: (exception, traceback)}``); surface the first underlying error."""
+    failures = getattr(e, "failures", None)
+    if isinstance(e, CheckpointException) and isinstance(failures, dict) and failures:
+        inner = [v[0] if isinstance(v, tuple) else v for _, v in sorted(failures.items())]
+        typed = [x for x in inner if isinstance(x, CloudCkptError)]
+        return typed[0] if typed else inner[0]
+    return e
