@@ -1,10 +1,14 @@
 """CheckpointConfig: the trainer-facing settings, validated, from kwargs, a dict,
-a YAML file, and ``CLOUDCKPT_*`` environment overrides; its groups (``LocalTierConfig``,
-``RetentionConfig``, ``ShutdownConfig``, with ``StorageOptions`` and ``TransferConfig``);
-and ``CheckpointerOptions``, the one object a ``Checkpointer`` takes.
+a YAML file, and ``CLOUDCKPT_*`` environment overrides. It is a
+:class:`~cloudckpt.options.ManagerOptions` (what the manager takes) built from flat names:
+the settings objects and their rules live in ``cloudckpt.options``, below this module and
+the checkpointer; the names are re-exported here (``from cloudckpt.config import
+CheckpointerOptions`` keeps working).
 
-Each class checks every field with its table of rules (``cloudckpt.rules``) when it is
-made; strings from YAML and the environment are converted to the field's type first.
+Every field of the groups ``checkpointer`` (:class:`~cloudckpt.options.CheckpointerOptions`
+but ``storage_options`` and ``transfer``), ``local``, ``retention`` and ``shutdown`` is a
+flat name of the config, derived from the group's class: a new field there needs no line
+here. Strings from YAML and the environment are converted to the field's type first.
 
 Precedence (stated once): defaults < the dict / YAML file you pass < environment
 variables ``CLOUDCKPT_<FIELD>`` (e.g. ``CLOUDCKPT_SAVE_FOLDER``,
@@ -18,25 +22,40 @@ variable would otherwise be ignored while the job runs with the default. The few
 ``CLOUDCKPT_*`` variables that are not config fields (knobs of the test suite and
 benchmarks) are listed in :data:`NON_CONFIG_ENV`.
 """
-
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import logging
 import os
-import re
-import tempfile
 import types
-from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, Optional, Union, get_args, get_origin, get_type_hints
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Union, get_args, get_origin, get_type_hints
 
 from . import rules
-from .errors import ConfigError, InvalidURL
+from .checkpoint.layout import step_of_name
+from .errors import ConfigError
+from .options import (  # noqa: F401 - re-exported: the names users import from cloudckpt.config
+    CHECKPOINTER_RULES,
+    LOCAL_RULES,
+    MANAGER_RULES,
+    RETENTION_RULES,
+    SHUTDOWN_RULES,
+    CheckpointerOptions,
+    LocalTierConfig,
+    ManagerOptions,
+    RetentionConfig,
+    ShutdownConfig,
+    default_work_dir,
+    parse_size,
+    save_folder_rule,
+)
 from .storage import StorageOptions
 from .storage import url as urls
 from .transfer import TransferConfig
-from .units import GiB, KiB, MiB, TiB
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .checkpoint.manager import CheckpointManager
 
 _log = logging.getLogger(__name__)
 
@@ -51,267 +70,63 @@ NON_CONFIG_ENV = frozenset({
     "CLOUDCKPT_KILL_SEED",  # tests/faults/test_kill.py
     "CLOUDCKPT_KILL_TRIALS",  # tests/faults/test_kill.py
 })
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*(?:/s)?\s*$", re.I)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "ki": KiB, "kib": KiB, "mi": MiB, "mib": MiB, "gi": GiB, "gib": GiB, "ti": TiB, "tib": TiB}
-
-
-def parse_size(value: Any, name: str) -> int:
-    """``123``, ``"64MiB"``, ``"1.5GB"``, ``"200MB/s"`` -> bytes."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{name}={value!r} is not a size: use bytes (an integer) or a string like '64MiB'")
-    if isinstance(value, (int, float)):
-        return int(value)
-    m = _SIZE_RE.match(str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"{name}={value!r} is not a size: use bytes (an integer) or a string like '64MiB' "
-                          "or '200MB/s'")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def default_work_dir() -> str:
-    """The local scratch folder every writer uses unless told otherwise: per user, in the
-    system's temp folder (``$TMPDIR``), so two users of one machine never share it."""
-    uid = os.getuid() if hasattr(os, "getuid") else os.getpid()
-    return os.path.join(tempfile.gettempdir(), f"cloudckpt-work-{uid}")
-
-
-# ---------------------------------------------------------------- the groups
-@dataclass(frozen=True)
-class LocalTierConfig:
-    """The node-local tier (docs/local-tier.md): ``CheckpointConfig.local``.
-
-    Attributes:
-        local_dir: the tier's folder on each node, e.g. ``/dev/shm/ckpt`` (``{node}`` is
-            replaced by the node index); None: no local tier.
-        local_save_interval: a local step every N steps (needs ``local_dir``); steps due
-            for the bucket are written locally too and persisted from the local files.
-        keep_last_local: complete local steps kept (>= 1).
-        replication_factor: copies of each rank's part on distinct nodes, its own included
-            (None: 2 when there are two nodes or more, else 1).
-        replication_jump: ranks per failure domain, a node or a rack (a multiple of
-            ``LOCAL_WORLD_SIZE``; None: ``LOCAL_WORLD_SIZE``, else 1).
-    """
-
-    local_dir: Optional[str] = None
-    local_save_interval: Optional[int] = None
-    keep_last_local: int = 2
-    replication_factor: Optional[int] = None
-    replication_jump: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        rules.check("local tier option ", self, LOCAL_RULES)
-        if self.local_save_interval is not None and self.local_dir is None:
-            raise ConfigError(f"local_save_interval={self.local_save_interval} needs local_dir (a node-local "
-                              "folder such as /dev/shm/ckpt) to write local steps to")
-
-
-@dataclass(frozen=True)
-class RetentionConfig:
-    """What the manager keeps and garbage-collects after each save: ``CheckpointConfig.retention``.
-
-    Attributes:
-        keep_last_ephemeral: ephemeral checkpoints kept (>= 1).
-        max_checkpoints: persistent checkpoints kept (>= 1; None: all).
-        keep_every: persistent steps divisible by this are never pruned (None: off).
-        gc_grace_seconds: uncommitted step folders and multipart uploads older than this
-            are garbage-collected.
-    """
-
-    keep_last_ephemeral: int = 1
-    max_checkpoints: Optional[int] = None
-    keep_every: Optional[int] = None
-    gc_grace_seconds: float = 3600.0
-
-    def __post_init__(self) -> None:
-        rules.check("retention option ", self, RETENTION_RULES)
-
-
-@dataclass(frozen=True)
-class ShutdownConfig:
-    """What the manager does on SIGTERM: ``CheckpointConfig.shutdown``.
-
-    Attributes:
-        sigterm: ``"finish"`` the in-flight saves (up to ``sigterm_timeout`` seconds) or
-            ``"abandon"`` them; either way the process then exits with the signal.
-        sigterm_timeout: seconds to wait for in-flight saves with ``"finish"``.
-    """
-
-    sigterm: str = "finish"
-    sigterm_timeout: float = 120.0
-
-    def __post_init__(self) -> None:
-        rules.check("shutdown option ", self, SHUTDOWN_RULES)
-
-
-@dataclass(frozen=True)
-class CheckpointerOptions:
-    """Every setting of a :class:`~cloudckpt.Checkpointer`, in one object.
-
-    ``Checkpointer(options)`` takes it; ``Checkpointer(work_dir=..., ...)`` builds one
-    from the same names; ``CheckpointConfig.checkpointer_options()`` builds one from a
-    config (its fields of the same names, ``storage_options`` from ``storage``).
-
-    Attributes:
-        work_dir: local scratch: each rank writes its files into a private (0700) folder
-            here before upload (None: :func:`default_work_dir`).
-        save_overwrite: allow replacing a committed step.
-        storage_options: endpoint, credentials profile, region, part size, timeouts
-            (:class:`~cloudckpt.storage.StorageOptions`; None: the defaults).
-        transfer: concurrency, byte budget, bandwidth limit, stall watchdog, retries
-            (:class:`~cloudckpt.transfer.TransferConfig`; None: the defaults).
-        verify_checksums: check the CRC32C of everything loaded.
-        pre_download: download each rank's items to ``work_dir`` before putting them in
-            place instead of streaming ranges (``load(pre_download=)`` decides per call).
-        load_exchange: a load on several ranks reads each stored byte range from the
-            bucket once and passes it to the other ranks that need it (the read-once
-            exchange); False: every rank reads everything it needs from the bucket.
-        thread_count: threads writing DCP files per rank.
-        stale_lock_seconds: a step's ``.lock`` older than this is taken over.
-        collective_timeout: seconds a rank waits for the others in a save's or load's
-            collective steps.
-        max_in_flight: async saves staged or running at most; a new save waits.
-    """
-
-    work_dir: Optional[str] = None
-    save_overwrite: bool = False
-    storage_options: Optional[StorageOptions] = None
-    transfer: Optional[TransferConfig] = None
-    verify_checksums: bool = True
-    pre_download: bool = False
-    load_exchange: bool = True
-    thread_count: int = 2
-    stale_lock_seconds: float = 600.0
-    collective_timeout: float = 600.0
-    max_in_flight: int = 1
-
-    def __post_init__(self) -> None:
-        work_dir = default_work_dir() if self.work_dir is None else self.work_dir
-        object.__setattr__(self, "work_dir", os.fspath(work_dir) if isinstance(work_dir, os.PathLike) else work_dir)
-        object.__setattr__(self, "storage_options", self.storage_options or StorageOptions())
-        object.__setattr__(self, "transfer", self.transfer or TransferConfig())
-        rules.check("checkpointer option ", self, CHECKPOINTER_RULES)
-
-
-def _local_path(v: str) -> bool:
-    return "://" not in v
-
-
-LOCAL_RULES: dict[str, rules.Rule] = {
-    "local_dir": rules.text(none="for no local tier", ok=_local_path,
-                            allowed="use a node-local path such as /dev/shm/ckpt, not a URL (the bucket is "
-                                    "save_folder)"),
-    "local_save_interval": rules.integer(1, none="for no local steps"),
-    "keep_last_local": rules.integer(1, why=" (0 would delete the newest local step)"),
-    "replication_factor": rules.integer(1, none="for 2 with two nodes or more, else 1"),
-    "replication_jump": rules.integer(1, none="for LOCAL_WORLD_SIZE"),
-}
-RETENTION_RULES: dict[str, rules.Rule] = {
-    "keep_last_ephemeral": rules.integer(1, why=" (0 would delete the newest ephemeral checkpoint, which may be "
-                                                "the newest checkpoint)"),
-    "max_checkpoints": rules.integer(1, why=" (0 would delete the newest checkpoint)", none="to keep all"),
-    "keep_every": rules.integer(1, none="to turn it off"),
-    "gc_grace_seconds": rules.number(0, finite=False),
-}
-SHUTDOWN_RULES: dict[str, rules.Rule] = {
-    "sigterm": rules.choice("finish", "abandon"),
-    "sigterm_timeout": rules.number(0),
-}
-CHECKPOINTER_RULES: dict[str, rules.Rule] = {
-    "work_dir": rules.text(allowed="use a local folder path"),
-    "save_overwrite": rules.boolean(),
-    "storage_options": rules.instance(StorageOptions),
-    "transfer": rules.instance(TransferConfig),
-    "verify_checksums": rules.boolean(),
-    "pre_download": rules.boolean(),
-    "load_exchange": rules.boolean(),
-    "thread_count": rules.integer(1),
-    "stale_lock_seconds": rules.number(0, finite=False),
-    "collective_timeout": rules.number(0, strict=True),
-    "max_in_flight": rules.integer(1),
-}
-
 #: Flat names kept for dicts, YAML, environment variables and keyword arguments: each is
 #: the field of the same name in one group. storage and transfer have more fields than
-#: flat names (the rest: a mapping or the object); every field of the other groups is one.
+#: flat names (the rest: a mapping or the object); every field of the other groups is one,
+#: derived from its class. The checkpointer's storage_options and transfer are the groups
+#: storage and transfer.
 FLAT_STORAGE = ("endpoint_url", "profile", "region", "addressing_style", "part_size", "sign_payload",
                 "connect_timeout", "read_timeout", "operation_timeout")
 FLAT_TRANSFER = ("max_concurrency", "bandwidth_limit", "stall_timeout", "request_rate")
-GROUPS: dict[str, tuple[type, tuple[str, ...]]] = {
+_IN_CHECKPOINTER = {"storage": "storage_options", "transfer": "transfer"}  # group -> its CheckpointerOptions field
+
+
+def _all_fields(cls: type, but: tuple[str, ...] = ()) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls) if f.name not in but)
+
+
+GROUPS: dict[str, tuple[type, tuple[str, ...]]] = {  # the checkpointer first: storage and transfer live in it
+    "checkpointer": (CheckpointerOptions, _all_fields(CheckpointerOptions, but=tuple(_IN_CHECKPOINTER.values()))),
     "storage": (StorageOptions, FLAT_STORAGE),
     "transfer": (TransferConfig, FLAT_TRANSFER),
-    "local": (LocalTierConfig, tuple(f.name for f in fields(LocalTierConfig))),
-    "retention": (RetentionConfig, tuple(f.name for f in fields(RetentionConfig))),
-    "shutdown": (ShutdownConfig, tuple(f.name for f in fields(ShutdownConfig))),
+    "local": (LocalTierConfig, _all_fields(LocalTierConfig)),
+    "retention": (RetentionConfig, _all_fields(RetentionConfig)),
+    "shutdown": (ShutdownConfig, _all_fields(ShutdownConfig)),
 }
 _FLAT = {flat: group for group, (_, names) in GROUPS.items() for flat in names}  # flat name -> its group
 
 
 @dataclass(frozen=True, init=False)
-class CheckpointConfig:
+class CheckpointConfig(ManagerOptions):
     """The trainer's checkpoint settings; ``build()`` makes the :class:`~cloudckpt.CheckpointManager`.
 
-    Intervals are in training steps. Every name below is accepted as a keyword argument,
-    a key of a dict or YAML file, and a ``CLOUDCKPT_<NAME>`` environment variable, and
-    reads back as an attribute (``config.keep_last_local is config.local.keep_last_local``).
-
-    Own fields:
-
-    - ``save_folder``: where steps go: a local path, ``file://``, ``s3://bucket/prefix`` or
-      ``gs://bucket/prefix`` (required).
-    - ``save_interval``: persistent checkpoint every N steps (None: never).
-    - ``ephemeral_save_interval``: ephemeral checkpoint every N steps (None: never); a step due for both is persistent.
-    - ``async_save``: save in the background after a staging copy to host memory.
-    - ``exact_resume``: capture and restore RNG states (Python, NumPy, torch) and data loaders in the train state.
-    - ``load_step``: ``resume()`` loads this committed step instead of the newest (None: the newest).
-    - ``strict_resume``: a newest step that fails its checks stops ``resume()`` (CorruptCheckpoint) instead of
-      being logged, recorded in ``CheckpointManager.skipped_steps`` and skipped for the previous committed step.
-
-    The Checkpointer's settings: every field of :class:`CheckpointerOptions` (described
-    there) is a field of the config of the same name, but ``storage_options`` and
-    ``transfer``, which are the ``storage`` and ``transfer`` groups; ``checkpointer_options()``
-    hands them to the Checkpointer as one object.
+    A :class:`~cloudckpt.options.ManagerOptions` (its own fields are described there:
+    ``save_folder``, the intervals, ``async_save``, ``exact_resume``, ``load_step``,
+    ``strict_resume``) built from flat names. Intervals are in training steps. Every name
+    below is accepted as a keyword argument, a key of a dict or YAML file, and a
+    ``CLOUDCKPT_<NAME>`` environment variable, and reads back as an attribute
+    (``config.keep_last_local is config.local.keep_last_local``).
 
     Groups (a group's object, or a mapping of its fields in a dict or YAML; a flat name
-    given as well wins):
+    given as well wins, and ``storage`` or ``transfer`` given as well wins over the
+    ``checkpointer`` group's ``storage_options`` or ``transfer``):
 
+    - ``checkpointer``: a :class:`~cloudckpt.options.CheckpointerOptions` (the one object the
+      Checkpointer takes, ``checkpointer_options()``); every field but ``storage_options``
+      and ``transfer`` is a flat name (``work_dir``, ``save_overwrite``, ``thread_count``...).
     - ``storage``: a :class:`~cloudckpt.storage.StorageOptions`; flat names ``endpoint_url``, ``profile``,
       ``region``, ``addressing_style``, ``part_size``, ``sign_payload``, ``connect_timeout``, ``read_timeout``,
       ``operation_timeout``.
     - ``transfer``: a :class:`~cloudckpt.transfer.TransferConfig`; flat names ``max_concurrency``,
       ``bandwidth_limit`` (bytes/s or '200MB/s'), ``stall_timeout``, ``request_rate``.
-    - ``local``: a :class:`LocalTierConfig` (the node-local tier): ``local_dir``, ``local_save_interval``,
-      ``keep_last_local``, ``replication_factor``, ``replication_jump``.
-    - ``retention``: a :class:`RetentionConfig`: ``keep_last_ephemeral``, ``max_checkpoints``, ``keep_every``,
-      ``gc_grace_seconds``.
-    - ``shutdown``: a :class:`ShutdownConfig`: ``sigterm``, ``sigterm_timeout``.
+    - ``local``: a :class:`~cloudckpt.options.LocalTierConfig` (the node-local tier); every field is a flat name.
+    - ``retention``: a :class:`~cloudckpt.options.RetentionConfig`; every field is a flat name.
+    - ``shutdown``: a :class:`~cloudckpt.options.ShutdownConfig`; every field is a flat name.
 
     Raises:
         ConfigError: a value not allowed (naming the field, the value and what is
             allowed), an unknown name, or an unknown ``CLOUDCKPT_*`` variable.
     """
-
-    save_folder: str
-    work_dir: Optional[str] = None
-    save_interval: Optional[int] = None
-    ephemeral_save_interval: Optional[int] = None
-    async_save: bool = False
-    max_in_flight: int = 1
-    save_overwrite: bool = False
-    verify_checksums: bool = True
-    pre_download: bool = False
-    load_exchange: bool = True
-    exact_resume: bool = True
-    load_step: Optional[int] = None
-    strict_resume: bool = False
-    thread_count: int = 2
-    stale_lock_seconds: float = 600.0
-    collective_timeout: float = 600.0
-    storage: StorageOptions = field(default_factory=StorageOptions)
-    transfer: TransferConfig = field(default_factory=TransferConfig)
-    local: LocalTierConfig = field(default_factory=LocalTierConfig)
-    retention: RetentionConfig = field(default_factory=RetentionConfig)
-    shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
 
     # ------------------------------------------------------------ construction
     def __init__(self, save_folder: Any = None, *, _env: Mapping[str, str] | None = None, **kw: Any) -> None:
@@ -330,34 +145,43 @@ class CheckpointConfig:
                       ", ".join(f"{ENV_PREFIX}{n.upper()}" for n in sorted(overrides)))
         own = {f.name: f for f in fields(self)}
         flat = {k: kw.pop(k) for k in list(kw) if k in _FLAT}
-        unknown = sorted(set(kw) - set(own))
+        unknown = sorted(set(kw) - set(own) - set(GROUPS))
         if unknown:
             raise ConfigError(f"unknown checkpoint config field(s) {unknown}; allowed: {', '.join(self.field_names())}")
         if save_folder is None:
             raise ConfigError("checkpoint config needs save_folder (a local path, s3://bucket/prefix or gs://bucket/prefix)")
         hints = get_type_hints(type(self))
         for name, f in own.items():
+            if name in GROUPS:
+                continue
             if name == "save_folder":
                 v = save_folder
             elif name in kw:
                 v = kw[name]
             else:
                 v = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            if name not in GROUPS:
-                v = _coerce(name, v, hints[name])
-            object.__setattr__(self, name, v)
+            object.__setattr__(self, name, _coerce(name, v, hints[name]))
+        parts: dict[str, Any] = {}
         for name, (cls, names) in GROUPS.items():
-            part = getattr(self, name)
+            if name in kw:
+                part = kw[name]
+            elif name in _IN_CHECKPOINTER:
+                part = getattr(parts["checkpointer"], _IN_CHECKPOINTER[name])
+            else:
+                part = cls()
             if isinstance(part, Mapping):
-                part = _build_nested(name, cls, part)
+                part = _build_nested(name, cls, part, allowed=names if name == "checkpointer" else None)
             elif not isinstance(part, cls):
                 raise ConfigError(f"{name}={part!r} is not allowed: use a {cls.__name__} or a mapping of its fields")
             given = {k: flat[k] for k in names if k in flat}
             if given:
                 part = _build_nested(name, cls, {**_fields_of(part), **given}, shown=lambda k: k)
+            parts[name] = part
+        parts["checkpointer"] = dataclasses.replace(
+            parts["checkpointer"], **{field: parts.pop(group) for group, field in _IN_CHECKPOINTER.items()})
+        for name, part in parts.items():
             object.__setattr__(self, name, part)
         rules.check("", self, CONFIG_RULES)
-        self.checkpointer_options()  # checks the Checkpointer's settings (CHECKPOINTER_RULES)
 
     def __getattr__(self, name: str) -> Any:  # the flat names, read back from their groups
         group = _FLAT.get(name)
@@ -368,7 +192,8 @@ class CheckpointConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         """Every name a dict, YAML file or keyword argument may set (all but the groups also as ``CLOUDCKPT_*``)."""
-        return [f.name for f in fields(cls)] + list(_FLAT)
+        own = [f.name for f in fields(cls)]
+        return own + [g for g in GROUPS if g not in own] + list(_FLAT)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, env: Mapping[str, str] | None = None) -> "CheckpointConfig":
@@ -431,68 +256,50 @@ class CheckpointConfig:
         return dataclasses.replace(self, **kw)
 
     def checkpointer_options(self) -> CheckpointerOptions:
-        """The :class:`CheckpointerOptions` of this config: its fields of the same names,
-        ``storage_options`` from ``storage``."""
-        names = [f.name for f in fields(CheckpointerOptions) if f.name != "storage_options"]
-        return CheckpointerOptions(storage_options=self.storage, **{n: getattr(self, n) for n in names})
+        """The :class:`~cloudckpt.options.CheckpointerOptions` of this config (its ``checkpointer``
+        group, whose ``storage_options`` and ``transfer`` are ``storage`` and ``transfer``)."""
+        return self.checkpointer
 
-    def build(self):
+    def build(self) -> CheckpointManager:
         """The CheckpointManager for this config. Collective: call on every rank."""
-        from .checkpoint.manager import CheckpointManager
+        from .checkpoint.manager import CheckpointManager  # lazy: the manager imports torch; the config must not
 
         return CheckpointManager(self)
 
 
 def _save_folder(v: Any) -> str | None:
-    """The rule of ``save_folder``: a run folder the library may prune and gc in."""
-    if not isinstance(v, str):
-        return "use a local path, s3://bucket/prefix or gs://bucket/prefix"
-    try:
-        p = urls.parse_url(v)
-    except InvalidURL as e:
-        return str(e)
-    from .storage import known_schemes
-
-    if p.scheme not in known_schemes():
-        return f"it has an unknown scheme {p.scheme + '://'!r}: use a local path, s3://bucket/prefix or gs://bucket/prefix"
-    if p.scheme != "file" and not p.key.strip("/"):
-        return (f"it is a bucket root: use a prefix such as {v.rstrip('/')}/run-1, so pruning and gc can never touch "
-                "the rest of the bucket")
-    from .checkpoint.layout import step_of_name
-
-    for part in p.key.strip("/").split("/"):
+    """The rule of ``save_folder``: a run folder the library may prune and gc in (the
+    storage layer's rule, ``options.save_folder_rule``, and not inside a step folder)."""
+    refused = save_folder_rule(v)
+    if refused is not None:
+        return refused
+    for part in urls.parse_url(v).key.strip("/").split("/"):
         if step_of_name(part) is not None:
             return (f"it is inside a checkpoint step folder ({part}): point save_folder at the run folder that holds "
                     "the step folders")
     return None
 
 
-#: The rule of each of CheckpointConfig's own fields; the Checkpointer's settings follow
-#: CHECKPOINTER_RULES, each group its own table.
-CONFIG_RULES: dict[str, rules.Rule] = {
-    "save_folder": _save_folder,
-    "save_interval": rules.integer(1, none="to turn it off"),
-    "ephemeral_save_interval": rules.integer(1, none="to turn it off"),
-    "async_save": rules.boolean(),
-    "exact_resume": rules.boolean(),
-    "load_step": rules.integer(0, none="for the newest"),
-    "strict_resume": rules.boolean(),
-    **{name: rules.instance(cls) for name, (cls, _) in GROUPS.items()},
-}
+#: The rule of each of CheckpointConfig's fields: ManagerOptions' (``options.MANAGER_RULES``),
+#: with the whole rule of save_folder. Each group checks its own fields.
+CONFIG_RULES: dict[str, rules.Rule] = {**MANAGER_RULES, "save_folder": _save_folder}
 
 
 def _fields_of(obj: Any) -> dict[str, Any]:
     return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
-def _build_nested(name: str, cls: type, values: Mapping[str, Any], shown=None) -> Any:
-    """``cls(**values)`` with each value coerced to the field's type; errors name ``name.field``."""
+def _build_nested(name: str, cls: type, values: Mapping[str, Any], shown: Callable[[str], str] | None = None,
+                  allowed: tuple[str, ...] | None = None) -> Any:
+    """``cls(**values)`` with each value coerced to the field's type; errors name ``name.field``.
+    ``allowed``: the names a mapping may set (default: every field of ``cls``)."""
     shown = shown or (lambda k: f"{name}.{k}")
     hints = get_type_hints(cls)
-    unknown = sorted(set(values) - set(hints))
+    allowed = tuple(hints) if allowed is None else allowed
+    unknown = sorted(set(values) - set(allowed))
     if unknown:
         raise ConfigError(f"unknown {name} option(s) {[shown(k) for k in unknown]}; "
-                          f"allowed: {', '.join(sorted(hints))}")
+                          f"allowed: {', '.join(sorted(allowed))}")
     try:
         return cls(**{k: _coerce(shown(k), v, hints[k]) for k, v in values.items()})
     except TypeError as e:

@@ -4,7 +4,10 @@ Every settings class (``CheckpointConfig`` and its groups, ``CheckpointerOptions
 ``TransferConfig``, ``StorageOptions``) keeps a table ``{field: rule}`` covering each of its fields and
 calls :func:`check` from ``__post_init__`` (s3transfer's
 ``TransferConfig._validate_attrs_are_nonzero`` is the model: a loop over a table, not
-one hand-written ``if`` per field). A rule is a function of the value that returns
+one hand-written ``if`` per field). The classes of ``cloudckpt.options`` derive their
+table from the fields themselves (:func:`table`): a field declared with :func:`knob`
+carries its rule, any other field gets the rule of its type (:func:`of_type`), so a new
+setting is one field, its rule and its docstring in one place. A rule is a function of the value that returns
 None when it is allowed, else what to write instead; :func:`check` turns that into one
 ``ConfigError`` naming the field, the value and what is allowed. Rules that relate two
 fields (``min_concurrency <= max_concurrency``) follow the table in the class.
@@ -15,8 +18,10 @@ the field's type before (``cloudckpt.config``), so ``"5"`` is not an integer her
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, get_type_hints
 
 from .errors import ConfigError
 
@@ -82,3 +87,50 @@ def text(*, none: str | None = None, ok: Callable[[str], bool] = lambda v: True,
 
 def instance(cls: type) -> Rule:
     return lambda v: None if isinstance(v, cls) else f"use a {cls.__name__} or a mapping of its fields"
+
+
+def knob(default: Any = dataclasses.MISSING, rule: Rule | None = None, *,
+         default_factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field carrying its rule (``None``: the rule of its type, :func:`of_type`)."""
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={"rule": rule})
+
+
+#: The rule a field gets from its type when its :func:`knob` names none.
+_BY_TYPE: dict[Any, Callable[[], Rule]] = {
+    bool: boolean,
+    int: lambda: integer(1),
+    float: lambda: number(0),
+    str: text,
+}
+
+
+def of_type(typ: Any) -> Rule | None:
+    """The rule of a field of type ``typ``: ``bool`` true or false, ``int`` a positive
+    integer, ``float`` a finite non-negative number, ``str`` a string, a dataclass an
+    instance of it; None for any other type (its field must name a rule)."""
+    if typ in _BY_TYPE:
+        return _BY_TYPE[typ]()
+    if dataclasses.is_dataclass(typ):
+        return instance(typ)
+    return None
+
+
+@functools.cache
+def table(cls: type) -> dict[str, Rule]:
+    """``{field: rule}`` of the dataclass ``cls``: each field's :func:`knob` rule, else the
+    rule of its type. Raises TypeError naming a field that has neither (a class that
+    forgot a rule fails on import, not on a user's bad value)."""
+    hints = get_type_hints(cls)
+    out: dict[str, Rule] = {}
+    for f in dataclasses.fields(cls):
+        rule = f.metadata.get("rule") or of_type(hints[f.name])
+        if rule is None:
+            raise TypeError(f"{cls.__name__}.{f.name} ({hints[f.name]}) needs a rule: declare it with "
+                            "rules.knob(default, rule)")
+        out[f.name] = rule
+    return out
+
+
+def check_fields(what: str, obj: Any) -> None:
+    """:func:`check` with the rules of ``obj``'s fields (:func:`table`)."""
+    check(what, obj, table(type(obj)))

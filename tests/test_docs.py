@@ -31,8 +31,8 @@ def test_mkdocs_build_strict(tmp_path):
     api = (site / "api.html").read_text()
     for name in ("cloudckpt.Checkpointer", "allow_partial", "before_read", "cloudckpt.CheckpointManager",
                  "register_data_loader", "cloudckpt.CheckpointConfig", "cloudckpt.storage.ObjectStore", "open_range",
-                 "CorruptCheckpoint", "cloudckpt.config.CheckpointerOptions", "load_exchange", "LoadInfo",
-                 "not_loaded", "SaveStats", "cloudckpt.config.RetentionConfig"):
+                 "CorruptCheckpoint", "cloudckpt.options.CheckpointerOptions", "load_exchange", "LoadInfo",
+                 "not_loaded", "SaveStats", "cloudckpt.options.RetentionConfig", "cloudckpt.options.ManagerOptions"):
         assert name in api, f"api.html lacks {name}"
     assert ":class:`" not in api and ":func:`" not in api, "a reStructuredText role printed literally"
 

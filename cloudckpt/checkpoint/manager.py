@@ -36,11 +36,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .. import exact_resume
+from .. import errors, exact_resume
 from ..errors import CloudCkptError, ConfigError, CorruptCheckpoint, NotACheckpoint
+from ..options import ManagerOptions
 from ..storage import Location
 from . import discovery, layout, loaders, retention
 from .checkpointer import Checkpointer
+from .local.groups import Replication
+from .local.tier import LocalTier
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +64,9 @@ class CheckpointManager:
     ``Checkpointer``, whose gloo group is collective).
 
     Args:
-        config (CheckpointConfig): the validated configuration.
+        config: the validated settings: a ``CheckpointConfig`` (a
+            :class:`~cloudckpt.options.ManagerOptions`, which is the type named here:
+            ``cloudckpt.options`` sits below the checkpoint package, ``cloudckpt.config`` above it).
 
     Attributes:
         checkpointer: the ``Checkpointer`` it saves and loads with.
@@ -74,9 +79,11 @@ class CheckpointManager:
         last_saved_step: the newest step this manager saved.
     """
 
-    def __init__(self, config):
+    def __init__(self, config: ManagerOptions) -> None:
+        if not isinstance(config, ManagerOptions):
+            raise TypeError(f"CheckpointManager takes a CheckpointConfig, got {type(config).__name__}")
         self.config = config
-        self.checkpointer = Checkpointer(config.checkpointer_options())  # collective: its own group
+        self.checkpointer = Checkpointer(config.checkpointer)  # collective: its own group
         self.coord = self.checkpointer.coord
         self.save_location = Location.of(config.save_folder, self.checkpointer.storage_options)
         self.local = self._local_tier(config) if config.local.local_dir else None
@@ -96,10 +103,7 @@ class CheckpointManager:
         self._loaders: dict[str, Any] = {}
         self._install_sigterm()
 
-    def _local_tier(self, config):
-        from .local.groups import Replication
-        from .local.tier import LocalTier
-
+    def _local_tier(self, config: ManagerOptions) -> LocalTier:
         ws, tier = self.coord.world_size, config.local
         jump = tier.replication_jump or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         factor = tier.replication_factor or (2 if ws // max(jump, 1) >= 2 else 1)
@@ -107,7 +111,7 @@ class CheckpointManager:
         # uploads local steps from their own thread and group: a Checkpointer of its own
         return LocalTier(self.checkpointer, Checkpointer(self.checkpointer.options), local_dir=tier.local_dir,
                          replication=rep, keep_last=tier.keep_last_local,
-                         collective_timeout=config.collective_timeout, save_folder=config.save_folder)
+                         collective_timeout=config.checkpointer.collective_timeout, save_folder=config.save_folder)
 
     def register_data_loader(self, loader: Any, name: str = "train") -> None:
         """Save and restore this loader's state (``state_dict``/``load_state_dict``) with
@@ -239,7 +243,7 @@ class CheckpointManager:
         if not above:
             return
         bad = {s.step for s in self.skipped_steps}
-        if explicit and not self.config.save_overwrite and set(above) - bad:
+        if explicit and not self.config.checkpointer.save_overwrite and set(above) - bad:
             raise ConfigError(
                 f"resume: load_step={step}, but {self.config.save_folder} has committed steps above it "
                 f"({_steps_text(above)}); training on would mix two histories in one folder and meet those steps. "
@@ -247,7 +251,8 @@ class CheckpointManager:
                 "them as the run reaches them")
         self.steps_above_resumed = frozenset(above)
         if self.coord.is_coordinator:
-            what = ("replaced as the run reaches them (save_overwrite=True)" if self.config.save_overwrite else
+            overwrite = self.config.checkpointer.save_overwrite
+            what = ("replaced as the run reaches them (save_overwrite=True)" if overwrite else
                     "kept: the saves of these step numbers are skipped (set save_overwrite=True to replace them)")
             log.warning("resume: committed steps above the resumed step %d: %s; they will be %s", step,
                         _steps_text(above), what)
@@ -320,7 +325,7 @@ class CheckpointManager:
         for loader in self._loaders.values():
             loaders.release(loader)  # the first step after a resume has run
         kind = self.due(step) or ("persistent" if force else None)
-        if kind is not None and step in self.steps_above_resumed and not self.config.save_overwrite:
+        if kind is not None and step in self.steps_above_resumed and not self.config.checkpointer.save_overwrite:
             if self.coord.is_coordinator:
                 log.warning("step %d is already committed in %s (it was above the resumed step): not saving over it",
                             step, self.config.save_folder)
@@ -501,7 +506,5 @@ def _newest_committed_below(folder: Location, step: int) -> str | None:
 
 def _corrupt_class(name: str) -> type[CorruptCheckpoint]:
     """The CorruptCheckpoint subclass of cloudckpt.errors called ``name`` (else CorruptCheckpoint)."""
-    from .. import errors
-
     cls = getattr(errors, name, None)
     return cls if isinstance(cls, type) and issubclass(cls, CorruptCheckpoint) else CorruptCheckpoint
