@@ -282,7 +282,7 @@ class SimCoordinator:
         from that table (``synth_cpu``: rank 0's work, not this rank's)."""
         from array import array
 
-        from cloudckpt.checkpoint.marker import REF_INTS
+        from cloudckpt.checkpoint.parts import REF_INTS
 
         path = self._path(step)
         width = 8 * (len(request) + 2)
@@ -365,7 +365,7 @@ def _shared(v) -> bool:
 def entries_of(shape: Shape, R: int, r: int, extra=()):
     """Rank r's manifest entries (the library's ObjectEntry): its shard files with every
     item's range and CRC32C, its train state, and ``extra`` (rank 0: the metadata)."""
-    from cloudckpt.checkpoint.marker import ObjectEntry
+    from cloudckpt.checkpoint.entries import ObjectEntry
 
     items = rank_items(shape, R, r)
     out = []
@@ -598,8 +598,9 @@ def _checkpointer(work: str):
 
 
 def phase_save(args) -> dict:
-    from cloudckpt.checkpoint import checkpointer as ckmod
-    from cloudckpt.checkpoint.marker import ObjectEntry
+    from cloudckpt.checkpoint import rank_writer, saving
+    from cloudckpt.checkpoint.entries import ObjectEntry
+    from cloudckpt.checkpoint.step import StepRef
 
     shape = shape_named(args.shape)
     inputs = json.loads(Path(args.work, "inputs.json").read_text())
@@ -610,12 +611,13 @@ def phase_save(args) -> dict:
     sim = ck.coord = SimCoordinator(0, args.ranks, _payloads(args))
     step = str(Path(args.work) / "run" / f"step{STEP}")
     save_id = uuid.UUID(int=0x5CA1E)  # known to the peers' parts before the coordinator broadcasts it
-    ckmod.uuid.uuid4 = lambda: save_id
+    saving.uuid.uuid4 = lambda: save_id
     sim.before_gather = lambda name: _publish_peer_parts(sim, shape, args.ranks, step, save_id.hex) \
         if name == "agree" else None
-    produce = lambda dir, work: ckmod._RankResult(entries, time.monotonic(), None)  # noqa: E731
+    produce = lambda ref, work: rank_writer.RankResult(entries, time.monotonic(), None)  # noqa: E731
     with Meter() as m:
-        ck._protocol(step, None, False, True, produce, needs_work=False)
+        saving.save(sim, ck.engine, ck.options, StepRef.of(step, named=True), produce, ephemeral=False,
+                    needs_work=False)
     marker = Path(step) / ".metadata.json"
     kind = sim.kinds.get("agree")
     received = sim.received.get("agree", 0)
@@ -631,7 +633,7 @@ def _publish_peer_parts(sim: SimCoordinator, shape: Shape, R: int, step: str, sa
     parts (``marker.ManifestPart``): its part, written to the step folder with the
     library's classes; its reference replaces the one substituted from rank 0's."""
     try:
-        from cloudckpt.checkpoint.marker import ManifestPart, PartRef
+        from cloudckpt.checkpoint.parts import ManifestPart, PartRef
     except ImportError:
         return  # one manifest in the marker: nothing per peer to upload
     for r in range(1, R):
@@ -683,12 +685,11 @@ def _sharded_target(shape: Shape, R: int, r: int) -> dict:
 
 def _time_metadata_parse() -> dict:
     """From now on, the CPU seconds of making the metadata a load plans against add up
-    in the returned ``{"s": ...}``: ``StreamingReader.read_metadata`` (a step without the
-    DCP index: the whole ``.metadata``) and the checkpointer's ``_index_select`` (the
-    header parsed, this rank's chunks selected) and ``_index_metadata`` (its index parts
-    read, its Metadata built)."""
-    from cloudckpt.checkpoint import checkpointer as ck_mod
-    from cloudckpt.dcp import reader as reader_mod
+    in the returned ``{"s": ...}``: ``CommittedStep.metadata`` (a step without the DCP
+    index: the whole ``.metadata``), ``CommittedStep.select`` (the header parsed and
+    checked, this rank's chunks selected) and ``CommittedStep.plan_metadata`` (its index
+    parts read, its Metadata built)."""
+    from cloudckpt.checkpoint.committed import CommittedStep
 
     parse = {"s": 0.0}
 
@@ -701,10 +702,8 @@ def _time_metadata_parse() -> dict:
                 parse["s"] += time.process_time() - t
         return run
 
-    reader_mod.StreamingReader.read_metadata = timed(reader_mod.StreamingReader.read_metadata)
-    for name in ("_index_select", "_index_metadata"):
-        if hasattr(ck_mod, name):
-            setattr(ck_mod, name, timed(getattr(ck_mod, name)))
+    for name in ("metadata", "select", "plan_metadata"):
+        setattr(CommittedStep, name, timed(getattr(CommittedStep, name)))
     return parse
 
 

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from cloudckpt import Checkpointer
+from cloudckpt.checkpoint import loading
 
 TENSORS, ROWS, COLS = 60, 16, 8
 
@@ -69,15 +70,14 @@ def load_counting(rank, world_size, dir, work_dir, with_build=False):
 
     cls.get_bytes, cls.open_range = get_bytes, open_range
     sd = state(world_size, zero=True)
-    shared = []
-    real_read = Checkpointer._shared_read
+    loaded = []  # the CommittedStep each load ran on: the marker as this rank holds it after planning
+    real_load = loading.load
 
-    def shared_read(self, dir):
-        got = real_read(self, dir)
-        shared.append(got)
-        return got
+    def load(coord, engine, options, committed, *a, **kw):
+        loaded.append(committed)
+        return real_load(coord, engine, options, committed, *a, **kw)
 
-    Checkpointer._shared_read = shared_read
+    loading.load = load
     try:
         with Checkpointer(work_dir=work_dir) as ck:
             t = time.process_time()
@@ -96,10 +96,11 @@ def load_counting(rank, world_size, dir, work_dir, with_build=False):
             cpu = time.process_time() - t
     finally:
         cls.get_bytes, cls.open_range = real_get, real_range
-        Checkpointer._shared_read = real_read
-    (marker, _, _), = shared
+        loading.load = real_load
+    (committed,) = loaded
+    marker = committed.marker
     parts = marker.parts
-    held = sorted(parts._held) if type(parts).__name__ == "WithheldParts" else None
+    held = sorted(parts.held) if type(parts).__name__ == "WithheldParts" else None
     ok = all(torch.equal(sd["model"][f"layer{t}"].to_local(), state(world_size)["model"][f"layer{t}"].to_local())
              for t in range(TENSORS)) and all(int(sd["optim"][f"step{t}"]) == t for t in range(TENSORS))
     # what rank 0 handed this rank: the marker (part references withheld but those fetched) and the index header
