@@ -209,7 +209,8 @@ def populate_steps(s3, prefix: str, n: int) -> None:
     """``n`` committed steps, each with what both cloudckpt and OLMo-core look for:
     ``.metadata.json`` (a valid cloudckpt marker), ``model_and_optim/.metadata`` and
     ``train/rank0.pt`` (tiny stand-ins: discovery never opens them)."""
-    from cloudckpt.checkpoint.marker import Marker, ObjectEntry
+    from cloudckpt.checkpoint.entries import ObjectEntry
+    from cloudckpt.checkpoint.marker import Marker
 
     c = s3.client()
 

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from .._lazy import lazy_exports
 from .discovery import contains_checkpoint, dir_is_checkpoint, find_checkpoints, latest_checkpoint, read_marker
-from .marker import Marker, ObjectEntry
+from .entries import ObjectEntry
+from .marker import Marker
 
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpointer import Checkpointer

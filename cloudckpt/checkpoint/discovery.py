@@ -36,16 +36,10 @@ from ..storage import Location, Where
 from ..storage import url as urls
 from ..untrusted import MAX_MARKER_BYTES, read_capped
 from . import layout
-from .marker import (
-    MAX_PART_BYTES,
-    ForeignMarker,
-    ManifestPart,
-    Marker,
-    ObjectEntry,
-    PartRef,
-    foreign_step,
-    parse_marker,
-)
+from .entries import ObjectEntry
+from .foreign import ForeignMarker, foreign_step, parse_marker
+from .marker import Marker
+from .parts import MAX_PART_BYTES, ManifestPart, PartRef
 
 log = logging.getLogger(__name__)
 

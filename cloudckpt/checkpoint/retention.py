@@ -31,7 +31,8 @@ from ..errors import CheckpointError, CloudCkptError, NotFound
 from ..storage import Location, Where
 from ..storage import url as urls
 from . import discovery, layout
-from .marker import FORMAT, FORMAT_VERSION, Marker, parse_marker
+from .foreign import parse_marker
+from .marker import FORMAT, FORMAT_VERSION, Marker
 
 log = logging.getLogger(__name__)
 

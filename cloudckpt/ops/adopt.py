@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..checkpoint import discovery, layout
-from ..checkpoint.marker import Marker, ObjectEntry
+from ..checkpoint.entries import ObjectEntry
+from ..checkpoint.marker import Marker
 from ..errors import AlreadyExists, CorruptCheckpoint
 from ..storage import Location, Where
 from ..storage import url as urls

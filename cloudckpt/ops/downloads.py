@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from ..checkpoint import discovery, layout
-from ..checkpoint.marker import Marker, ObjectEntry
+from ..checkpoint.entries import ObjectEntry
+from ..checkpoint.marker import Marker
 from ..errors import CorruptCheckpoint, InvalidURL, NotFound, ObjectTooLarge
 from ..storage import Location, Where
 from ..storage import url as urls

@@ -325,7 +325,7 @@ def _manifest_matches_files(step) -> None:
     """Rewrite the marker's manifest from the files now in the (local) step folder."""
     import json
 
-    from cloudckpt.checkpoint.marker import as_part_list
+    from cloudckpt.checkpoint.parts import as_part_list
     from cloudckpt.transfer import crc32c_bytes
 
     def rewrite(objects: list) -> None:

@@ -19,7 +19,8 @@ from faults import checks
 from cloudckpt import Checkpointer
 from cloudckpt.checkpoint import discovery, layout
 from cloudckpt.checkpoint.layout import owner_of, part_name
-from cloudckpt.checkpoint.marker import FORMAT_VERSION, Marker, as_part_list
+from cloudckpt.checkpoint.marker import FORMAT_VERSION, Marker
+from cloudckpt.checkpoint.parts import as_part_list
 from cloudckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 from cloudckpt.storage import open_store
 from cloudckpt.storage import url as urls

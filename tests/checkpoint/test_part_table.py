@@ -9,8 +9,10 @@ import pickle
 
 import pytest
 
+from cloudckpt.checkpoint.entries import ObjectEntry
 from cloudckpt.checkpoint.layout import part_name
-from cloudckpt.checkpoint.marker import FORMAT_VERSION, Marker, ObjectEntry, PartRef, PartTable
+from cloudckpt.checkpoint.marker import FORMAT_VERSION, Marker
+from cloudckpt.checkpoint.parts import PartRef, PartTable
 
 
 def _refs(ranks) -> tuple[PartRef, ...]:

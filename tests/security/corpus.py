@@ -45,7 +45,7 @@ class Step:
         return self.store.get_bytes(self.join(self.url, rel))
 
     def marker(self) -> dict:
-        from cloudckpt.checkpoint.marker import as_part_list  # format 3's part columns, edited as format 2's list
+        from cloudckpt.checkpoint.parts import as_part_list  # format 3's part columns, edited as format 2's list
 
         return as_part_list(json.loads(self.get(".metadata.json")))
 

@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cloudckpt.checkpoint import pointer
-from cloudckpt.checkpoint.marker import MARKER_MAX_DEPTH, ForeignMarker, Marker, parse_marker
+from cloudckpt.checkpoint.foreign import ForeignMarker, parse_marker
+from cloudckpt.checkpoint.marker import MARKER_MAX_DEPTH, Marker
 from cloudckpt.errors import CloudCkptError
 from cloudckpt.integrations.hf_export import JSON_MAX_DEPTH, saved_json
 from cloudckpt.untrusted import loads_json
