@@ -36,7 +36,7 @@ from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 
 # checked: 2.13. ``set_element(root_dict, path, value)``: sets a value at a flattened
 # state dict's path, creating the containers on the way (the load planner's
-# load_bytes, checkpoint/checkpointer.py).
+# load_bytes, dcp/load_guard.py).
 from torch.distributed.checkpoint._traverse import set_element
 
 # checked: 2.13. ``_split_by_size_and_type(bins, items)``: DCP's own split of write

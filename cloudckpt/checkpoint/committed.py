@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from .._torch_compat import flatten_for_load
 from ..dcp import index
 from ..dcp.reader import Checksums
 from ..errors import CorruptCheckpoint
@@ -195,8 +196,6 @@ class CommittedStep:
     def select(self, flat_state_dict: dict, *, train_state_rank: int) -> Selection:
         """This rank's selection from the index: the chunks its shards overlap and the
         ranks whose manifest parts its load reads. Not collective."""
-        from .._torch_compat import flatten_for_load
-
         header = self.header()
         wanted = index.wanted_boxes(flatten_for_load(flat_state_dict))
         needs, owners = index.select(header, wanted)

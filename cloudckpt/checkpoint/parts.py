@@ -332,10 +332,10 @@ def as_part_list(d: Any) -> Any:
 
 class WithheldParts(Sequence):
     """The part references one rank of a load holds while the coordinator keeps them all
-    (``Checkpointer``'s load of a step with the DCP index): it asks for the ones its plan
-    reads (:meth:`Marker.part_refs_for`, :meth:`add`). Its length is the marker's part
-    count; asking it for a reference that was not fetched is an error (a bug), never
-    taken for "no part"; it cannot be iterated."""
+    (a load of a step with the DCP index): the rank asks for the ones its plan reads and
+    holds a new marker with them (``CommittedStep.with_part_refs``). Its length is the
+    marker's part count; asking it for a reference that was not fetched is an error (a
+    bug), never taken for "no part"; it cannot be iterated. Never changed once made."""
 
     def __init__(self, count: int, held: dict | None = None, total_bytes: int = 0):
         self._count = count
@@ -351,9 +351,6 @@ class WithheldParts(Sequence):
 
     def __iter__(self):
         return self.__getitem__(0)
-
-    def add(self, refs: dict[int, PartRef | None]) -> None:
-        self._held.update(refs)
 
     @property
     def held(self) -> dict[int, PartRef | None]:

@@ -177,13 +177,14 @@ CASES = {
 # for keys under model/optim; here they are top-level keys of their own: loaded as nothing). Lightning
 # builds its targets from the header: a renamed key is loaded under the header's name (the header is
 # what the checkpoint says, CRC-checked against its manifest), as it would be from a renamed .metadata
-# `cloudckpt inspect` reads the header alone (checked: layouts, dtypes, owners within the job, the bytes its
-# tensors hold against the step's): what parts and items say is for a load and `verify` to refuse. Export
+# `cloudckpt inspect` reads the header alone, checked as every reader checks it (layouts, dtypes, owners
+# within the job, the bytes its tensors hold against the step's, its own items inside the shard files): what
+# the parts say is for a load and `verify` to refuse. Export
 # writes the model's tensors under the names the header gives (many keys outside `model.` are not exported)
 OK_CASES = {"index-many-keys": {"load", "load_pre_download", "resume", "lightning", "cli_inspect", "cli_export"},
             "index-renamed-key": {"lightning", "cli_inspect", "cli_export"},
             **{case: {"cli_inspect"} for case in ("index-part-other-rank", "index-part-lacks-chunk",
-                                                  "index-part-missing", "index-item-past-file")}}
+                                                  "index-part-missing")}}
 
 
 def attack(tmp: str, root: str, case: str, entry: str) -> None:
