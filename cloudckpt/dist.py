@@ -19,6 +19,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from .errors import CollectiveError
@@ -108,8 +109,6 @@ class Coordinator:
 
     def send_bytes(self, data: bytes, dst: int) -> None:
         """Send ``data`` (its length first) to rank ``dst`` of this group."""
-        import torch
-
         peer = dist.get_global_rank(self.group, dst)
         dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=peer, group=self.group)
         if data:
@@ -118,8 +117,6 @@ class Coordinator:
     def recv_bytes(self, src: int, *, limit: int) -> bytes:
         """What ``send_bytes`` sent from rank ``src``; a length above ``limit`` is refused
         (CollectiveError) before anything is allocated for it."""
-        import torch
-
         peer = dist.get_global_rank(self.group, src)
         n = torch.zeros(1, dtype=torch.int64)
         dist.recv(n, src=peer, group=self.group)
@@ -176,8 +173,6 @@ class Coordinator:
     def _pieces(self, size: int) -> tuple[list[int], list]:
         """The sizes of the pieces ``size`` bytes move in, and their buffers (two, one
         for a single piece)."""
-        import torch
-
         sizes = [min(self.CHUNK, size - at) for at in range(0, size, self.CHUNK)]
         return sizes, [torch.empty(min(self.CHUNK, max(size, 1)), dtype=torch.uint8) for _ in range(min(2, len(sizes)))]
 
@@ -239,8 +234,6 @@ class Coordinator:
         order (``recv_counts[r]`` from rank ``r``). Per-rank cost: this rank's own
         elements and two lists of ``world_size`` counts, nothing that grows with what
         other ranks send each other."""
-        import torch
-
         out = torch.empty(sum(recv_counts), dtype=torch.int64)
         if self.group is None:
             out.copy_(rows)
@@ -271,8 +264,6 @@ class Coordinator:
         rank raises the error of the lowest failing rank (its own type where it can be
         carried, else CollectiveError naming that rank; the failing rank raises its own).
         Unlike :meth:`all_ranks`, no rank receives the others' values or outcomes."""
-        import torch
-
         mine = _run(fn)
         if self.group is None:
             if not mine.ok:
@@ -307,8 +298,6 @@ class Coordinator:
         coordinator every rank's; nothing any rank handles grows with the world size
         but the coordinator's. Every rank calls it after an :meth:`agree` (so none is
         missing); if ``answer`` fails, every rank raises its error."""
-        import torch
-
         if self.group is None:
             o = _run(lambda: answer([list(request)]))
             if not o.ok:
@@ -346,8 +335,6 @@ class Coordinator:
     def any_rank(self, flags: "list[bool] | Any") -> list[bool]:
         """Element-wise OR of every rank's ``flags`` (same length on every rank): one
         all_reduce of ``len(flags)`` bytes."""
-        import torch
-
         t = torch.tensor([bool(x) for x in flags], dtype=torch.uint8)
         if self.group is not None and len(t):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
@@ -357,8 +344,6 @@ class Coordinator:
 def _padded_row(values, width: int):
     """``[len(values), *values]`` as int64, padded with -1 to ``width + 1`` elements (the
     fixed-size rows of :meth:`Coordinator.ask_coordinator`)."""
-    import torch
-
     values = list(values)
     row = torch.full((width + 1,), -1, dtype=torch.int64)
     row[0] = len(values)

@@ -48,9 +48,11 @@ from ..errors import (
     DeleteFailed,
     IncompatibleCheckpoint,
     InvalidURL,
+    NotACheckpoint,
     NotFound,
     UnsafeDelete,
 )
+from ..storage import resolve_local, resolve_step_dir
 from . import listing, manage, step
 from .common import (
     EXIT_DENIED,
@@ -115,8 +117,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def exit_code(e: BaseException) -> int:
     """The exit code for an error (see the module docstring)."""
-    from ..errors import NotACheckpoint
-
     if isinstance(e, CliError):
         return e.code
     if isinstance(e, DeleteFailed) and isinstance(e.__cause__, CloudCkptError):
@@ -147,8 +147,6 @@ def _message(e: BaseException, args=None) -> str:
 def _instead(e: BaseException, args) -> str | None:
     """For a STEP that is not a committed checkpoint: what is there instead (the path
     does not exist, the save folder's other steps, a run given for a step)."""
-    from ..errors import NotACheckpoint
-
     step = getattr(args, "step", None)
     if not isinstance(e, NotACheckpoint) or not isinstance(step, str):
         return None
@@ -162,8 +160,6 @@ def _resolve_local_paths(args) -> None:
     """Local paths given on the command line are resolved to their real path once
     (the local backend follows no link inside a save folder); a STEP's own last
     component is kept, so a step folder that is a planted link is refused."""
-    from ..storage import resolve_local, resolve_step_dir
-
     args.given = {}  # as typed, for messages
     for name, resolve in (("step", resolve_step_dir), ("folder", resolve_local), ("dest", resolve_local)):
         value = getattr(args, name, None)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import re
 
+from ..storage import Location, StorageOptions
+
 EXIT_OK, EXIT_NO, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_DENIED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 5, 130
 
 
@@ -18,8 +20,6 @@ class CliError(Exception):
 
 
 def storage_options(args):
-    from ..storage import StorageOptions
-
     times = {"operation_timeout": args.timeout, "connect_timeout": args.connect_timeout}
     return StorageOptions(endpoint_url=args.endpoint_url, profile=args.profile, region=args.region,
                           **{k: v for k, v in times.items() if v is not None})
@@ -27,8 +27,6 @@ def storage_options(args):
 
 def loc(args, url: str):
     """``url`` with the storage options of the command line, as a Location."""
-    from ..storage import Location
-
     return Location.of(url, storage_options(args))
 
 

@@ -11,6 +11,12 @@ reads of finding the newest committed step, and only when a command has already 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
+
+from ..checkpoint import discovery, layout
+from ..errors import InvalidURL
+from ..storage import url as urls
+from .common import loc
 
 # Python parameter -> flag, in the library's messages (exact fragments, longest first where
 # one contains another).
@@ -42,9 +48,6 @@ def flag_words(text: str) -> str:
 
 def _local_path(url: str) -> str | None:
     """``url.local_path``, and None for a malformed URL too (a hint never raises)."""
-    from ..errors import InvalidURL
-    from ..storage import url as urls
-
     try:
         return urls.local_path(url)
     except InvalidURL:
@@ -77,10 +80,6 @@ HINT_DIRS = 200  # step folders checked for a marker in a hint (the newest ones)
 def _committed(args, folder: str, *, skip: int | None = None) -> tuple[list[int], int]:
     """The committed steps among the newest ``HINT_DIRS`` step folders of ``folder``
     (one LIST, one HEAD each, 16 at a time), and how many step folders it holds."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ..checkpoint import discovery, layout
-    from .common import loc
 
     where = loc(args, folder)
     dirs = [d for d in discovery.list_step_dirs(where) if d[0] != skip]
@@ -92,8 +91,6 @@ def _committed(args, folder: str, *, skip: int | None = None) -> tuple[list[int]
 
 def _steps_text(folder: str, steps: list[int], dirs: int, *, other: str = "") -> str:
     """"its committed steps: step300, step400 (newest: URL)" or what there is instead."""
-    from ..storage import url as urls
-
     if not dirs:
         return f"{folder} holds no {other}step{{N}} folder (is the path right?)"
     if not steps:
@@ -107,9 +104,6 @@ def _steps_text(folder: str, steps: list[int], dirs: int, *, other: str = "") ->
 def not_a_step(args, given: str, url: str) -> str | None:
     """What is at ``url`` instead of a committed step (``given``: as typed), or None
     when nothing more can be said."""
-    from ..checkpoint import layout
-    from ..storage import url as urls
-
     name_step = layout.step_of_name(urls.basename(url))
     parent = urls.parent(url)
     gone = missing_local(given, url)

@@ -6,7 +6,11 @@ from __future__ import annotations
 import sys
 import time
 
+from ..checkpoint import discovery, layout
+from ..errors import NotACheckpoint
+from ..storage import url as urls
 from .common import EXIT_NO, EXIT_NOT_FOUND, EXIT_OK, loc, positive_int, yes_opt
+from .hints import missing_local
 from .output import age, emit, emit_records, size, table, utc
 
 
@@ -14,10 +18,6 @@ def no_steps(folder: str, *, runs: str = "", given: str | None = None) -> int:
     """A folder with no step{N} folder (and, for ``list``, no run: ``runs`` says
     where none was found): one line, exit 3. A local path that does not exist is said
     so (``given``: the path as typed, for the hint about buckets)."""
-    from ..checkpoint import layout
-    from ..storage import url as urls
-    from .hints import missing_local
-
     gone = missing_local(folder if given is None else given, folder)
     if gone:
         print(f"cloudckpt: error: {gone}", file=sys.stderr)
@@ -126,10 +126,7 @@ def cmd_list(args) -> int:
 
 # ---------------------------------------------------------------- latest
 def cmd_latest(args) -> int:
-    from ..checkpoint import discovery, layout
-    from ..errors import NotACheckpoint
     from ..ops.list_named import latest_named
-    from ..storage import url as urls
 
     folder = loc(args, args.folder)
     try:

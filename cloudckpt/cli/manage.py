@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 
+from ..checkpoint import discovery
 from ..errors import AlreadyExists, IncompatibleCheckpoint, MissingKeys
 from .common import EXIT_ERROR, EXIT_OK, EXIT_USAGE, CliError, duration_arg, loc, positive_int, storage_options, yes_opt
 from .hints import flag_words, is_local
@@ -147,8 +148,6 @@ def _saved_hf_config(args, step) -> dict:
 
 
 def cmd_export(args) -> int:
-    from ..checkpoint import discovery
-
     if args.format != "hf" and args.config is not None:
         raise CliError("--config is for --format hf (the model config written beside the weights)", EXIT_USAGE)
     if args.format == "hf" and not is_local(args.dest):

@@ -16,6 +16,7 @@ import contextlib
 import io
 import json
 import sys
+from datetime import datetime, timezone
 from typing import Any, Iterator, Sequence
 
 
@@ -169,7 +170,6 @@ def utc(ts: float | None) -> str:
     """An absolute time in UTC, one token: ``2026-11-22T00:04:06Z`` (``-`` when unknown)."""
     if ts is None:
         return "-"
-    from datetime import datetime, timezone
 
     return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 

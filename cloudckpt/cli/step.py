@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
+from ..checkpoint import layout
 from .common import EXIT_NO, EXIT_OK, loc, positive_int
 from .output import Bar, age, emit, size, table, utc
 
@@ -25,7 +26,6 @@ def progress_opts(s) -> None:
 # ---------------------------------------------------------------- inspect
 def cmd_inspect(args) -> int:
     from .. import ops
-    from ..checkpoint import layout
 
     rep = ops.inspect_step(loc(args, args.step))
     now = time.time()

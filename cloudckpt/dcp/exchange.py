@@ -54,6 +54,7 @@ from ..checkpoint.layout import shard_writer
 from ..errors import CorruptCheckpoint, ExchangeFailed
 from ..storage import url as urls
 from ..units import MiB
+from .streaming import _Stopped, read_streamed
 
 log = logging.getLogger(__name__)
 
@@ -250,8 +251,6 @@ class Exchange:
         the bucket (``streaming.read_streamed``; ``plain(per_file)``, the reader's usual way,
         when nothing is shared), the rest from peers. Adds to ``reader.bytes_read`` (from
         the bucket) and ``reader.bytes_from_peers``."""
-        from .streaming import read_streamed
-
         needed = {rel: [(off, n) for off, n, _ in reqs] for rel, reqs in per_file.items()}
         ahead = self._ahead.pop(reader, None)
         if ahead is None:
@@ -531,8 +530,6 @@ class _Sender(_Worker):
     def stop(self) -> None:
         super().stop()
         if self._stop_streams is not None:
-            from .streaming import _Stopped
-
             self._stop_streams(_Stopped())  # no stream starts another item
         with self._cv:
             self._cv.notify_all()

@@ -6,12 +6,15 @@ load). Used by ``Checkpointer.load``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Sequence
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .._torch_compat import set_element
 from ..errors import KeysNotLoaded, MissingKeys, ShapeMismatch
 from ..untrusted import load_plain
 
@@ -70,8 +73,6 @@ class KeyCheckingPlanner(DefaultLoadPlanner):
         self._top = sorted(state_dict)
 
     def create_local_plan(self):
-        import dataclasses
-
         plan = super().create_local_plan()
         have = self.metadata.state_dict_metadata if self.metadata is not None else {}
         reads = {ri.dest_index.fqn for ri in plan.items}
@@ -92,8 +93,6 @@ class KeyCheckingPlanner(DefaultLoadPlanner):
         self._judged = True
 
     def create_global_plan(self, global_plan):
-        import dataclasses
-
         if self._judged:
             return super().create_global_plan(global_plan)
 
@@ -115,8 +114,6 @@ class KeyCheckingPlanner(DefaultLoadPlanner):
         return super().finish_plan(new_plan)
 
     def _check_shapes(self, have) -> None:
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         for k, v in self.state_dict.items():
             md = have.get(k)
             if not isinstance(v, torch.Tensor) or not isinstance(md, TensorStorageMetadata):
@@ -151,7 +148,6 @@ class KeyCheckingPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value) -> None:
         # Stock DCP unpickles non-tensor values with weights_only=False: a checkpoint
         # from a bucket could run code. Only plain data is accepted (untrusted.plain).
-        from .._torch_compat import set_element
 
         fqn = read_item.dest_index.fqn
         obj = load_plain(value, url=self.url, what=f"value of {fqn!r}")

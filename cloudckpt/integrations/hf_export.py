@@ -23,6 +23,8 @@ from ..errors import AlreadyExists, ConfigError, CorruptCheckpoint, Incompatible
 from ..ops.export import export_weights
 from ..storage import StorageOptions
 from ..storage import url as urls
+from ..untrusted import loads_json
+from ..untrusted.jsondoc import nesting_depth
 from ._hf import HF_KEY
 
 WEIGHTS_NAME = "model.safetensors"
@@ -40,9 +42,6 @@ def saved_json(text: Any, *, url: str, what: str, limit: int, non_finite: bool =
     (the Trainer logs a NaN loss as ``NaN``); the size and depth bounds still hold.
     Raises CorruptCheckpoint (over a bound, not JSON), IncompatibleCheckpoint (not
     text, or not a JSON object)."""
-    from ..untrusted import loads_json
-    from ..untrusted.jsondoc import nesting_depth
-
     if not isinstance(text, str):
         raise IncompatibleCheckpoint(f"{url}: the saved {what} is not JSON text")
     if len(text) > limit:  # a character is at least one byte: refused before encoding

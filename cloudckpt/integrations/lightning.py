@@ -57,7 +57,8 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..checkpoint import named, retention
 from ..checkpoint.checkpointer import Checkpointer
@@ -139,8 +140,6 @@ def join_checkpoint(rest: dict, tensors: dict) -> dict:
 
 def _targets(metadata) -> dict:
     """Empty tensors for every ``model.*``/``optim.*`` tensor of the DCP metadata."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     out: dict[str, dict] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         top, _, name = fqn.partition(".")
@@ -196,8 +195,6 @@ def install_last_resolution() -> bool:
     (a local folder of ordinary ``.ckpt`` files). It wraps the private
     ``ModelCheckpoint._find_last_checkpoints``; if a Lightning version lacks it, it
     logs a warning and returns False (pass ``ckpt_path=last_checkpoint(dirpath)`` then)."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     original = getattr(ModelCheckpoint, "_find_last_checkpoints", None)
     resolve = getattr(ModelCheckpoint, "_ModelCheckpoint__resolve_ckpt_dir", None)
     if getattr(original, "_cloudckpt", False):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from ..transfer import ProgressSubscriber
+
 
 class Progress(Protocol):
     def start(self, total: int) -> None:
@@ -18,8 +20,6 @@ def engine_subscriber(progress: Progress):
     size of the first transfer queued whose size is known (later ones add to an
     update-only bar: callers queue one upload, or start the total themselves and
     queue downloads of unknown size), ``update`` with the bytes moved."""
-    from ..transfer import ProgressSubscriber
-
     class _Forward(ProgressSubscriber):
         started = False
 

@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, ClassVar, Iterable, Iterator, Optional
+from urllib.parse import urlsplit
 
 from .. import rules
 from ..errors import (
     AccessDenied,
     BucketNotFound,
+    ConfigError,
     CopyUnsupported,
     DeleteFailed,
+    NotFound,
+    ObjectTooLarge,
     PreconditionFailed,
     StorageError,
     Transient,
@@ -109,9 +114,6 @@ STORAGE_RULES: dict[str, rules.Rule] = {
 
 def check_endpoint_url(endpoint: str) -> None:
     """Raise ConfigError unless ``endpoint`` is an ``http://`` or ``https://`` URL with a host."""
-    from urllib.parse import urlsplit
-
-    from ..errors import ConfigError
 
     if not isinstance(endpoint, str):
         raise ConfigError(f"storage option endpoint_url={endpoint!r} is not a URL: write e.g. http://127.0.0.1:9000")
@@ -184,8 +186,6 @@ class _SizedWriter:
     def write(self, b) -> int:
         n = len(memoryview(b))
         if self._pos + n > self._size:
-            from ..errors import ObjectTooLarge
-
             raise ObjectTooLarge(f"download {self._url}: the object holds more than the {self._size} bytes expected "
                                  "(its size in the checkpoint's manifest); refusing to write further", url=self._url)
         self._f.write(b)
@@ -471,8 +471,6 @@ class ObjectStore(ABC):
 
     # ------------------------------------------------------------ derived
     def exists(self, url: str) -> bool:
-        from ..errors import NotFound
-
         try:
             self.stat(url)
             return True
@@ -545,8 +543,6 @@ class ObjectStore(ABC):
                                 now: float | None = None) -> list[PendingUpload]:
         """Abort incomplete multipart uploads under ``prefix`` initiated more than
         ``older_than`` seconds ago (all when None). Returns the aborted ones."""
-        import time
-
         now = time.time() if now is None else now
         done = []
         for up in self.list_multipart_uploads(prefix):

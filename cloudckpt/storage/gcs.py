@@ -30,6 +30,8 @@ PreconditionFailed, AccessDenied, Throttled, Transient, InvalidURL.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import http.client
 import io
 import os
@@ -342,8 +344,6 @@ class GCSStore(ObjectStore):
             raise err from None
 
     def _has_crc32c(self, url: str, data: bytes) -> bool:
-        import base64
-
         bucket, key = _object(url)
         try:
             blob = self.client.bucket(bucket).blob(key)
@@ -655,9 +655,6 @@ class _Writer:
 def _crc32c_hex(value: str | None) -> str | None:
     """GCS's CRC32C (base64 of 4 big-endian bytes) as cloudckpt writes CRCs (8 lowercase
     hex digits); None when absent or not 4 bytes of base64 (never trusted as given)."""
-    import base64
-    import binascii
-
     if not value:
         return None
     try:

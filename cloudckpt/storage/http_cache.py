@@ -35,6 +35,8 @@ import cached_path
 import cached_path.common
 from cached_path import SchemeClient
 
+from ..errors import ObjectTooLarge, Transient
+
 if TYPE_CHECKING:
     from .http import HTTPStore
 
@@ -78,7 +80,6 @@ class _StoreClient(SchemeClient):
             return None
 
     def get_resource(self, temp_file) -> None:
-        from ..errors import ObjectTooLarge, Transient
         from .http import _shown
 
         size = self.get_size()

@@ -27,6 +27,8 @@ import shutil
 import stat as st_
 from typing import BinaryIO, Iterator
 
+import google_crc32c
+
 from ..errors import (
     AccessDenied,
     AlreadyExists,
@@ -199,8 +201,6 @@ class LocalStore(ObjectStore):
         renamed into place, the CRC32C computed on the way; ``progress`` per chunk. A
         source that grows, shrinks or is modified while it is read raises
         PreconditionFailed and leaves no destination."""
-        import google_crc32c
-
         with self._open(src_url) as src:  # NotFound / UnsafeCheckpoint naming the source
             fd = src.fileno()
             before = os.fstat(fd)

@@ -57,6 +57,7 @@ import collections
 import hashlib
 import http.client
 import http.server
+import json
 import logging
 import re
 import socket
@@ -301,8 +302,6 @@ class FaultProxy:
         msg = {503: "Please reduce your request rate.", 500: "We encountered an internal error. Please try again.",
                429: "Too many requests."}[status]
         if self.flavor == "gcs":
-            import json
-
             error = {"code": status, "message": msg, "errors": [{"reason": code, "message": msg}]}
             return json.dumps({"error": error}).encode(), "application/json; charset=UTF-8"
         return (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{msg}</Message>'

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from ..errors import UnsafeCheckpoint
 from ..units import GiB, MiB
+from .reads import read_capped, read_checked
 
 MAX_MARKER_BYTES = 256 * MiB
 """Our writer's marker at ``marker.MAX_WORLD_SIZE`` ranks, every field at its largest,
@@ -94,9 +96,6 @@ def read_metadata(store: Any, url: str, *, size: int | None = None, crc32c: str 
     declared size, what is allocated is what the store holds.
     Raises UnsafeCheckpoint (over the ceiling), CorruptCheckpoint (missing, a size or
     CRC32C other than declared), storage errors."""
-    from ..errors import UnsafeCheckpoint
-    from .reads import read_capped, read_checked
-
     limit = metadata_limit(described)
     if size is None:
         return read_capped(_Windowed(store), url, limit=limit, what="DCP metadata")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import CorruptCheckpoint, NotFound, UnsafeCheckpoint
+from ..transfer import crc32c_bytes
 
 
 def read_capped(store: Any, url: str, *, limit: int, what: str) -> bytes:
@@ -23,8 +24,6 @@ def read_checked(store: Any, url: str, entry: Any, *, limit: int, what: str, ver
     CRC32C when ``verify``), never reading more than ``entry.size + 1`` bytes.
     Raises UnsafeCheckpoint (the manifest declares more than ``limit``),
     CorruptCheckpoint (missing, wrong size or checksum), storage errors."""
-    from ..transfer import crc32c_bytes
-
     if entry.size > limit:
         raise UnsafeCheckpoint(f"{url}: the marker declares the {what} at {entry.size} bytes, over the "
                                f"{limit}-byte ceiling; refusing to read it")
