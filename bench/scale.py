@@ -392,7 +392,7 @@ _PARTS: dict = {}
 
 
 def index_part(shape: Shape, R: int, r: int) -> bytes | None:
-    """Rank r's part of the DCP index (dcp/index.py), as the writer makes it: its chunks
+    """Rank r's part of the DCP index (dcp/index/), as the writer makes it: its chunks
     of sharded tensors at their places in its files."""
     from cloudckpt.dcp import index
 

@@ -262,7 +262,7 @@ def dtensor_like(local, like):
     return DTensor.__new__(DTensor, local, like._spec, requires_grad=False)
 
 
-# ------------------------------------------------------------- load planning (dcp/index.py, dcp/planned_load.py)
+# -------------------------------------------------------------- load planning (dcp/index/, dcp/planned_load.py)
 def chunk_list(tensor):
     """checked: 2.13. ``planner_helpers._create_chunk_list(tensor)``: this rank's chunks
     (offsets, sizes) of a DTensor, ShardedTensor or plain tensor, as DCP's load planner

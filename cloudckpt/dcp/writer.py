@@ -214,7 +214,7 @@ class UploadingWriter(FileSystemWriter):
         self.target_file_size = target_file_size
         self.max_files_per_rank = max_files_per_rank
         self.ranges: dict[str, list[tuple[int, int]]] = {}
-        self.index_items: list[list] = []  # this rank's part of the DCP index (dcp/index.py)
+        self.index_items: list[list] = []  # this rank's part of the DCP index (dcp/index/)
         self.index_cache = {} if index_cache is None else index_cache  # kept across saves by the caller
         self._cache_dir = cache_dir  # the coordinator keeps its last .metadata there (None: not kept)
         self._digest: bytes | None = None
@@ -258,7 +258,7 @@ class UploadingWriter(FileSystemWriter):
 
     def finish(self, metadata, results) -> None:
         """On the coordinator: DCP's ``.metadata``, then the DCP index's header beside
-        the DCP folder (``index/header.json``, dcp/index.py), each handed to ``on_file``.
+        the DCP folder (``index/header.json``, dcp/index/), each handed to ``on_file``.
 
         ``results``: each rank's :class:`RankResults`. A rank that sent only its digest
         has the entries merged last time (no unpickling or merging of its items); when

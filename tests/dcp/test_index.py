@@ -1,4 +1,4 @@
-"""The DCP index (cloudckpt/dcp/index.py): built from DCP's own Metadata, it gives a
+"""The DCP index (cloudckpt/dcp/index/): built from DCP's own Metadata, it gives a
 rank the same read items DCP's planner finds with the whole metadata, for the saved
 layout and for resharded ones; crafted headers and parts are typed errors."""
 

@@ -27,7 +27,7 @@ from .tries import honest_state  # the honest step every case starts from
 
 MODEL = "model_and_optim"
 META = f"{MODEL}/.metadata"
-INDEX_HEADER = "index/header.json"  # the DCP index (cloudckpt/dcp/index.py)
+INDEX_HEADER = "index/header.json"  # the DCP index (cloudckpt/dcp/index/)
 TRAIN = "train/rank0.pt"
 
 

@@ -1,5 +1,5 @@
 """Crafted DCP index (``index/header.json``, listed in the marker, and
-``index/rank{R}.json``, listed in its rank's manifest part; dcp/index.py) through the
+``index/rank{R}.json``, listed in its rank's manifest part; dcp/index/) through the
 entry points that plan a load with it.
 
 Each case starts from an honest committed step (one rank) and rewrites the header or

@@ -1,74 +1,30 @@
-"""The DCP index: what a rank's load planning needs from a step's DCP metadata, in a
-form that no rank has to read or parse whole.
-
-DCP's ``.metadata`` describes every item of every rank (``R x T`` chunks for ``T``
-sharded tensors): 1.6 GB at 4,096 ranks for a 70B model with AdamW, parsed by every
-rank of a stock DCP load. Our writer also writes, beside it (``.metadata`` stays, so
-stock DCP and other tools read the step as before):
-
-``index/header.json`` (rank 0, listed in the marker itself)
-    every key of the checkpoint: a tensor's dtype and size, and either its one item
-    (a tensor stored whole: unsharded or replicated) or the id of its chunk layout; a
-    non-tensor value's item. Each distinct chunk layout (the chunks' offsets and sizes
-    and the rank that wrote each) is written once, however many tensors share it: a
-    transformer's sharded tensors have a handful of shapes, so the header grows with
-    ``T + layouts x R``, not ``T x R``. A layout that only one tensor uses (a tensor of
-    a shape of its own, or a replicated tensor the balanced save cut into pieces) also
-    carries its chunks' items, so loading it reads no part: a data-parallel load would
-    otherwise read the parts of every rank that wrote a piece.
-``index/rank{R}.json`` (rank R, listed in its manifest part)
-    the items of rank R's chunks of sharded tensors: key, chunk offsets and sizes, file,
-    offset, length.
-
-A loading rank reads the header (rank 0 reads it once and hands it to every rank),
-picks, for each tensor it loads, the chunks its own shards overlap (:func:`select`),
-reads the index parts of the ranks that wrote them (a restart with the saved layout:
-its own), and hands DCP a ``Metadata`` holding only those chunks
-(:func:`build_metadata`), so DCP's planning costs what the rank loads.
-
-Every byte is hostile until checked (docs/security.md): the header and the parts are
-CRC-checked against the manifest before they are parsed (``untrusted.read_checked``),
-parsed by ``untrusted.loads_json``, and then checked here: names, dtypes from an
-allowlist, sizes within ``[0, 2^63)``, every layout inside its tensor, disjoint and
-covering it (checked once per layout and size), owners within the saved world size,
-items only in their rank's own shard files, every chunk a rank needs present in its
-owner's part with the layout's sizes. What a part or the header holds is never used
-to name a path outside ``model_and_optim/``.
-"""
+"""The DCP index read: its format, parsing and checks (every byte is hostile until
+checked; the package docstring lists the checks). The names with an underscore that
+``encode`` and ``select`` import (``_DTYPES``, ``_owner``, ``_bad``, ``_shown``) are the
+package's own."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
-from .._torch_compat import StorageInfo
-from ..checkpoint.layout import shard_writer
-from ..errors import CorruptCheckpoint, UnsafeCheckpoint
-from ..untrusted import loads_json
-from ..untrusted.limits import MAX_DIM, MAX_TENSOR_DIMS
+from ...checkpoint.layout import shard_writer
+from ...errors import CorruptCheckpoint, UnsafeCheckpoint
+from ...untrusted import loads_json
+from ...untrusted.limits import MAX_DIM, MAX_TENSOR_DIMS
 
 FORMAT = "cloudckpt-dcp-index"
 VERSION = 1  # of a rank's part
-HEADER_VERSION = 2  # 2: a layout may be a grid (``cuts``)
-HEADER_VERSIONS = (1, 2)
-_SHARED = object()  # header_bytes's own entry in its cache
+HEADER_VERSIONS = (1, 2)  # 2: a layout may be a grid (``cuts``)
 MAX_INDEX_BYTES = 1 << 30  # a header or a part; the manifest's CRC-checked size bounds each read first
 MAX_KEY_CHARS = 4096
 MAX_RANKS = 1 << 24
+
 
 # dtypes a checkpoint may name: the dense ones DCP writes
 _DTYPES: dict[str, torch.dtype] = {
@@ -78,7 +34,6 @@ _DTYPES: dict[str, torch.dtype] = {
                  "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 def _owner(rel: str) -> int:
@@ -88,175 +43,6 @@ def _owner(rel: str) -> int:
     return r
 
 
-# ============================================================================ writing
-def part_items(plan_items: Iterable[Any], results: Iterable[Any]) -> list[list]:
-    """This rank's index entries: ``[key, chunk offsets, chunk sizes, file, offset,
-    length]`` for each item it wrote of a tensor chunk that is not the whole tensor
-    (``plan_items``: the rank's WriteItems; ``results``: their WriteResults)."""
-    chunks = {}
-    for it in plan_items:
-        td = getattr(it, "tensor_data", None)
-        if td is None:
-            continue
-        if tuple(td.chunk.sizes) == tuple(td.size) and not any(td.chunk.offsets):
-            continue  # stored whole: the header holds its item
-        chunks[(it.index.fqn, tuple(td.chunk.offsets))] = td.chunk
-    out = []
-    for wr in results:
-        c = chunks.get((wr.index.fqn, tuple(wr.index.offset or ())))
-        if c is None:
-            continue
-        sd = wr.storage_data
-        out.append([wr.index.fqn, list(c.offsets), list(c.sizes), sd.relative_path, int(sd.offset), int(sd.length)])
-    out.sort(key=lambda e: (e[0], e[1]))
-    return out
-
-
-def part_bytes(rank: int, items: list[list]) -> bytes:
-    return json.dumps({"format": FORMAT, "version": VERSION, "rank": int(rank), "items": items},
-                      separators=(",", ":")).encode()
-
-
-def header_bytes(metadata: Metadata, cache: dict | None = None, *, compact: bool = True) -> bytes:
-    """The header of a step from DCP's global ``Metadata`` (on the coordinator, once
-    its ``storage_data`` is set: in the writer's ``finish``).
-
-    Finding each chunk's layout touches every chunk of every sharded tensor (R x T);
-    ``cache`` (a dict kept across saves) keeps each tensor's layout while DCP hands the
-    same chunk list again (its plan caching reuses the global metadata), so a repeated
-    save costs O(T) here. ``compact``: a layout that is a grid is written as its cuts
-    (:func:`_layout_doc`); False writes every layout as boxes (both forms are read)."""
-    storage = metadata.storage_data
-    cache = {} if cache is None else cache
-    shared = cache.setdefault(_SHARED, {})  # layout keys, interned, and their docs: across saves
-    interned: dict[tuple, tuple] = shared.setdefault("keys", {})
-    docs_of: dict[tuple, tuple] = shared.setdefault("docs", {})
-    layouts: dict[int, int] = {}  # id of an interned key -> layout id
-    keys: list[tuple] = []
-    users: dict[int, list] = {}  # layout id -> the tensors that use it
-    tensors, values = [], []
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, BytesStorageMetadata):
-            info = storage[MetadataIndex(fqn)]
-            values.append([fqn, info.relative_path, int(info.offset), int(info.length)])
-            continue
-        size = list(md.size)
-        chunks = md.chunks
-        dtype = _DTYPE_NAMES.get(md.properties.dtype)
-        if dtype is None:
-            raise ValueError(f"{fqn!r}: dtype {md.properties.dtype} has no name in the DCP index")
-        hit = cache.get(fqn)
-        if hit is not None and hit[0] is chunks and hit[1] == len(chunks):
-            whole, key = hit[2], hit[3]
-        else:
-            # stored whole: one chunk is the whole tensor (the others, if any, are empty: an FSDP
-            # shard of a tensor with fewer rows than ranks); its writer's part leaves it out too
-            whole = next((c for c in chunks if list(c.sizes) == size and not any(c.offsets)), None)
-            key = None
-            if whole is None:
-                flat: list[int] = []
-                owners = []
-                owner_of: dict[str, int] = {}
-                for c in chunks:
-                    flat.extend(c.offsets)
-                    flat.extend(c.sizes)
-                    rel = storage[MetadataIndex(fqn, c.offsets)].relative_path
-                    o = owner_of.get(rel)
-                    if o is None:
-                        o = owner_of[rel] = _owner(rel)
-                    owners.append(o)
-                key = (len(size), tuple(flat), tuple(owners))
-                key = interned.setdefault(key, key)
-            cache[fqn] = (chunks, len(chunks), whole, key)
-        if whole is not None:
-            info = storage[MetadataIndex(fqn, whole.offsets)]
-            tensors.append([fqn, dtype, size, -1, [info.relative_path, int(info.offset), int(info.length)]])
-            continue
-        lid = layouts.setdefault(id(key), len(layouts))
-        if lid == len(keys):
-            keys.append(key)
-        users.setdefault(lid, []).append((fqn, chunks))
-        tensors.append([fqn, dtype, size, lid, None])
-    shared["keys"] = {k: k for k in keys}  # only the layouts of this save stay interned
-    docs, orders = [], []
-    for key in keys:
-        got = docs_of.get((id(key), compact))
-        if got is None or got[0] is not key:
-            got = docs_of[(id(key), compact)] = (key, *_layout_doc(*key, compact))
-        docs.append(dict(got[1]))  # a copy: the items of a one-tensor layout are added to it
-        orders.append(got[2])
-    shared["docs"] = {(id(k), compact): docs_of[(id(k), compact)] for k in keys}
-    for lid, used in users.items():
-        if len(used) == 1:  # a layout of one tensor (its own shape, or a replicated tensor cut in pieces)
-            fqn, chunks = used[0]
-            items = []
-            for k in orders[lid] if orders[lid] is not None else range(len(chunks)):
-                info = storage[MetadataIndex(fqn, chunks[k].offsets)]
-                items.append([info.relative_path, int(info.offset), int(info.length)])
-            docs[lid]["items"] = items
-    doc = {
-        "format": FORMAT, "version": HEADER_VERSION, "dcp_version": getattr(metadata, "version", None),
-        "layouts": docs, "tensors": tensors, "values": values,
-    }
-    return json.dumps(doc, separators=(",", ":")).encode()
-
-
-def _layout_doc(nd: int, flat: tuple, owners: tuple, compact: bool) -> tuple[dict, list[int] | None]:
-    """A layout as the header writes it, and the order of its chunks there (None: as given).
-
-    A layout whose non-empty chunks form a grid (every combination of one interval per
-    dimension, exactly once: FSDP's rows, tensor parallel's columns, both) is written
-    as its ``cuts``, each dimension's chunk boundaries from 0 to the tensor's size,
-    with the owners of the chunks in row-major order; owners that step evenly (rank
-    ``k`` wrote chunk ``k``) are written as ``{"start", "step"}``, and cuts at even
-    steps as ``{"every", "end"}`` (:func:`_cut_doc`). That is ``O(sum of cuts)``
-    numbers instead of ``2 x ndim x chunks + chunks``, and constant in R for an even
-    split. Empty chunks (an FSDP shard of a tensor with fewer rows than
-    ranks) hold nothing to read and are left out. Anything else is written as boxes."""
-    boxes = {"ndim": nd, "boxes": list(flat), "owners": list(owners)}
-    n = len(owners)
-    if not compact or n < 2 or nd == 0:
-        return boxes, None
-    arr = np.array(flat, dtype=np.int64).reshape(n, 2, nd)
-    keep = np.flatnonzero(np.all(arr[:, 1, :] > 0, axis=1))
-    lo, sz = arr[keep, 0, :], arr[keep, 1, :]
-    cuts, idx = [], []
-    for d in range(nd):
-        starts = np.unique(lo[:, d])
-        if not len(starts) or starts[0] != 0:
-            return boxes, None
-        c = np.append(starts, (lo[:, d] + sz[:, d]).max())
-        i = np.searchsorted(starts, lo[:, d])
-        if np.any(c[i + 1] - c[i] != sz[:, d]):  # every chunk spans exactly one interval
-            return boxes, None
-        cuts.append(c)
-        idx.append(i)
-    dims = tuple(len(c) - 1 for c in cuts)
-    if math.prod(dims) != len(keep):
-        return boxes, None
-    lin = np.ravel_multi_index(idx, dims)
-    order = np.argsort(lin, kind="stable")
-    if np.any(lin[order] != np.arange(len(keep))):
-        return boxes, None  # two chunks in one cell
-    own = np.array(owners, dtype=np.int64)[keep][order]
-    steps = np.diff(own)
-    if len(own) > 1 and steps[0] >= 1 and np.all(steps == steps[0]):
-        rule: Any = {"start": int(own[0]), "step": int(steps[0])}
-    else:
-        rule = own.tolist()
-    return {"ndim": nd, "cuts": [_cut_doc(c) for c in cuts], "owners": rule}, keep[order].tolist()
-
-
-def _cut_doc(c: np.ndarray) -> Any:
-    """One dimension's cuts: ``{"every": s, "end": E}`` for ``0, s, 2s, ..., E`` (the last
-    interval at most ``s``: ``torch.chunk``'s split, which FSDP and DTensor use), else the list."""
-    gaps = np.diff(c)
-    if len(gaps) > 2 and np.all(gaps[:-1] == gaps[0]) and gaps[-1] <= gaps[0]:
-        return {"every": int(gaps[0]), "end": int(c[-1])}
-    return c.tolist()
-
-
-# ============================================================================ reading
 @dataclass(frozen=True)
 class Layout:
     """The chunks of a sharded tensor, numbered ``0 .. n - 1``: either ``lo``/``hi``
@@ -523,7 +309,7 @@ def _check_layout(lay: Layout, size: tuple[int, ...], fqn: str) -> None:
     layout and size). A grid: its cuts end at the size (ascending from 0, checked when
     parsed, they cover it exactly once). Boxes: a sorted sweep, linear and logarithmic
     for sharding's grids."""
-    from ..untrusted.unpickle import _Budget, _disjoint, _numel
+    from ...untrusted.unpickle import _Budget, _disjoint, _numel
 
     nd = len(size)
     if lay.ndim != nd:
@@ -577,90 +363,6 @@ def parse_part(data: bytes, *, url: str, rank: int) -> dict[tuple[str, tuple], t
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise _bad(url, f"{type(e).__name__}: {str(e)[:200]}") from None
     return out
-
-
-# ============================================================================ planning
-Wanted = dict[str, "list[tuple[tuple[int, ...], tuple[int, ...]]] | None"]  # key -> local boxes (None: a value)
-
-
-def select(header: Header, wanted: Wanted) -> tuple[dict[str, list[int]], set[int]]:
-    """For each tensor of ``wanted`` (key -> this rank's boxes ``(offsets, sizes)``)
-    stored in chunks, the chunks its boxes overlap (as DCP's planner would find them),
-    and the ranks whose index parts hold them. A key the header lacks, or a box of
-    another rank (dimension count) than saved, selects nothing: the planner reports it."""
-    needs: dict[str, list[int]] = {}
-    owners: set[int] = set()
-    memo: dict[tuple, list[int]] = {}
-    for fqn, boxes in wanted.items():
-        t = header.tensors.get(fqn)
-        if t is None or t.layout < 0 or not boxes:
-            continue
-        lay = header.layouts[t.layout]
-        picked: set[int] = set()
-        for off, sz in boxes:
-            if len(off) != lay.ndim:
-                continue
-            key = (t.layout, off, sz)
-            hit = memo.get(key)
-            if hit is None:
-                hit = memo[key] = lay.pick(off, sz)
-            picked.update(hit)
-        if picked:
-            ks = sorted(picked)
-            needs[fqn] = ks
-            if lay.items is None:
-                owners.update(lay.owners_of(ks))
-    return needs, owners
-
-
-def writers_read(header: Header, needs: dict[str, list[int]], wanted: Wanted) -> set[int]:
-    """The ranks whose shard files hold an item this rank reads (``select``'s chunks,
-    the whole tensors and values it loads): the manifest parts whose CRC32Cs it checks."""
-    out: set[int] = set()
-    for fqn, ks in needs.items():
-        out.update(header.layouts[header.tensors[fqn].layout].owners_of(ks))
-    for fqn in wanted:
-        t = header.tensors.get(fqn)
-        item = t.item if t is not None else header.values.get(fqn)
-        if item is not None:
-            out.add(_owner(item[0]))
-    return out
-
-
-def build_metadata(header: Header, needs: dict[str, list[int]], parts: dict[int, dict], wanted: Wanted) -> Metadata:
-    """DCP ``Metadata`` holding every key of the checkpoint (so missing and left-behind
-    keys are judged as with the full metadata) and, for storage, only the chunks and
-    values this rank reads. Raises CorruptCheckpoint if an owner's part lacks a chunk."""
-    sdm: dict[str, Any] = {}
-    storage: dict[MetadataIndex, Any] = {}
-    for fqn, t in header.tensors.items():
-        chunks = []
-        if t.layout < 0:
-            if fqn in wanted:
-                offs = torch.Size([0] * len(t.size))
-                chunks.append(ChunkStorageMetadata(offsets=offs, sizes=torch.Size(t.size)))
-                storage[MetadataIndex(fqn, offs)] = StorageInfo(*t.item)
-        else:
-            lay = header.layouts[t.layout]
-            ks = needs.get(fqn, [])
-            for k, owner, lo, sizes in zip(ks, lay.owners_of(ks), *lay.boxes(ks), strict=True):
-                sizes = tuple(sizes)
-                got = (sizes, *lay.items[k]) if lay.items is not None else parts[owner].get((fqn, tuple(lo)))
-                if got is None or got[0] != sizes:
-                    raise _bad(header.url, f"the index part of rank {owner} lacks the chunk of {_shown(fqn)} at "
-                                           f"offsets {lo} of sizes {list(sizes)} that the header gives it")
-                offs = torch.Size(lo)
-                chunks.append(ChunkStorageMetadata(offsets=offs, sizes=torch.Size(sizes)))
-                storage[MetadataIndex(fqn, offs)] = StorageInfo(*got[1:])
-        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.size), chunks)
-    for fqn, item in header.values.items():
-        sdm[fqn] = BytesStorageMetadata()
-        if fqn in wanted:
-            storage[MetadataIndex(fqn)] = StorageInfo(*item)
-    md = Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=storage)
-    if header.dcp_version is not None:
-        md.version = header.dcp_version
-    return md
 
 
 def check_tensor_bytes(header: Header, stored: int) -> None:
@@ -739,21 +441,3 @@ def check_part(header: Header, rank: int, part: dict | None, files: dict[str, in
             _check_item(header, fqn, got[1:], files)
             n += 1
     return n
-
-
-def wanted_boxes(flat_state_dict: dict[str, Any]) -> Wanted:
-    """Key -> this rank's boxes of each tensor of a flattened state dict (DTensor,
-    ShardedTensor or plain tensor, as DCP's planner computes them), None for a value."""
-    from .._torch_compat import chunk_list
-
-    out: Wanted = {}
-    for fqn, obj in flat_state_dict.items():
-        if not isinstance(obj, torch.Tensor) and not hasattr(obj, "__create_chunk_list__"):
-            out[fqn] = None
-            continue
-        mesh = getattr(obj, "device_mesh", None)
-        if mesh is not None and mesh.get_coordinate() is None:
-            out[fqn] = []  # a DTensor on a submesh this rank is not part of: DCP reads nothing
-            continue
-        out[fqn] = [(tuple(c.offsets), tuple(c.sizes)) for c in chunk_list(obj)]
-    return out
