@@ -391,7 +391,8 @@ class HTTPStore(ReadOnlyStore):
 
     # ------------------------------------------------------------ what a read-only source cannot do
     def read_only_error(self, url: str, op: str) -> ReadOnlyLocation:
-        """Writes, deletes and conditional replace (:class:`.ReadOnlyStore`): where to save instead."""
+        """Writes, deletes and conditional replace (:class:`~cloudckpt.storage.readonly.ReadOnlyStore`): where
+        to save instead."""
         return ReadOnlyLocation(f"cannot {op} {_shown(url)}: " + http_url_message(url), url=_shown(url))
 
     def list(self, prefix: str, *, delimiter: str | None = "/") -> Iterator[ListEntry]:

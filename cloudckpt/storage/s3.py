@@ -2,7 +2,7 @@
 
 Credentials and endpoint come from the standard boto3 chain and env
 (``AWS_PROFILE``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ...) unless the folder's
-:class:`StorageOptions` names them. Request-level retries (5xx, throttling,
+:class:`~cloudckpt.storage.StorageOptions` names them. Request-level retries (5xx, throttling,
 connection resets) are botocore's ``standard`` mode; multipart uploads and
 parallel ranged downloads are s3transfer's. Every retry botocore decides on is
 reported to the retry listeners, which is how the transfer engine sees throttling.

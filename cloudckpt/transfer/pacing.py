@@ -9,7 +9,7 @@ holds a :class:`RequestPacer`: the job-wide budget (``TransferConfig.request_rat
 or the store's ``default_request_rates``) divided by the job's world size, one
 schedule for writes (PUT, multipart create/part/complete) and one for reads (GET,
 ranged GET, HEAD). Before an attempt the engine takes from it as many request slots as
-the attempt will send (:func:`requests_of`) and waits for the first.
+the attempt will send (:meth:`~cloudckpt.transfer.attempts.Task.requests`) and waits for the first.
 
 A schedule is a virtual-time token bucket without idle credit (like the bandwidth
 cap, ``bandwidth.py``): request ``k`` gets the slot right after request ``k - 1``'s,
