@@ -216,9 +216,9 @@ class PlanCounter:
 def use_planner(mode: str) -> None:
     """Make ``Checkpointer.save`` plan with ``mode``'s dedup (this process only)."""
     from cloudckpt import _torch_compat
-    from cloudckpt.checkpoint import checkpointer
+    from cloudckpt.checkpoint import rank_writer
 
-    checkpointer.caching_save_planner = functools.partial(_torch_compat.caching_save_planner,
+    rank_writer.caching_save_planner = functools.partial(_torch_compat.caching_save_planner,
                                                           balanced=mode == "balanced")
 
 

@@ -16,26 +16,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "cloudckpt"
 MODULES = sorted(str(p.relative_to(ROOT)) for p in PKG.rglob("*.py"))
 
-#: Modules the layout does not name yet, each with why. checkpoint/ is being split into
-#: more modules; its block in docs/development.md is written with the split.
-LAYOUT_PENDING = {m: "checkpoint/ is being split: its layout block comes with the split" for m in (
-    "cloudckpt/checkpoint/adopt.py", "cloudckpt/checkpoint/app_state.py", "cloudckpt/checkpoint/async_save.py",
-    "cloudckpt/checkpoint/checkpointer.py", "cloudckpt/checkpoint/commit.py", "cloudckpt/checkpoint/committed.py",
-    "cloudckpt/checkpoint/discovery.py", "cloudckpt/checkpoint/loaders.py", "cloudckpt/checkpoint/loading.py",
-    "cloudckpt/checkpoint/local/exchange.py", "cloudckpt/checkpoint/local/groups.py",
-    "cloudckpt/checkpoint/local/parts.py", "cloudckpt/checkpoint/local/tier.py", "cloudckpt/checkpoint/manager.py",
-    "cloudckpt/checkpoint/named.py", "cloudckpt/checkpoint/pointer.py", "cloudckpt/checkpoint/rank_writer.py",
-    "cloudckpt/checkpoint/retention.py", "cloudckpt/checkpoint/saving.py", "cloudckpt/checkpoint/step.py")}
+#: Modules the layout does not name, each with why.
+LAYOUT_PENDING: dict[str, str] = {}
 
 #: Files being rewritten by another change, with the docstring references in them that do
 #: not resolve yet: expected to fail (strict), so the rewrite clears each entry.
-PENDING_REWRITE = {
-    "cloudckpt/checkpoint/committed.py": ":meth:`header`, `index_part`, `metadata`, `train_state`, `with_part_refs` "
-                                         "in the module docstring: methods of CommittedStep, not module names",
-    "cloudckpt/checkpoint/loading.py": ":meth:`Checkpointer.load`: Checkpointer is not a name of the module",
-    "cloudckpt/checkpoint/saving.py": ":meth:`Checkpointer.save`: Checkpointer is not a name of the module",
-    "cloudckpt/checkpoint/parts.py": ":class:`Marker` (PartTable): Marker is not a name of the module",
-}
+PENDING_REWRITE: dict[str, str] = {}
 
 
 # ---------------------------------------------------------------- (a) the layout

@@ -172,8 +172,8 @@ class Checkpointer:
     def _commit(self, done: "tuple[Marker, SaveStats] | PendingCommit") -> "Marker | PendingCommit":
         if isinstance(done, PendingCommit):
             return done
-        marker, self.last_save_stats = done
-        return marker
+        self.last_save_stats = done[1]
+        return done[0]
 
     # ================================================================ load
     def load(self, dir: str, state_dict: dict, *, load_optim_state: bool | None = None,
@@ -235,10 +235,9 @@ class Checkpointer:
         req = LoadRequest(load_optim_state, load_trainer_state, strict, pre_download, tuple(exclude_from_loading),
                           allow_partial, "model" if model_only else None, before_read)
         self._async.wait()
-        step = self._step(dir)
         with collector_paused():
-            committed = loading.open_step(self.coord, self.engine, self.options, step)
-            return self._load(committed, state_dict, req)
+            return self._load(loading.open_step(self.coord, self.engine, self.options, self._step(dir)), state_dict,
+                              req)
 
     def load_with(self, dir: str, build: Callable[[Any], dict], **load_kwargs: Any) -> tuple[dict, Any]:
         """Load a step whose shapes the caller does not know, into the state dict
@@ -254,9 +253,8 @@ class Checkpointer:
             return state_dict, self._load(committed, state_dict, LoadRequest(**load_kwargs))
 
     def _load(self, committed: CommittedStep, state_dict: dict, req: LoadRequest) -> Any:
-        train_state, self.last_load_info = loading.load(self.coord, self.engine, self.options, committed,
-                                                        state_dict, req)
-        return train_state
+        ts, self.last_load_info = loading.load(self.coord, self.engine, self.options, committed, state_dict, req)
+        return ts
 
     def read_train_state(self, dir: str) -> Any:
         """This rank's train state of the committed step ``dir`` (what ``load`` returns),

@@ -7,19 +7,19 @@ that lists it (size, CRC32C) through ``cloudckpt.untrusted`` before it is parsed
 and each with one set of checks whoever reads it:
 
 - the ranks' manifest parts (``discovery.StepManifest``), only those a caller needs;
-- the DCP index header (:meth:`header`): parsed (names, dtypes, layouts inside their
+- the DCP index header (:meth:`CommittedStep.header`): parsed (names, dtypes, layouts inside their
   tensors, chunk writers among the ranks the marker describes), then checked against
   the step: its tensors hold no more bytes than the step stores, its owners are ranks
   of the saved world and, where the marker lists the shard files itself (a step read
   whole, a step of the local tier), its own items lie inside them. A load reads the
   parts lazily and checks each item it reads against its file instead (``check_plan``);
-- a rank's DCP index part (:meth:`index_part`), checked against the header;
-- DCP's ``.metadata`` (:meth:`metadata`), unpickled with the allowlist;
-- a rank's train state (:meth:`train_state`), ``weights_only``.
+- a rank's DCP index part (:meth:`CommittedStep.index_part`), checked against the header;
+- DCP's ``.metadata`` (:meth:`CommittedStep.metadata`), unpickled with the allowlist;
+- a rank's train state (:meth:`CommittedStep.train_state`), ``weights_only``.
 
 A load's coordinator reads what every rank plans against once (:func:`read_shared`)
 and hands it to the other ranks with the marker's part references withheld; each rank
-then asks the coordinator for the references its plan reads (:meth:`with_part_refs`).
+then asks the coordinator for the references its plan reads (:meth:`CommittedStep.with_part_refs`).
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ class LoadRequest:
 
 @dataclass(frozen=True)
 class LoadInfo:
-    """What the last :meth:`Checkpointer.load` (or ``load_with``) of this rank did:
+    """What the last :meth:`~cloudckpt.checkpoint.checkpointer.Checkpointer.load` (or ``load_with``) of this rank did:
     ``Checkpointer.last_load_info`` (None before the first load).
 
     Attributes:

@@ -158,7 +158,7 @@ class ManifestPart:
 
 class PartTable(Sequence):
     """A marker's part references held as columns, as format 3 writes them: what a
-    :class:`Marker` holds (and pickles) instead of one object per rank. Rank 0 hands
+    :class:`~cloudckpt.checkpoint.marker.Marker` holds (and pickles) instead of one object per rank. Rank 0 hands
     the marker to every rank of a load; at 16,384 ranks that is about 20 bytes a rank
     and nothing built, and a rank makes a :class:`PartRef` only for the parts it reads
     (:meth:`get`). Iterating yields PartRefs in rank order; equal to a tuple of the same

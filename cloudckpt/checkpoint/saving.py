@@ -59,8 +59,9 @@ Produce = Callable[[StepRef, "str | None"], RankResult]
 
 @dataclass(frozen=True)
 class SaveStats:
-    """What the last committed :meth:`Checkpointer.save` did: ``Checkpointer.last_save_stats``
-    (None before the first; a failed save leaves the previous one).
+    """What the last committed :meth:`~cloudckpt.checkpoint.checkpointer.Checkpointer.save`
+    did: ``Checkpointer.last_save_stats`` (None before the first; a failed save leaves the
+    previous one).
 
     Attributes:
         step: the step number committed.

@@ -64,7 +64,7 @@ def _snapshot(sd: dict) -> dict:
 def _arm(rank: int, step: int, victim: int, where: str) -> None:
     if rank != victim:
         return
-    from cloudckpt.checkpoint import checkpointer
+    from cloudckpt.checkpoint import checkpointer, rank_writer
     from cloudckpt.checkpoint.local import exchange
 
     if where == "copy":
@@ -77,14 +77,14 @@ def _arm(rank: int, step: int, victim: int, where: str) -> None:
 
         exchange._recv_checked = dying_recv
     elif where == "persist":
-        real_upload = checkpointer.Checkpointer._upload_files
+        real_upload = rank_writer.RankWriter.upload
 
-        def dying_upload(self, dir, files):
-            if f"step{step}" in dir:
+        def dying_upload(self, ref, files):
+            if f"step{step}" in ref.url:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return real_upload(self, dir, files)
+            return real_upload(self, ref, files)
 
-        checkpointer.Checkpointer._upload_files = dying_upload
+        rank_writer.RankWriter.upload = dying_upload
     else:
         real_write = checkpointer.Checkpointer._write_local
 

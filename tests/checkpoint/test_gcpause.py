@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from cloudckpt import Checkpointer
-from cloudckpt.checkpoint import checkpointer as ckpt_mod
+from cloudckpt.checkpoint import rank_writer
 from cloudckpt.collector import collector_paused
+from cloudckpt.dcp import planned_load
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +61,8 @@ def _spy(monkeypatch, name: str) -> list[bool]:
     """Whether the collector was on whenever DCP's save, or the load (planned on each rank:
     dcp/planned_load.py), ran."""
     seen: list[bool] = []
-    module = ckpt_mod.dcp if name == "save" else ckpt_mod.planned_load
+    module = rank_writer.dcp if name == "save" else planned_load
+    name = "save" if name == "save" else "read"
     real = getattr(module, name)
 
     def spy(*a, **kw):

@@ -82,7 +82,8 @@ def test_temporary_work_dirs_are_private_and_removed(pre_download, s3_bucket, tm
         seen[d] = stat.S_IMODE(os.stat(d).st_mode)
         return d
 
-    monkeypatch.setattr("cloudckpt.checkpoint.checkpointer.private_dir", spy)
+    monkeypatch.setattr("cloudckpt.checkpoint.saving.private_dir", spy)
+    monkeypatch.setattr("cloudckpt.checkpoint.loading.private_dir", spy)
     old_umask = os.umask(0o000)  # even a permissive umask must not open them up
     try:
         ck = Checkpointer(work_dir=str(work), pre_download=pre_download)
