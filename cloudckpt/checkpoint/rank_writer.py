@@ -68,7 +68,8 @@ class RankWriter:
         self.coord, self.engine, self.options = coord, engine, options
         self._index_cache: dict = {}  # the DCP index's layouts, kept across saves (dcp/index.header_bytes)
         self._metadata_dir: str | None = None  # rank 0: its last DCP .metadata, for a repeated save (dcp/writer.py)
-        self._metadata_sent: tuple[str, str, tuple] | None = None  # rank 0: (URL, CRC32C, file identity) last sent
+        # rank 0: (URL, CRC32C, file identity, the object's version as written) of the .metadata last sent
+        self._metadata_sent: tuple[str, str, tuple, str] | None = None
 
     def write(self, step: StepRef | None, work: str, state_dict: dict, train_state: Any) -> RankResult:
         """Write this rank's files into ``work`` and upload each to ``step`` as it is
@@ -158,22 +159,28 @@ class RankWriter:
         DCP's ``.metadata`` with the bytes of the last one this rank sent (the writer says
         so, ``same_as_last``, or it is the same file on disk: a local step's link to it)
         is copied server-side from where that one went: rank 0 of a large job does not
-        send the same ~GB at every save."""
+        send the same ~GB at every save. The copy's source must still be the object this
+        rank wrote there (its version as the store gave it right after the write: S3 ETag,
+        GCS generation; and the copy's CRC32C where the store reports it): one replaced
+        since, by anyone, is never copied (the file is uploaded, with a warning)."""
         url = step.url_of(rel)
         if rel != layout.DCP_METADATA or own_crc is None:
             return self.engine.submit_upload(path, url, crc32c=crc)
         ident = _file_identity(path)
         sent = self._metadata_sent
         if sent is not None and sent[1] == own_crc and (same_as_last or sent[2] == ident):
-            fut = self.engine.submit_copy_or_upload(sent[0], path, url, crc32c=crc)
+            fut = self.engine.submit_copy_or_upload(sent[0], path, url, crc32c=crc, src_version=sent[3],
+                                                    must_crc32c=own_crc)
         else:
-            fut = self.engine.submit_upload(path, url, crc32c=crc)
+            fut = self.engine.submit_upload(path, url, crc32c=crc, record_version=True)
 
         def sent_it(f: Future) -> None:
-            # remember where these bytes are; a step aborted later loses them: the next copy
-            # finds the source gone and uploads (engine)
+            # remember where these bytes are and the version they got; a step aborted later loses
+            # them: the next copy finds the source gone and uploads (engine). No version (a store
+            # without them): nothing to copy from next time
             if not f.cancelled() and f.exception() is None:
-                self._metadata_sent = (url, own_crc, ident)
+                version = getattr(f.result(), "version", None)
+                self._metadata_sent = None if version is None else (url, own_crc, ident, version)
 
         fut.add_done_callback(sent_it)
         return fut

@@ -150,6 +150,9 @@ class ObjectInfo:
     # form), where the backend had it for free (``copy``: GCS's answer, local's own pass);
     # None otherwise: never a promise that the store checked anything
     crc32c: str | None = None
+    # the object's version token (S3 ETag, GCS generation, local inode-mtime-size) where
+    # the backend had it for free (``copy``'s destination); None otherwise
+    version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -437,26 +440,42 @@ class ObjectStore(ABC):
                             "(its conditional_replace is False); callers check store.conditional_replace first",
                             url=url)
 
-    def copy(self, src_url: str, dst_url: str, *, size: int, progress: Progress = None) -> ObjectInfo:
+    def copy(self, src_url: str, dst_url: str, *, size: int, src_version: str | None = None,
+             progress: Progress = None) -> ObjectInfo:
         """Server-side copy of the object ``src_url`` to ``dst_url`` in the same store (no
         byte passes through this process on S3/GCS). ``size``: the size the caller expects
-        src to have. An existing ``dst_url`` is replaced; a copy of an object onto itself
-        changes nothing. Returns the destination's ObjectInfo (``crc32c`` where the backend
-        has it for free). Raises NotFound (src missing, naming src), PreconditionFailed
-        (src is not ``size`` bytes, or it changed between the check and the copy; nothing
-        is written then), the usual StorageError types otherwise (AccessDenied, Transient,
+        src to have. ``src_version``: the version token src must still have (what
+        :meth:`version` or an earlier copy's ``ObjectInfo.version`` said when the caller
+        wrote it: S3 ETag, GCS generation, local inode-mtime-size), so that an object
+        someone else put there since is never copied. An existing ``dst_url`` is replaced; a
+        copy of an object onto itself changes nothing. Returns the destination's ObjectInfo
+        (``crc32c`` and ``version`` where the backend has them for free). Raises NotFound
+        (src missing, naming src), PreconditionFailed (src is not ``size`` bytes, not
+        ``src_version``, or it changed between the check and the copy; nothing is written
+        then), the usual StorageError types otherwise (AccessDenied, Transient,
         InvalidURL...). This default (a store without :attr:`copies_objects`) raises
         CopyUnsupported."""
         raise CopyUnsupported(f"copy {src_url} to {dst_url}: the {type(self).__name__} backend cannot copy an "
                               "object within the store; read it and write the bytes instead", url=src_url)
 
+    def version(self, url: str) -> str | None:
+        """The object's version token now (what ``copy(src_version=...)`` matches: S3 ETag,
+        GCS generation, local inode-mtime-size), or None where the backend has none (this
+        default). Raises NotFound."""
+        return None
+
     @staticmethod
-    def _check_copy_source(info: ObjectInfo, size: int, dst_url: str) -> None:
-        """Raise PreconditionFailed unless the copy's source ``info`` holds ``size`` bytes."""
+    def _check_copy_source(info: ObjectInfo, size: int, dst_url: str, src_version: str | None = None) -> None:
+        """Raise PreconditionFailed unless the copy's source ``info`` holds ``size`` bytes
+        and, given ``src_version``, has that version."""
         if info.size != size:
             raise PreconditionFailed(f"copy {info.url} to {dst_url}: the source holds {info.size} bytes, not the "
                                      f"{size} expected; nothing was copied (send the bytes instead, or pass the "
                                      "size the source has)", url=info.url)
+        if src_version is not None and info.version != src_version:
+            raise PreconditionFailed(f"copy {info.url} to {dst_url}: the source is version {info.version}, not the "
+                                     f"{src_version} the caller wrote (someone replaced it); nothing was copied",
+                                     url=info.url)
 
     def list_multipart_uploads(self, prefix: str) -> list[PendingUpload]:
         """Incomplete multipart uploads under ``prefix`` (empty where the backend has none)."""

@@ -443,19 +443,27 @@ class GCSStore(ObjectStore):
         blob = self._reload(url, "stat")
         return ObjectInfo(url, int(blob.size or 0), _ts(blob.updated))
 
-    def copy(self, src_url: str, dst_url: str, *, size: int, progress: Progress = None) -> ObjectInfo:
-        """Read the source's metadata (its size must be ``size``), then ``rewriteTo`` with
-        ``ifSourceGenerationMatch`` = that generation, called again on its rewrite token
-        until done (a large rewrite across locations or storage classes takes several
-        calls; within one bucket GCS finishes in one). Each call has the store's retry and
-        deadline. ``progress``: per call, the bytes it rewrote. The result's ``crc32c`` is
-        GCS's, from the final answer."""
+    def version(self, url: str) -> str | None:
+        """The object's generation: what ``copy(src_version=...)`` matches."""
+        gen = self._reload(url, "stat").generation
+        return None if gen is None else str(gen)
+
+    def copy(self, src_url: str, dst_url: str, *, size: int, src_version: str | None = None,
+             progress: Progress = None) -> ObjectInfo:
+        """Read the source's metadata (its size must be ``size``, its generation
+        ``src_version`` when given), then ``rewriteTo`` with ``ifSourceGenerationMatch`` =
+        that generation, called again on its rewrite token until done (a large rewrite
+        across locations or storage classes takes several calls; within one bucket GCS
+        finishes in one). Each call has the store's retry and deadline. ``progress``: per
+        call, the bytes it rewrote. The result's ``crc32c`` is GCS's, from the final
+        answer; its ``version`` the copy's generation."""
         src_bucket, src_key = _object(src_url)
         bucket, key = _object(dst_url)
         src = self._reload(src_url, "copy")
-        self._check_copy_source(ObjectInfo(src_url, int(src.size or 0)), size, dst_url)
+        gen = None if src.generation is None else str(src.generation)
+        self._check_copy_source(ObjectInfo(src_url, int(src.size or 0), version=gen), size, dst_url, src_version)
         if (src_bucket, src_key) == (bucket, key):  # onto itself: nothing to change
-            return ObjectInfo(dst_url, size, _ts(src.updated), _crc32c_hex(src.crc32c))
+            return ObjectInfo(dst_url, size, _ts(src.updated), _crc32c_hex(src.crc32c), gen)
         generation = src.generation
         dst = self.client.bucket(bucket).blob(key)
         token, done = None, 0
@@ -491,7 +499,8 @@ class GCSStore(ObjectStore):
                                      f"the source's {size}; check the destination", url=dst_url)
         if progress and size > done:  # the final answer counted fewer bytes than the object holds
             progress(size - done)
-        return ObjectInfo(dst_url, size, _ts(dst.updated), _crc32c_hex(dst.crc32c))
+        return ObjectInfo(dst_url, size, _ts(dst.updated), _crc32c_hex(dst.crc32c),
+                          None if dst.generation is None else str(dst.generation))
 
     def _exists_quietly(self, bucket: str, key: str) -> bool:
         """Whether the object exists; True when that cannot be told (an error)."""

@@ -194,20 +194,23 @@ class LocalStore(ObjectStore):
 
         self._write(url, fill, if_absent=if_absent)
 
-    def copy(self, src_url: str, dst_url: str, *, size: int, progress: Progress = None) -> ObjectInfo:
+    def copy(self, src_url: str, dst_url: str, *, size: int, src_version: str | None = None,
+             progress: Progress = None) -> ObjectInfo:
         """Copy the file through this process, as every local write goes: the source
-        opened without following a link (a regular file of ``size`` bytes), its bytes
-        written to a temporary file beside the destination (mode 0600, fsynced) and
-        renamed into place, the CRC32C computed on the way; ``progress`` per chunk. A
-        source that grows, shrinks or is modified while it is read raises
-        PreconditionFailed and leaves no destination."""
+        opened without following a link (a regular file of ``size`` bytes and, given
+        ``src_version``, that inode-mtime-size), its bytes written to a temporary file
+        beside the destination (mode 0600, fsynced) and renamed into place, the CRC32C
+        computed on the way; ``progress`` per chunk. A source that grows, shrinks or is
+        modified while it is read raises PreconditionFailed and leaves no destination.
+        The result's ``version`` is the new file's."""
         with self._open(src_url) as src:  # NotFound / UnsafeCheckpoint naming the source
             fd = src.fileno()
             before = os.fstat(fd)
-            self._check_copy_source(ObjectInfo(src_url, before.st_size), size, dst_url)
+            self._check_copy_source(ObjectInfo(src_url, before.st_size, version=self._version(before)), size, dst_url,
+                                    src_version)
             if self._path(src_url) == self._path(dst_url):  # onto itself: nothing to change
-                return ObjectInfo(dst_url, size, before.st_mtime)
-            state = {"crc": 0, "n": 0, "mtime": None}
+                return ObjectInfo(dst_url, size, before.st_mtime, version=self._version(before))
+            state = {"crc": 0, "n": 0, "mtime": None, "version": None}
 
             def changed(how: str) -> PreconditionFailed:
                 return PreconditionFailed(f"copy {src_url} to {dst_url}: the source {how} while it was copied; "
@@ -234,10 +237,11 @@ class LocalStore(ObjectStore):
                 if (after.st_mtime_ns, after.st_ino) != (before.st_mtime_ns, before.st_ino):
                     raise changed("was modified")
                 f.flush()
-                state["mtime"] = os.fstat(f.fileno()).st_mtime
+                st = os.fstat(f.fileno())  # the rename into place keeps the inode, mtime and size
+                state["mtime"], state["version"] = st.st_mtime, self._version(st)
 
             self._write(dst_url, fill, if_absent=False)
-        return ObjectInfo(dst_url, size, state["mtime"], f"{state['crc']:08x}")
+        return ObjectInfo(dst_url, size, state["mtime"], f"{state['crc']:08x}", state["version"])
 
     # ------------------------------------------------------------ reads
     def _open(self, url: str) -> BinaryIO:
@@ -272,6 +276,11 @@ class LocalStore(ObjectStore):
     @staticmethod
     def _version(st: os.stat_result) -> str:
         return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
+
+    def version(self, url: str) -> str | None:
+        """The file's inode-mtime-size (opened without following a link)."""
+        with self._open(url) as f:
+            return self._version(os.fstat(f.fileno()))
 
     def get_bytes_versioned(self, url: str, *, limit: int | None = None) -> tuple[bytes, str]:
         with self._open(url) as f:

@@ -37,7 +37,8 @@ class ReadOnlyStore(ObjectStore):
     def upload_file(self, local_path: str, url: str, *, if_absent: bool = False, progress: Progress = None) -> int:
         raise self.read_only_error(url, "upload to")
 
-    def copy(self, src_url: str, dst_url: str, *, size: int, progress: Progress = None) -> ObjectInfo:
+    def copy(self, src_url: str, dst_url: str, *, size: int, src_version: str | None = None,
+             progress: Progress = None) -> ObjectInfo:
         raise self.read_only_error(dst_url, "copy to")
 
     def get_bytes_versioned(self, url: str, *, limit: int | None = None) -> tuple[bytes, str]:

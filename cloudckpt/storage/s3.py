@@ -422,18 +422,21 @@ class S3Store(ObjectStore):
             raise translate(e, url, "upload") from None
         return size
 
-    def copy(self, src_url: str, dst_url: str, *, size: int, progress: Progress = None) -> ObjectInfo:
-        """HEAD the source (its size must be ``size``), then s3transfer's managed copy with
-        ``CopySourceIfMatch`` = that ETag: one CopyObject below ``multipart_threshold``,
-        else UploadPartCopy in ``part_size`` parts (a single CopyObject stops at 5 GiB).
-        s3transfer aborts the multipart upload when a part fails. ``progress``: once per
-        request, with the bytes it copied. The result's ``crc32c`` is None."""
+    def copy(self, src_url: str, dst_url: str, *, size: int, src_version: str | None = None,
+             progress: Progress = None) -> ObjectInfo:
+        """HEAD the source (its size must be ``size``, its ETag ``src_version`` when given),
+        then s3transfer's managed copy with ``CopySourceIfMatch`` = that ETag: one
+        CopyObject below ``multipart_threshold``, else UploadPartCopy in ``part_size`` parts
+        (a single CopyObject stops at 5 GiB). s3transfer aborts the multipart upload when a
+        part fails. ``progress``: once per request, with the bytes it copied. The result's
+        ``crc32c`` is None; its ``version`` the copy's ETag (a HEAD after it)."""
         src_bucket, src_key = _split(src_url)
         bucket, key = _split(dst_url)
         src = self._head(src_url, "copy")
-        self._check_copy_source(ObjectInfo(src_url, int(src["ContentLength"])), size, dst_url)
+        self._check_copy_source(ObjectInfo(src_url, int(src["ContentLength"]), version=src.get("ETag")), size,
+                                dst_url, src_version)
         if (src_bucket, src_key) == (bucket, key):  # S3 refuses to copy an object onto itself as it is
-            return ObjectInfo(dst_url, size, _ts(src.get("LastModified")))
+            return ObjectInfo(dst_url, size, _ts(src.get("LastModified")), version=src.get("ETag"))
         etag = src["ETag"]
         subscribers = [_KnownSource(size, etag)] + ([_Count(progress)] if progress else [])
         try:
@@ -448,7 +451,8 @@ class S3Store(ObjectStore):
                 raise NotFound(f"copy {src_url} to {dst_url}: the source was deleted during the copy", url=src_url) \
                     from None
             raise err from None
-        info = self.stat(dst_url)
+        r = self._head(dst_url, "stat")
+        info = ObjectInfo(dst_url, int(r["ContentLength"]), _ts(r.get("LastModified")), version=r.get("ETag"))
         if info.size != size:  # someone replaced the destination meanwhile
             raise PreconditionFailed(f"copy {src_url} to {dst_url}: the destination holds {info.size} bytes after "
                                      f"the copy, not {size}: another writer replaced it", url=dst_url)
@@ -473,6 +477,10 @@ class S3Store(ObjectStore):
     def stat(self, url: str) -> ObjectInfo:
         r = self._head(url, "stat")
         return ObjectInfo(url, int(r["ContentLength"]), _ts(r.get("LastModified")))
+
+    def version(self, url: str) -> str | None:
+        """The object's ETag (a HEAD): what ``copy(src_version=...)`` and ``If-Match`` match."""
+        return self._head(url, "stat").get("ETag")
 
     def list(self, prefix: str, *, delimiter: str | None = "/") -> Iterator[ListEntry]:
         bucket, key = _split(prefix)

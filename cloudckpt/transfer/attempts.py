@@ -94,19 +94,22 @@ class Task:
         """Bytes a successful attempt moved (its result's size)."""
         return result.size
 
-    def _result(self, local_path: str, size: int, crc: str | None, number: int, clock: Clock) -> TransferResult:
-        return TransferResult(self.url, local_path, size, crc, number, clock() - self.t0)
+    def _result(self, local_path: str, size: int, crc: str | None, number: int, clock: Clock,
+                version: str | None = None) -> TransferResult:
+        return TransferResult(self.url, local_path, size, crc, number, clock() - self.t0, version)
 
 
 class UploadTask(Task):
-    __slots__ = ("local_path", "if_absent", "crc32c")
+    __slots__ = ("local_path", "if_absent", "crc32c", "record_version")
     uploads = True
 
-    def __init__(self, url: str, local_path: str, *, if_absent: bool, size: int, crc32c: str | None):
+    def __init__(self, url: str, local_path: str, *, if_absent: bool, size: int, crc32c: str | None,
+                 record_version: bool = False):
         super().__init__(url, size)
         self.local_path = local_path
         self.if_absent = if_absent
         self.crc32c = crc32c  # known in advance: not computed again
+        self.record_version = record_version  # the result carries the object's version (one request more)
 
     def describe(self) -> str:
         return f"upload {self.local_path} -> {self.url}"
@@ -118,13 +121,16 @@ class UploadTask(Task):
         size = os.path.getsize(self.local_path)
         if self.crc32c is not None or not checksum:
             store.upload_file(self.local_path, self.url, if_absent=self.if_absent, progress=progress)
-            return self._result(self.local_path, size, self.crc32c, number, clock)
-        with open(self.local_path, "rb") as f:
-            reader = Crc32cReader(f)
-            store.upload_fileobj(reader, self.url, size=size, if_absent=self.if_absent, progress=progress)
-        # on the way when the backend read the file front to back, else read it again
-        crc = reader.hexdigest() if reader.bytes_covered == size else crc32c_file(self.local_path)
-        return self._result(self.local_path, size, crc, number, clock)
+            crc = self.crc32c
+        else:
+            with open(self.local_path, "rb") as f:
+                reader = Crc32cReader(f)
+                store.upload_fileobj(reader, self.url, size=size, if_absent=self.if_absent, progress=progress)
+            # on the way when the backend read the file front to back, else read it again
+            crc = reader.hexdigest() if reader.bytes_covered == size else crc32c_file(self.local_path)
+        # asked at once: an object replaced between the upload and this request is the window left
+        version = store.version(self.url) if self.record_version else None
+        return self._result(self.local_path, size, crc, number, clock, version)
 
 
 class CopyTask(Task):
@@ -133,15 +139,18 @@ class CopyTask(Task):
     cap does not apply. The destination must hold ``expected`` bytes (and ``crc32c``,
     where the store reports the copy's CRC32C), else PreconditionFailed."""
 
-    __slots__ = ("src", "local_path", "expected", "crc32c")
+    __slots__ = ("src", "local_path", "expected", "crc32c", "src_version", "must_crc32c")
     local_bytes = False
 
-    def __init__(self, src: str, url: str, *, size: int, crc32c: str | None, local_path: str | None):
+    def __init__(self, src: str, url: str, *, size: int, crc32c: str | None, local_path: str | None,
+                 src_version: str | None = None, must_crc32c: str | None = None):
         super().__init__(url, 0)
         self.src = src
         self.expected = size
-        self.crc32c = crc32c
+        self.crc32c = crc32c  # what the result reports (None: checksums off)
         self.local_path = local_path  # the local file with the same bytes (the result names it)
+        self.src_version = src_version  # the version src must have (store.copy's src_version)
+        self.must_crc32c = must_crc32c or crc32c  # what the copy must hold where the store reports it
 
     def describe(self) -> str:
         return f"copy {self.src} -> {self.url}"
@@ -150,12 +159,17 @@ class CopyTask(Task):
         return pacing.WRITE, pacing.upload_requests(self.expected, store) + 1  # a HEAD of src first
 
     def run(self, store, progress, number, *, checksum, clock):
-        info = store.copy(self.src, self.url, size=self.expected, progress=progress)
-        got = getattr(info, "crc32c", None)
-        if info.size != self.expected or (self.crc32c is not None and got is not None and got != self.crc32c):
+        if self.src_version is not None:
+            info = store.copy(self.src, self.url, size=self.expected, src_version=self.src_version,
+                              progress=progress)
+        else:
+            info = store.copy(self.src, self.url, size=self.expected, progress=progress)
+        got, want = getattr(info, "crc32c", None), self.must_crc32c
+        if info.size != self.expected or (want is not None and got is not None and got != want):
             raise PreconditionFailed(f"{self.describe()}: the copy holds {info.size} bytes (CRC32C {got}), not "
-                                     f"{self.expected} (CRC32C {self.crc32c}); the source changed", url=self.url)
-        return self._result(self.local_path, self.expected, self.crc32c, number, clock)
+                                     f"{self.expected} (CRC32C {want}); the source changed", url=self.url)
+        return self._result(self.local_path, self.expected, self.crc32c, number, clock,
+                            getattr(info, "version", None))
 
 
 class DownloadTask(Task):

@@ -115,7 +115,9 @@ class TransferResult:
     """One finished transfer. ``crc32c``: 8 lowercase hex digits of the CRC32C of
     the file's bytes (None when checksums are off). ``attempts``: engine-level
     attempts it took (1 when the first one succeeded). ``seconds``: from the first
-    attempt's start to the end (queueing time excluded)."""
+    attempt's start to the end (queueing time excluded). ``version``: the object's
+    version token as written (``ObjectStore.version``: S3 ETag, GCS generation), for an
+    upload asked to record it and for a copy; None otherwise or where the store has none."""
 
     url: str
     local_path: str | None
@@ -123,6 +125,7 @@ class TransferResult:
     crc32c: str | None
     attempts: int
     seconds: float
+    version: str | None = None
 
 
 @dataclass

@@ -117,7 +117,7 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ submit
     def submit_upload(self, local_path: str, url: str, *, if_absent: bool = False,
-                      crc32c: str | None = None) -> "Future[TransferResult]":
+                      crc32c: str | None = None, record_version: bool = False) -> "Future[TransferResult]":
         """Upload a local file to ``url``. The future's result is a TransferResult
         (size, CRC32C of the bytes read); its exception a cloudckpt error (or the
         OSError of opening the local file). Raises RuntimeError after close().
@@ -129,40 +129,54 @@ class TransferEngine:
 
         ``if_absent`` uploads are conditional creates; after an ambiguous failure
         (e.g. a reset after the store got the object) a retried attempt can see
-        AlreadyExists for the object the first attempt created."""
+        AlreadyExists for the object the first attempt created.
+
+        ``record_version``: the result carries the object's version token, asked of the
+        store right after the upload (``store.version``: one request more), for a caller
+        that copies from it later (:meth:`submit_copy_or_upload`)."""
         local_path = os.fspath(local_path)
         try:
             size = os.path.getsize(local_path)
         except OSError:
             size = 0  # the attempt will fail opening it, with the OS's message
-        return self._submit(UploadTask(url, local_path, if_absent=if_absent, size=size, crc32c=crc32c), size)
+        return self._submit(UploadTask(url, local_path, if_absent=if_absent, size=size, crc32c=crc32c,
+                                       record_version=record_version), size)
 
     def submit_copy(self, src: str, url: str, *, size: int, crc32c: str | None = None,
-                    local_path: str | None = None) -> "Future[TransferResult]":
+                    local_path: str | None = None, src_version: str | None = None,
+                    must_crc32c: str | None = None) -> "Future[TransferResult]":
         """Copy the object ``src`` to ``url`` server-side (``store.copy``: no byte passes
         through this process; retried, paced and bounded like an upload; it holds none
         of the byte budget and the bandwidth cap does not apply). ``size`` (and
         ``crc32c``, where the store reports the copy's) is what the copy must hold,
-        else PreconditionFailed. The result is a TransferResult with ``size``,
-        ``crc32c`` and ``local_path`` (a local file with the same bytes, if any).
-        ``src`` in another store than ``url`` fails with CopyUnsupported."""
+        else PreconditionFailed. ``src_version``: the version ``src`` must still have
+        (``store.copy``'s); ``must_crc32c``: the CRC32C the copy must hold where the
+        store reports it, when the result reports none (``crc32c`` None: checksums off).
+        The result is a TransferResult with ``size``, ``crc32c``, ``local_path`` (a local
+        file with the same bytes, if any) and the copy's ``version`` where the store has
+        it. ``src`` in another store than ``url`` fails with CopyUnsupported."""
         if self._store(src) is not self._store(url):
             fut: Future = Future()
             fut.set_exception(CopyUnsupported(f"copy {src} -> {url}: not in the same store; upload it instead",
                                               url=url))
             return fut
-        return self._submit(CopyTask(src, url, size=size, crc32c=crc32c, local_path=local_path), 0)
+        return self._submit(CopyTask(src, url, size=size, crc32c=crc32c, local_path=local_path,
+                                     src_version=src_version, must_crc32c=must_crc32c), 0)
 
-    def submit_copy_or_upload(self, src: str, local_path: str, url: str, *,
-                              crc32c: str | None = None) -> "Future[TransferResult]":
+    def submit_copy_or_upload(self, src: str, local_path: str, url: str, *, crc32c: str | None = None,
+                              src_version: str | None = None,
+                              must_crc32c: str | None = None) -> "Future[TransferResult]":
         """Put the file ``local_path`` at ``url`` by copying ``src`` (an object the
-        caller put there from a file with the same bytes) server-side; when the copy
-        cannot be made (``src`` gone or changed: NotFound, PreconditionFailed; a store
-        without copies: CopyUnsupported; no read access to ``src``: AccessDenied) the
-        file is uploaded instead (logged). Other failures (the store failing, timeouts)
-        fail the future as an upload's would. A copy's bytes are not reported to the
-        progress subscriber (they do not pass through this process). The future cannot be cancelled
-        (it is running from the start)."""
+        caller put there from a file with the same bytes: ``src_version`` the version it
+        got, ``must_crc32c`` the file's CRC32C, checked where the store reports the
+        copy's) server-side; when the copy cannot be made (``src`` gone, changed or
+        replaced by someone else: NotFound, PreconditionFailed; a store without copies:
+        CopyUnsupported; no read access to ``src``: AccessDenied) the file is uploaded
+        instead (logged). Other failures (the store failing, timeouts) fail the future as
+        an upload's would. The result carries the object's version either way (the
+        copy's, or the upload's, asked right after it), for the next copy. A copy's bytes
+        are not reported to the progress subscriber (they do not pass through this
+        process). The future cannot be cancelled (it is running from the start)."""
         size = os.path.getsize(local_path)
         out: Future = Future()
         out.set_running_or_notify_cancel()
@@ -179,14 +193,17 @@ class TransferEngine:
             if isinstance(exc, AccessDenied):  # a copy reads the source: a write-only grant does not cover it
                 log.warning("%s: not copied from %s (%s: a copy needs read access to the source, e.g. s3:GetObject); "
                             "uploading %s instead", url, src, exc, local_path)
+            elif isinstance(exc, PreconditionFailed):  # someone else's bytes there now: never copied
+                log.warning("%s: not copied from %s (%s); uploading %s instead", url, src, exc, local_path)
             else:
                 log.info("%s: not copied from %s (%s); uploading %s instead", url, src, exc, local_path)
             try:
-                self.submit_upload(local_path, url, crc32c=crc32c).add_done_callback(settle)
+                self.submit_upload(local_path, url, crc32c=crc32c, record_version=True).add_done_callback(settle)
             except BaseException as e:  # noqa: BLE001 - closed meanwhile: handed to the future
                 out.set_exception(e)
 
-        self.submit_copy(src, url, size=size, crc32c=crc32c, local_path=local_path).add_done_callback(after_copy)
+        self.submit_copy(src, url, size=size, crc32c=crc32c, local_path=local_path, src_version=src_version,
+                         must_crc32c=must_crc32c).add_done_callback(after_copy)
         return out
 
     def submit_download(self, url: str, local_path: str, *, size: int | None = None) -> "Future[TransferResult]":

@@ -104,6 +104,18 @@ def test_digests_the_coordinator_does_not_hold_fail_the_save_with_a_typed_error(
     assert cache == {}
 
 
+def _kept_metadata_saves(any_root: str, monkeypatch):
+    """``(root, store, state, meta)`` for repeated saves in which every ``.metadata`` is kept
+    (as a large job's): ``meta(s)`` is step ``s``'s ``.metadata`` URL."""
+    from cloudckpt.checkpoint import layout
+    from cloudckpt.dcp import writer as dcp_writer
+    from cloudckpt.storage import open_store
+
+    monkeypatch.setattr(dcp_writer, "KEEP_METADATA_BYTES", 0)
+    root = any_root.rstrip("/")
+    return root, open_store(root), w.state_single(1), lambda s: f"{root}/step{s}/{layout.DCP_METADATA}"
+
+
 def test_a_reused_metadata_is_copied_server_side_and_uploaded_when_its_source_is_gone(any_root, tmp_path,
                                                                                        monkeypatch, caplog):
     # rank 0 of a large job would upload the same ~1.6 GB .metadata at every save (4,096 ranks of a
@@ -112,15 +124,8 @@ def test_a_reused_metadata_is_copied_server_side_and_uploaded_when_its_source_is
     import logging
 
     from cloudckpt import Checkpointer
-    from cloudckpt.checkpoint import layout
-    from cloudckpt.dcp import writer as dcp_writer
-    from cloudckpt.storage import open_store
 
-    monkeypatch.setattr(dcp_writer, "KEEP_METADATA_BYTES", 0)  # every .metadata is kept, as a large job's
-    root = any_root.rstrip("/")
-    store = open_store(root)
-    sd = w.state_single(1)
-    meta = lambda s: f"{root}/step{s}/{layout.DCP_METADATA}"  # noqa: E731
+    root, store, sd, meta = _kept_metadata_saves(any_root, monkeypatch)
     moved = []
     with Checkpointer(work_dir=str(tmp_path / "work")) as ck:
         for s in (1, 2, 3):
@@ -223,3 +228,42 @@ def _opened():
         yield read
     finally:
         LocalStore._open = real_open
+
+
+@pytest.mark.parametrize("bytes_", ["other", "same"])
+def test_a_repeated_save_never_copies_a_metadata_someone_replaced_between_saves(any_root, tmp_path, monkeypatch,
+                                                                                caplog, bytes_):
+    # the copy's source is the previous step's .metadata, in a bucket others may write: replaced between the two
+    # saves by bytes of the same size (or by the same bytes, written again), the store's version of it is no
+    # longer the one rank 0 got when it wrote it, so the copy is refused by the store and the file uploaded
+    # (a warning): the new step holds rank 0's bytes and its manifest's CRC32C is theirs
+    import logging
+
+    from cloudckpt import Checkpointer
+    from cloudckpt.checkpoint import layout
+    from cloudckpt.transfer import crc32c_bytes
+
+    root, store, sd, meta = _kept_metadata_saves(any_root, monkeypatch)
+    with Checkpointer(work_dir=str(tmp_path / "work")) as ck:
+        ck.save(f"{root}/step1", sd)
+        ours = store.get_bytes(meta(1))
+        theirs = bytes(b ^ 0xFF for b in ours) if bytes_ == "other" else ours
+        store.put_bytes(meta(1), theirs)  # another writer, between the two saves
+        before = ck.engine.stats()
+        with caplog.at_level(logging.INFO, logger="cloudckpt.transfer.engine"):
+            marker = ck.save(f"{root}/step2", sd)
+        after = ck.engine.stats()
+        warned = [r for r in caplog.records if "not copied from" in r.getMessage()]
+        if bytes_ == "same" and any_root.startswith("s3://"):
+            # S3's ETag of a single-part object is the MD5 of its bytes: the same bytes written again have the
+            # version rank 0 got, and copying them copies exactly what it wrote
+            assert after.bytes_copied - before.bytes_copied == len(ours) and not warned
+        else:
+            assert after.bytes_copied == before.bytes_copied, "copied from an object rank 0 did not write"
+            assert warned and warned[0].levelno == logging.WARNING and meta(1) in warned[0].getMessage()
+        assert store.get_bytes(meta(2)) == ours
+        assert marker.object(layout.DCP_METADATA).crc32c == crc32c_bytes(ours)
+        caplog.clear()
+        ck.save(f"{root}/step3", sd)  # what it uploaded is its own again: the next save copies it
+        assert ck.engine.stats().bytes_copied - after.bytes_copied == len(ours)
+        assert store.get_bytes(meta(3)) == ours

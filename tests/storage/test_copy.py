@@ -240,7 +240,7 @@ def test_local_copy_is_written_like_any_object_and_never_through_a_link(tmp_path
     outside.write_bytes(b"not to be written")
     os.symlink(outside, dst)  # a planted link holds the destination's name: replaced, never written through
     info = store.copy(src, dst, size=len(data))
-    assert info == ObjectInfo(dst, len(data), os.stat(dst).st_mtime, crc32c_bytes(data))
+    assert info == ObjectInfo(dst, len(data), os.stat(dst).st_mtime, crc32c_bytes(data), store.version(dst))
     assert not os.path.islink(dst) and open(dst, "rb").read() == data
     assert outside.read_bytes() == b"not to be written"
     assert stat.S_IMODE(os.stat(dst).st_mode) == stat.S_IMODE(os.stat(put).st_mode), "the mode of any object"
@@ -248,3 +248,31 @@ def test_local_copy_is_written_like_any_object_and_never_through_a_link(tmp_path
     with pytest.raises(UnsafeCheckpoint):
         store.copy(str(d / "link.bin"), str(d / "from-link.bin"), size=len(b"not to be written"))
     assert not os.path.exists(d / "from-link.bin")
+
+
+# ---------------------------------------------------------------- a copy of what the caller wrote, or none
+def test_copy_takes_only_the_version_the_caller_wrote_on_every_backend(any_root):
+    """``copy(src_version=...)``: the version token the caller got when it wrote the source
+    (``store.version`` right after, or an earlier copy's ``ObjectInfo.version``). Someone
+    who replaced the source since (the same size, other bytes; or the same bytes written
+    again) has another version: PreconditionFailed naming the source, nothing written.
+    A copy's own version is what ``version`` says of its destination, so copies chain."""
+    store = open_store(any_root)
+    src, dst, dst2 = (join(any_root, n) for n in ("ours.bin", "copy.bin", "copy2.bin"))
+    store.put_bytes(src, b"a" * 1000)
+    ours = store.version(src)
+    assert ours is not None
+    info = store.copy(src, dst, size=1000, src_version=ours)
+    assert info.version is not None and info.version == store.version(dst)
+    assert store.copy(dst, dst2, size=1000, src_version=info.version).size == 1000  # a copy is a source too
+    store.delete(dst2)
+    store.put_bytes(src, b"b" * 1000)  # someone else's bytes, the same size
+    if store.version(src) == ours:
+        pytest.fail(f"{type(store).__name__}: an object replaced by other bytes kept its version {ours}")
+    with pytest.raises(PreconditionFailed) as ei:
+        store.copy(src, dst2, size=1000, src_version=ours)
+    assert ei.value.url == src and "someone replaced it" in str(ei.value) and src in str(ei.value)
+    assert not store.exists(dst2)
+    with pytest.raises(PreconditionFailed):  # a version never given: refused as well
+        store.copy(dst, dst2, size=1000, src_version="not-a-version")
+    assert not store.exists(dst2)
