@@ -157,7 +157,8 @@ class CheckpointerOptions:
     """Local scratch: each rank writes its files into a private (0700) folder here before
     upload (None: :func:`default_work_dir`)."""
     save_overwrite: bool = False
-    """Allow replacing a committed step."""
+    """Allow replacing a committed step (in one conditional request where the store can:
+    the step number always holds the old step or the new one)."""
     storage_options: Optional[StorageOptions] = knob(None, rules.instance(StorageOptions))
     """Endpoint, credentials profile, region, part size, timeouts
     (:class:`~cloudckpt.storage.StorageOptions`; None: the defaults)."""

@@ -56,10 +56,10 @@ from ..errors import (
     SaveFailed,
     SaveInProgress,
 )
-from ..untrusted import loads_json, read_capped
+from ..untrusted import MAX_MARKER_BYTES, loads_json, read_capped
 from . import layout
 from .entries import ObjectEntry
-from .marker import FORMAT_VERSION, Marker
+from .marker import FORMAT_VERSION, REPLACED_FORMAT_VERSION, Marker
 from .parts import ManifestPart, PartRef
 from .step import StepRef
 
@@ -114,6 +114,16 @@ class LockBody:
             return None
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What PREPARE decides for every rank: the save id, and the folder under the step
+    that receives this attempt's objects ("" or, replacing a committed step,
+    ``.replace/{save id}``)."""
+
+    save_id: str
+    root: str = ""
+
+
 class StepCommit:
     """The storage side of one save attempt of the step folder ``step_dir``.
 
@@ -134,6 +144,13 @@ class StepCommit:
         self.save_overwrite = save_overwrite
         self.stale_lock_seconds = stale_lock_seconds
         self.locked = False  # this object took the lock (coordinator)
+        self.replaces: str | None = None  # coordinator, replacing a committed step: its marker's version
+
+    def adopt(self, plan: "Plan") -> None:
+        """Every rank: take the coordinator's plan from PREPARE (its save id, and where this
+        attempt's objects go: the step folder, or a replaced step's root)."""
+        self.save_id = plan.save_id
+        self.ref = self.ref.with_root(plan.root)
 
     @property
     def store(self):
@@ -148,34 +165,44 @@ class StepCommit:
         return self.ref.lock_url
 
     # ------------------------------------------------------------ coordinator: prepare
-    def prepare(self) -> str:
-        """Check the step and take its lock; returns this attempt's save id (the
-        coordinator's, which every rank adopts). Raises CheckpointExists (committed and no
-        ``save_overwrite``), SaveInProgress (another save holds a fresh lock, or took a
-        stale one over first, or the store cannot take a stale lock over: its
-        ``conditional_replace`` is False), CorruptCheckpoint (an oversized lock: not ours), storage
-        errors (BucketNotFound included)."""
+    def prepare(self) -> "Plan":
+        """Check the step and take its lock; returns the plan every rank adopts
+        (:meth:`adopt`): the coordinator's save id, and where the attempt's objects go.
+        Replacing a committed step (``save_overwrite``) on a store with
+        ``conditional_replace``, they go under a root of their own (``.replace/{save
+        id}``) and the old step stays committed until :meth:`commit` swaps the marker;
+        on another store the old marker is deleted first, then the old objects. Raises
+        CheckpointExists (committed and no ``save_overwrite``), SaveInProgress (another
+        save holds a fresh lock, or took a stale one over first, or the store cannot take
+        a stale lock over: its ``conditional_replace`` is False), CorruptCheckpoint (an
+        oversized lock: not ours), storage errors (BucketNotFound included)."""
         store, dir, marker, lock = self.store, self.dir, self.marker_url, self.lock_url
         store.check_bucket(dir)  # a clear BucketNotFound; some S3-compatible stores would create it on PUT
+        keep_root = None  # replacing: the committed step's root, kept by a stale lock's takeover
         if store.exists(marker):
             if not self.save_overwrite:
                 raise CheckpointExists(f"{dir} is already a committed checkpoint; "
                                        "pass save_overwrite=True to replace it")
-            log.warning("save_overwrite: replacing committed checkpoint %s (marker deleted first)", dir)
-            store.delete(marker)
-            store.delete_prefix(dir)
+            if store.conditional_replace:
+                keep_root = self._begin_replace()
+            else:
+                log.warning("save_overwrite: replacing committed checkpoint %s (marker deleted first: %s cannot "
+                            "replace it in one step)", dir, type(store).__name__)
+                store.delete(marker)
+                store.delete_prefix(dir)
+        plan = Plan(self.save_id, "" if keep_root is None else f"{layout.REPLACE_DIR}/{self.save_id}")
         body = LockBody.new(self.save_id, self.world_size).to_bytes()
         try:
             store.put_bytes(lock, body, if_absent=True)
             self._check_not_committed_under_lock()
             self.locked = True
-            return self.save_id
+            return plan
         except AlreadyExists:
             if self._lock_owner() == self.save_id:
                 # our create landed but its answer was lost; the SDK's retry met our own lock
                 self._check_not_committed_under_lock()
                 self.locked = True
-                return self.save_id
+                return plan
         try:
             if store.stat(lock).size > MAX_LOCK_BYTES:
                 raise CorruptCheckpoint(f"{lock} is {store.stat(lock).size} bytes: not a cloudckpt save lock (ours are "
@@ -215,9 +242,47 @@ class StepCommit:
             raise SaveInProgress(f"another save of {dir} took its lock over first; retry later") from None
         self._check_not_committed_under_lock()
         self.locked = True
-        # clear the abandoned save's objects, keeping the lock we now hold
-        store.delete_many(o.url for o in store.walk(self.ref.prefix) if o.url != lock)
-        return self.save_id
+        # clear the abandoned save's objects, keeping the lock we now hold (and, replacing, the committed step)
+        if keep_root is None:
+            store.delete_many(o.url for o in store.walk(self.ref.prefix) if o.url != lock)
+        else:
+            kept = self.ref.with_root(keep_root).objects_prefix if keep_root else None
+            store.delete_many(o.url for o in store.walk(self.ref.with_root(layout.REPLACE_DIR).objects_prefix)
+                              if kept is None or not o.url.startswith(kept))
+        return plan
+
+    def _begin_replace(self) -> str:
+        """Replacing the committed step: note its marker's version (the commit swaps the
+        marker only if it is still this one) and return its root ("" for a step whose
+        objects are in the step folder itself), whose objects a stale lock's takeover keeps."""
+        data, self.replaces = self.store.get_bytes_versioned(self.marker_url, limit=MAX_MARKER_BYTES)
+        try:
+            root = Marker.from_bytes(data, url=self.marker_url).root
+        except CloudCkptError:
+            root = ""  # not a marker we read: nothing under .replace/ is kept for it
+        log.warning("save_overwrite: replacing committed checkpoint %s; it stays committed until the new marker "
+                    "replaces its marker", self.dir)
+        return root
+
+    def _committed_save_id(self, limit: int) -> str | None:
+        """The save id of the step's marker as it is now (None: none, or not readable)."""
+        try:
+            data = read_capped(self.store, self.marker_url, limit=max(limit, MAX_LOCK_BYTES), what="commit marker")
+            return Marker.from_bytes(data, url=self.marker_url).save_id
+        except CloudCkptError:
+            return None
+
+    def _clear_replaced(self) -> None:
+        """After the marker was swapped: remove what is not the new step's (the old step's
+        objects, in the step folder or under its root), keeping the marker and the lock.
+        Best effort: an object left behind is not listed by any marker (logged)."""
+        store, keep = self.store, self.ref.objects_prefix
+        try:
+            store.delete_many(o.url for o in store.walk(self.ref.prefix)
+                              if not o.url.startswith(keep) and o.url not in (self.marker_url, self.lock_url))
+        except CloudCkptError as e:
+            log.warning("replaced %s but could not remove all of the old step's objects (%s); they are listed by no "
+                        "marker", self.dir, e)
 
     def _age(self, data: bytes | None) -> float | None:
         """Seconds since the lock ``data`` was taken: 0 when it is gone (released between
@@ -276,16 +341,21 @@ class StepCommit:
                torch_version: str = "") -> Marker:
         """The marker of this save: the step header, the step's own ``objects`` (DCP's
         ``.metadata``) and the ranks' ``parts`` (written as columns: format 3)."""
+        root = self.ref.root
         return Marker(step=self.step, ephemeral=ephemeral, world_size=self.world_size,
                       objects=tuple(sorted(objects, key=lambda o: o.path)),
                       parts=tuple(sorted(parts, key=lambda p: p.rank)), torch_version=torch_version,
-                      save_id=self.save_id, format_version=FORMAT_VERSION)
+                      save_id=self.save_id, format_version=REPLACED_FORMAT_VERSION if root else FORMAT_VERSION,
+                      root=root)
 
     def commit(self, marker: Marker) -> Marker:
         """Write the marker last (conditional create) and release the lock: 2 requests (no
-        ``latest`` pointer: ``pointer.py`` says why). Raises SaveFailed (a marker
-        this library could not read back), CheckpointExists (another save committed
-        the step meanwhile), storage errors."""
+        ``latest`` pointer: ``pointer.py`` says why). Replacing a committed step, the
+        marker replaces the old one only if it is still the one ``prepare`` saw (one
+        conditional request: a reader sees the old step or the new one), then the old
+        step's objects are removed (best effort, still under the lock). Raises SaveFailed
+        (a marker this library could not read back), CheckpointExists (another save
+        committed or replaced the step meanwhile), storage errors."""
         store, url = self.store, self.marker_url
         _check_readable(marker.objects, self.dir, step_bytes=marker.total_bytes)
         data = marker.to_bytes()
@@ -294,17 +364,17 @@ class StepCommit:
         except CorruptCheckpoint as e:
             raise SaveFailed(f"the marker of {self.dir} would not be readable: {e}") from None
         try:
-            store.put_bytes(url, data, if_absent=True)
-        except AlreadyExists:
+            if self.replaces is None:
+                store.put_bytes(url, data, if_absent=True)
+            else:
+                store.put_bytes_if_match(url, data, self.replaces)
+        except (AlreadyExists, PreconditionFailed):
             # A lost response can make our own retried create look like a conflict.
-            try:
-                theirs = Marker.from_bytes(read_capped(store, url, limit=max(len(data), MAX_LOCK_BYTES),
-                                                       what="commit marker"), url=url)
-            except CloudCkptError:
-                theirs = None
-            if theirs is None or theirs.save_id != marker.save_id:
+            if self._committed_save_id(len(data)) != marker.save_id:
                 raise CheckpointExists(f"{self.dir} was committed by another save while this one ran; "
                                        "this save was not committed") from None
+        if self.replaces is not None:
+            self._clear_replaced()
         self.locked = False
         try:
             store.delete(self.lock_url)
@@ -315,14 +385,22 @@ class StepCommit:
     # ------------------------------------------------------------ coordinator: abort
     def abort(self) -> None:
         """Best effort: remove what this attempt uploaded, if it still holds the lock
-        and nothing committed the step (the error may have come after the commit)."""
+        and nothing committed the step (the error may have come after the commit).
+        Replacing a committed step, only this attempt's root is removed (the old step
+        stays committed) and the lock released."""
         store = self.store
         try:
-            if store.exists(self.marker_url):
-                return  # committed after all: keep it
-            if self._lock_owner() != self.save_id:
-                return
-            store.delete_prefix(self.dir)
+            if self.replaces is not None:
+                if self._committed_save_id(MAX_MARKER_BYTES) == self.save_id or self._lock_owner() != self.save_id:
+                    return  # committed after all, or not ours to clean
+                store.delete_prefix(self.ref.objects_prefix)
+                store.delete(self.lock_url)
+            else:
+                if store.exists(self.marker_url):
+                    return  # committed after all: keep it
+                if self._lock_owner() != self.save_id:
+                    return
+                store.delete_prefix(self.dir)
         except CloudCkptError as e:
             log.warning("could not clean up the failed save at %s (%s); `cloudckpt gc` will remove it", self.dir, e)
         self.locked = False
@@ -344,4 +422,4 @@ def _check_readable(entries: Sequence[ObjectEntry], dir: str, *, step_bytes: int
                              "was committed (save less per rank, or split the train state)")
 
 
-__all__ = ["LockBody", "MAX_LOCK_BYTES", "StepCommit"]
+__all__ = ["LockBody", "MAX_LOCK_BYTES", "Plan", "StepCommit"]

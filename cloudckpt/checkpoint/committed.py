@@ -128,6 +128,7 @@ class CommittedStep:
 
     def _set_marker(self, marker: Marker) -> None:
         self.marker = marker
+        self.step = self.step.with_root(marker.root)  # a replaced step's objects are under its root
         self.manifest = discovery.StepManifest(self.step.loc, marker, pace=self.pace)
 
     # ------------------------------------------------------------ the manifest

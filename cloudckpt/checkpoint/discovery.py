@@ -169,7 +169,8 @@ class StepManifest:
     def _read_part(self, ref: PartRef) -> ManifestPart:
         from ..untrusted import read_checked
 
-        url = self.step.join(ref.path).url
+        root = self.marker.root  # a replaced step's objects are under it (format 4)
+        url = (self.step.join(root, ref.path) if root else self.step.join(ref.path)).url
         with self._lock:
             self.parts_read += 1
         if self.pace is not None:

@@ -29,6 +29,7 @@ DCP_METADATA = f"{MODEL_DIR}/.metadata"  # DCP's own file name, fixed by torch.d
 PARTS_DIR = "manifest"  # step{N}/manifest/rank{R}.json
 INDEX_DIR = "index"  # step{N}/index/header.json, step{N}/index/rank{R}.json
 INDEX_HEADER = f"{INDEX_DIR}/header.json"
+REPLACE_DIR = ".replace"  # step{N}/.replace/{save id}/: a replaced step's objects (marker format 4)
 ADOPTED_MANIFEST = ".cloudckpt.json"  # our manifest beside another tool's marker (``cloudckpt adopt``)
 LATEST_POINTER = "latest"
 

@@ -21,6 +21,14 @@ then for the i-th rank of those runs its part's ``size``, its CRC32C (characters
 part's path is ``layout.part_name(rank)``. About 30 bytes per rank (a list of references,
 format 2, took ~115), so the marker of 16,384 ranks is about half a megabyte.
 
+Format 4 is format 3 and one field more, ``"root": ".replace/{save id}"``: the folder,
+under the step, that holds every object of the step but the marker (their paths in
+the manifest stay relative to it). A save that replaces a committed step
+(``save_overwrite``) writes its objects there and swaps the marker in one conditional
+request, so a reader sees the old step or the new one, never neither
+(``commit.StepCommit``); a reader of format 3 or older refuses it
+(IncompatibleCheckpoint) rather than look for its objects in the wrong place.
+
 Format 2 wrote the same references as a list of objects, and is still read::
 
      "parts": [{"rank": 0, "path": "manifest/rank0.json", "size": 900, "crc32c": "...",
@@ -59,7 +67,7 @@ from ..errors import CorruptCheckpoint, IncompatibleCheckpoint, UnsafeCheckpoint
 from ..untrusted.jsondoc import loads_json
 from ..untrusted.limits import MAX_MARKER_BYTES
 from .entries import ObjectEntry, check_crc, check_int, parse_entry
-from .layout import PARTS_DIR, owner_of
+from .layout import PARTS_DIR, REPLACE_DIR, owner_of
 from .parts import (
     ManifestPart,
     PartRef,
@@ -71,7 +79,10 @@ from .parts import (
 )
 
 FORMAT = "cloudckpt"
-FORMAT_VERSION = 3  # the newest this library reads; what a save writes (the parts as columns)
+FORMAT_VERSION = 3  # what a save writes (the parts as columns)
+REPLACED_FORMAT_VERSION = 4  # a step replaced in one step (save_overwrite): format 3 and its objects' ``root``
+NEWEST_FORMAT_VERSION = REPLACED_FORMAT_VERSION  # the newest this library reads
+ROOT_RE = re.compile(re.escape(REPLACE_DIR) + r"/[0-9a-f]{32}")  # a replaced step's objects: .replace/{save id}
 INLINE_FORMAT_VERSION = 2  # a marker without parts (adopted, local tier), and format 2 steps (parts as a list)
 MARKER_MAX_DEPTH = 8  # a marker nests 5 deep (marker, objects, entry, chunks, chunk); room for additions
 MAX_WORLD_SIZE = 1 << 20  # ranks a marker may name (jobs run on thousands); its marker stays under MAX_MARKER_BYTES
@@ -110,11 +121,19 @@ class Marker:
     verified: bool = True  # a manifest with CRC32Cs (ours or adopted); False: sizes from a listing only
     adopted_crc32c: str = ""  # adopted: the CRC32C of the other tool's marker this manifest vouches for
     parts: "Sequence[PartRef]" = ()  # the ranks' manifest parts (format 2); ``objects`` then holds the step's own files
+    root: str = ""  # format 4: the folder under the step that holds every object but the marker (``.replace/{id}``)
 
     def __post_init__(self) -> None:
         if self.parts and not isinstance(self.parts, (PartTable, WithheldParts)):
             table = PartTable.of(tuple(self.parts))
             object.__setattr__(self, "parts", table if table is not None else tuple(self.parts))
+
+    def without_root(self) -> "Marker":
+        """This marker of a replaced step (format 4) as format 3: what a copy of the step
+        whose objects are in the step folder itself carries (``cloudckpt download``)."""
+        import dataclasses
+
+        return dataclasses.replace(self, root="", format_version=min(self.format_version, FORMAT_VERSION))
 
     def withholding_parts(self) -> "Marker":
         """This marker with its part references withheld (:class:`WithheldParts`): what
@@ -237,6 +256,8 @@ class Marker:
             d["parts"] = [p.to_json() for p in self.parts]
         if self.foreign:
             d["adopted"] = {"writer": self.writer, "marker_crc32c": self.adopted_crc32c}
+        if self.format_version >= REPLACED_FORMAT_VERSION:
+            d["root"] = self.root
         return json.dumps(d, separators=(",", ":")).encode()
 
     def summary(self) -> dict:
@@ -258,10 +279,10 @@ class Marker:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise CorruptCheckpoint(f"commit marker {url} is not a cloudckpt marker (no \"format\": \"cloudckpt\")")
         v = d.get("format_version")
-        if not isinstance(v, int) or v > FORMAT_VERSION or v < 1:
+        if not isinstance(v, int) or v > NEWEST_FORMAT_VERSION or v < 1:
             raise IncompatibleCheckpoint(
                 f"commit marker {url} has format_version {v!r}; this cloudckpt {__version__} reads version "
-                f"1 to {FORMAT_VERSION}: upgrade cloudckpt to read this checkpoint"
+                f"1 to {NEWEST_FORMAT_VERSION}: upgrade cloudckpt to read this checkpoint"
             )
         try:
             raw_objects = d["objects"]
@@ -279,6 +300,11 @@ class Marker:
                 if type(a) is not dict or type(a.get("writer")) is not str or not _WRITER.fullmatch(a["writer"]):
                     raise TypeError("adopted is not {\"writer\": name, \"marker_crc32c\": crc}")
                 writer, adopted_crc = a["writer"], check_crc(a.get("marker_crc32c"), "the adopted marker") or ""
+            root = ""
+            if v >= REPLACED_FORMAT_VERSION:
+                root = d["root"]
+                if type(root) is not str or not ROOT_RE.fullmatch(root):
+                    raise ValueError(f"root is {str(root)[:80]!r}, not .replace/ and a save id of 32 hex digits")
             marker = cls(
                 step=step,
                 ephemeral=d["ephemeral"],
@@ -292,6 +318,7 @@ class Marker:
                 writer=writer,
                 adopted_crc32c=adopted_crc,
                 parts=parts,
+                root=root,
             )
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise CorruptCheckpoint(f"commit marker {url} is missing or has a bad field "

@@ -20,6 +20,7 @@ marker, ``read_header``), or handed over by the save that committed it, and kept
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -30,9 +31,9 @@ from dataclasses import dataclass, field
 from ..errors import CheckpointError, CloudCkptError, NotFound
 from ..storage import Location, Where
 from ..storage import url as urls
-from . import discovery, layout
+from . import discovery, layout, refusals
 from .foreign import parse_marker
-from .marker import FORMAT, FORMAT_VERSION, Marker
+from .marker import FORMAT, NEWEST_FORMAT_VERSION, Marker
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +65,19 @@ def steps_to_prune(committed: list[tuple[int, bool]], policy: Policy, *,
 
 
 def delete_step(dir: Where) -> int:
-    """Delete one step: marker first, then every object under it."""
+    """Delete one step: marker first, then every object under it, then its refusal note
+    (``refusals``) if it has one."""
     loc = Location.of(dir).resolved_step()
     dir, store = loc.url, loc.store
     store.delete(layout.marker_url(dir))
-    return store.delete_prefix(dir)
+    n = store.delete_prefix(dir)
+    step = layout.step_of_name(urls.basename(dir))
+    if step is not None:
+        try:
+            refusals.remove(loc.at(urls.parent(dir)), step)
+        except CloudCkptError as e:  # the step is gone; a note left behind no longer describes it (gc)
+            log.warning("could not remove the refusal note of %s: %s", dir, e)
+    return n
 
 
 def prune(folder: Where, policy: Policy, *, protect: frozenset[int] = frozenset(), dry_run: bool = False) -> list[str]:
@@ -93,6 +102,7 @@ class GcReport:
     uploads: list[str]
     failed: list[str] = field(default_factory=list)  # step folders whose delete failed (logged): not in step_dirs
     young: list[str] = field(default_factory=list)  # uncommitted folders left: newest object younger than older_than
+    notes: list[str] = field(default_factory=list)  # refusal notes that no longer describe their step (removed)
 
 
 def gc(folder: Where, *, older_than: float = 3600.0, only_steps_above: int | None = None,
@@ -102,7 +112,9 @@ def gc(folder: Where, *, older_than: float = 3600.0, only_steps_above: int | Non
     object is older than ``older_than`` seconds (or, with ``only_steps_above``, every
     uncommitted folder above that step, whatever its age: leftovers of a crashed attempt
     of the run being resumed), and
-    multipart uploads under ``folder`` initiated more than ``older_than`` seconds ago.
+    multipart uploads under ``folder`` initiated more than ``older_than`` seconds ago;
+    without ``only_steps_above``, also the refusal notes (``refusals``) that no longer
+    describe their step (one LIST of the notes, a GET of each and of its step's marker).
     ``keep_above``: uncommitted folders above this step are never removed (a running
     job's saves in progress: they are above its newest committed step)."""
     now = time.time() if now is None else now
@@ -113,8 +125,17 @@ def gc(folder: Where, *, older_than: float = 3600.0, only_steps_above: int | Non
     with ThreadPoolExecutor(max_workers=32) as pool:
         committed = list(pool.map(lambda sd: store.exists(layout.marker_url(sd[1])), steps))
     uncommitted = [sd for sd, is_committed in zip(steps, committed, strict=True) if not is_committed]
-    return _collect(loc, uncommitted, older_than=older_than, only_steps_above=only_steps_above, protect=protect,
-                    keep_above=keep_above, dry_run=dry_run, now=now)
+    rep = _collect(loc, uncommitted, older_than=older_than, only_steps_above=only_steps_above, protect=protect,
+                   keep_above=keep_above, dry_run=dry_run, now=now)
+    if only_steps_above is not None:
+        return rep
+    # refusal notes whose step was replaced, restored or removed since (or that cannot be read)
+    stale = [s for s in refusals.stale(loc) if s not in protect and (keep_above is None or s <= keep_above)]
+    if not dry_run:
+        for s in stale:
+            refusals.remove(loc, s)
+            log.info("gc: removed the refusal note of step%d (it no longer describes the step)", s)
+    return dataclasses.replace(rep, notes=[refusals.note_url(loc.url, s) for s in stale])
 
 
 def _collect(loc: Location, uncommitted: list[tuple[int, str]], *, older_than: float, only_steps_above: int | None,
@@ -197,7 +218,7 @@ def read_header(step_dir: Location) -> StepHeader | None:
         return StepHeader(step, m.ephemeral, m.foreign)
     head = _leading_fields(data)
     v = head.get("format_version")
-    if (head.get("format") == FORMAT and type(v) is int and 1 <= v <= FORMAT_VERSION
+    if (head.get("format") == FORMAT and type(v) is int and 1 <= v <= NEWEST_FORMAT_VERSION
             and head.get("step") == step and type(head.get("step")) is int and type(head.get("ephemeral")) is bool):
         return StepHeader(step, head["ephemeral"])
     m = discovery.read_marker(step_dir)
@@ -275,13 +296,21 @@ class Maintenance:
         self.older_than = older_than
         self._headers: dict[int, StepHeader] = {}
         self._empty: set[int] = set()  # folders deleted or found without objects
+        self._refused: set[int] = set()  # committed steps that failed their checks: never counted or pruned
         self._lock = threading.Lock()
+
+    def refused(self, steps) -> None:
+        """Steps that failed their checks at resume (``refusals``): neither counted among the
+        kept steps nor pruned nor read, until this process commits the step number again."""
+        with self._lock:
+            self._refused |= set(steps)
 
     def committed(self, step: int, *, ephemeral: bool, foreign: bool = False) -> None:
         """Record a step this process committed (no read needed to know its header)."""
         with self._lock:
             self._headers[step] = StepHeader(step, ephemeral, foreign)
             self._empty.discard(step)
+            self._refused.discard(step)
 
     def run(self, *, protect: frozenset[int] = frozenset(), keep_above: int | None = None,
             now: float | None = None) -> tuple[list[str], GcReport]:
@@ -294,10 +323,11 @@ class Maintenance:
             for s in [s for s in self._headers if s not in listed_steps]:
                 del self._headers[s]
             self._empty &= listed_steps
-            known, empty = dict(self._headers), set(self._empty)
+            known, empty, refused = dict(self._headers), set(self._empty), set(self._refused)
         uncommitted = []
         for step, dir in listed:
-            if step in known or step in empty or step in protect or (keep_above is not None and step > keep_above):
+            if (step in known or step in empty or step in refused or step in protect
+                    or (keep_above is not None and step > keep_above)):
                 continue
             try:
                 header = read_header(loc.at(dir))
@@ -310,7 +340,8 @@ class Maintenance:
                 known[step] = header
                 with self._lock:
                     self._headers[step] = header
-        counted = [(h.step, h.ephemeral) for h in known.values() if self.policy.include_foreign or not h.foreign]
+        counted = [(h.step, h.ephemeral) for h in known.values()
+                   if (self.policy.include_foreign or not h.foreign) and h.step not in refused]
         pruned = []
         for s in steps_to_prune(sorted(counted), self.policy, protect=protect):
             d = layout.step_dir(loc.url, s)

@@ -7,7 +7,8 @@ CAPITALS, each carrying every rank's error to every rank: ``dist.Coordinator``):
     attempt = StepCommit(step, save_id, ...)            R  the same attempt everywhere
     step.connect_in_background()                        R  (not C) the store's client
     PREPARE   attempt.prepare()                         C  committed? locked? take the lock;
-                                                           the save id and any error reach R
+                                                           the plan (save id, where the
+                                                           objects go) or the error reach R
     WORK DIR  private_dir(work_dir)                     R  0700, never through a link
     produce(step, work)                                 R  write + upload this rank's files
                                                            (RankWriter.write: DCP's own
@@ -106,12 +107,12 @@ def save(coord: Any, engine: TransferEngine, options: CheckpointerOptions, step:
     try:
         if not coord.is_coordinator:
             step.connect_in_background()
-        attempt.save_id = coord.on_coordinator("prepare", attempt.prepare)
+        attempt.adopt(coord.on_coordinator("prepare", attempt.prepare))  # the save id; where the objects go
         if needs_work:  # 0700, never through a link
             coord.all_ranks("work dir", lambda: work.append(private_dir(
                 options.work_dir, f"step{step.number}-rank{coord.rank}-")), error=SaveFailed.from_failures)
-        outcome = produce(step, work[0] if work else None)
-        reports = coord.to_coordinator("agree", lambda: _report(coord, engine, attempt, step, outcome),
+        outcome = produce(attempt.ref, work[0] if work else None)
+        reports = coord.to_coordinator("agree", lambda: _report(coord, engine, attempt, attempt.ref, outcome),
                                        error=SaveFailed.from_failures)
         marker = None if reports is None else attempt.marker(  # the coordinator's, until COMMIT hands it on
             [r.part for r in reports if r.part is not None], [o for r in reports for o in r.shared],

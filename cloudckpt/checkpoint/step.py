@@ -6,6 +6,10 @@ step are followed there, once. Below the API a step travels as this value, never
 string, and it is the only place that joins a step's object names (``layout.py``
 spells them) to its URL: the marker, the lock, rank R's manifest part, the DCP index
 header and parts, rank R's train state, the DCP folder and its files.
+
+A step replaced in one step (``save_overwrite``, marker format 4) keeps every object
+but its marker and lock under a folder of its own, ``root`` (``.replace/{save id}``);
+a ``StepRef`` with that root joins the objects' names under it.
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ from . import layout
 
 @dataclass(frozen=True)
 class StepRef:
-    """The step folder ``loc`` (resolved above the step) and its number (None for a
-    folder not named ``step{N}`` whose caller gave no number: a load reads the number
-    from the marker)."""
+    """The step folder ``loc`` (resolved above the step), its number (None for a folder
+    not named ``step{N}`` whose caller gave no number: a load reads the number from the
+    marker) and the folder under it that holds its objects (``root``: "" but for a
+    replaced step)."""
 
     loc: Location
     number: int | None = None
+    root: str = ""
 
     @classmethod
     def of(cls, where: "Where | StepRef", options: StorageOptions | None = None, *, step: int | None = None,
@@ -36,7 +42,7 @@ class StepRef:
         save). Raises NotACheckpoint (``named`` and the last component is not
         ``step{N}``), InvalidURL."""
         if isinstance(where, StepRef):
-            return where if step is None or step == where.number else cls(where.loc, int(step))
+            return where if step is None or step == where.number else cls(where.loc, int(step), where.root)
         loc = Location.of(where, options)
         if step is not None:
             number: int | None = int(step)
@@ -74,27 +80,39 @@ class StepRef:
 
         threading.Thread(target=connect, name="cloudckpt-connect", daemon=True).start()
 
+    def with_root(self, root: str) -> "StepRef":
+        """This step with its objects under ``root`` (a replaced step's ``.replace/{id}``;
+        "" for the step folder itself). ``root`` comes from a checked marker or from the
+        save that chose it."""
+        return StepRef(self.loc, self.number, root)
+
     # ------------------------------------------------------------ its objects
     def url_of(self, rel: str) -> str:
-        """The URL of the object ``rel`` (a name relative to the step, as layout.py spells it)."""
-        return urls.join(self.loc.url, rel)
+        """The URL of the object ``rel`` (a name relative to the step, as layout.py spells
+        it; under ``root`` for a replaced step)."""
+        return urls.join(self.loc.url, self.root, rel) if self.root else urls.join(self.loc.url, rel)
 
     def at(self, rel: str) -> Location:
         """The object or folder ``rel`` of the step as a Location (same storage options)."""
-        return self.loc.join(rel)
+        return self.loc.join(self.root, rel) if self.root else self.loc.join(rel)
 
     @property
     def prefix(self) -> str:
-        """The step folder as a prefix (every object of the step starts with it)."""
+        """The step folder as a prefix (every object of the step, its marker included, starts with it)."""
         return self.loc.prefix
 
     @property
+    def objects_prefix(self) -> str:
+        """The prefix of the step's objects: the step folder, or its ``root`` under it."""
+        return self.loc.join(self.root).prefix if self.root else self.loc.prefix
+
+    @property
     def marker_url(self) -> str:
-        return self.url_of(layout.MARKER)
+        return urls.join(self.loc.url, layout.MARKER)
 
     @property
     def lock_url(self) -> str:
-        return self.url_of(layout.LOCK)
+        return urls.join(self.loc.url, layout.LOCK)
 
     @property
     def model(self) -> Location:

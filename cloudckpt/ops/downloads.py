@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from ..checkpoint import discovery, layout
 from ..checkpoint.entries import ObjectEntry
 from ..checkpoint.marker import Marker
+from ..checkpoint.step import StepRef
 from ..errors import CorruptCheckpoint, InvalidURL, NotFound, ObjectTooLarge
 from ..storage import Location, Where
 from ..storage import url as urls
@@ -109,6 +110,8 @@ def prepare_download(step: Where, dest: str, *, jobs: int = 8) -> DownloadPlan:
         raise InvalidURL(f"DEST {dest!r} is not a local path: `cloudckpt download` writes to a local folder")
     loc = Location.of(step).resolved_step()
     marker, raw = discovery.read_marker_bytes(loc)
+    if marker.root:  # a replaced step: its objects go to their usual places, under a marker that says so
+        raw = Marker.from_bytes(raw, url=loc.url).without_root().to_bytes()
     if layout.step_of_name(urls.basename(dest)) is None:
         dest = urls.join(dest, f"step{marker.step}")  # DEST is a save folder: the step goes inside it
     root = urls.parse_url(dest).key.rstrip("/")
@@ -122,7 +125,8 @@ def prepare_download(step: Where, dest: str, *, jobs: int = 8) -> DownloadPlan:
     except FileNotFoundError:
         pass
     shutil.rmtree(os.path.join(root, STAGING), ignore_errors=True)
-    items = [DownloadItem(o, loc.join(o.path).url, _local_path(root, o.path, loc.url)) for o in marker.objects]
+    objects_at = StepRef(loc, root=marker.root)  # a replaced step's objects are under its root
+    items = [DownloadItem(o, objects_at.url_of(o.path), _local_path(root, o.path, loc.url)) for o in marker.objects]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         present = list(pool.map(lambda i: _matches(i.path, i.entry), items))
     return DownloadPlan(loc, marker, raw, dest, root, tuple(i for i, ok in zip(items, present, strict=True) if not ok),

@@ -41,7 +41,6 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ..checkpoint import layout
 from ..checkpoint.committed import CommittedStep
 from ..checkpoint.step import StepRef
 from ..dcp.items import decode_item_tensor
@@ -383,7 +382,7 @@ def export_weights(
     try:
         if read_progress is not None:
             read_progress.start(_stored_bytes(metadata, entries))
-        reader = _TensorReader(step.join(layout.MODEL_DIR).url, step.store, metadata, pool,
+        reader = _TensorReader(c.step.model.url, step.store, metadata, pool,
                                checksums=c.item_checksums(), verify=verify_checksums,
                                piece_size=piece_size,
                                on_bytes=read_progress.update if read_progress is not None else None)

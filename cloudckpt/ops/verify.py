@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..checkpoint import discovery, layout
+from ..checkpoint import discovery, layout, refusals
 from ..checkpoint.entries import ObjectEntry
 from ..checkpoint.marker import Marker
 from ..checkpoint.step import StepRef
@@ -32,6 +32,7 @@ class VerifyReport:
     bad: list[dict]  # {path, url, problem?, detail, ...}: see docs/cli.md
     no_checksum: list[str] = field(default_factory=list)  # objects whose entry has no CRC32C
     notes: list[dict] = field(default_factory=list)  # {path, url, detail}: what was checked less, and why
+    refused: dict | None = None  # {reason, refused_unix, note}: a resume found the step failing its checks
 
     @property
     def manifest(self) -> bool:
@@ -55,7 +56,18 @@ class VerifyReport:
                     "object_count": self.object_count, "total_bytes": self.total_bytes, "bad": self.bad,
                     "detail": f"{unverified_reason(self.marker)}; {adopt_hint(self.url)}"}
         return {"url": self.url, "ok": self.ok, "checked": self.checked, "object_count": self.object_count,
-                "total_bytes": self.total_bytes, "bad": self.bad, "no_checksum": self.no_checksum, "notes": self.notes}
+                "total_bytes": self.total_bytes, "bad": self.bad, "no_checksum": self.no_checksum, "notes": self.notes,
+                "refused": self.refused}
+
+
+def refusal_of(step: Location) -> dict | None:
+    """The refusal note of the step folder ``step`` when it still describes the step
+    (``cloudckpt.checkpoint.refusals``): ``{reason, refused_unix, note}``, else None."""
+    number = layout.step_of_name(step.name)
+    note = None if number is None else refusals.read(step.parent(), number)
+    if note is None or not note.describes(refusals.fingerprint(step)):
+        return None
+    return {"reason": note.reason, "refused_unix": note.refused_unix, "note": note.url}
 
 
 def unverified_reason(marker: Marker) -> str:
@@ -144,9 +156,9 @@ def check_contents(step: Location, marker: Marker, notes: list[dict] | None = No
     try:
         header = c.header()
     except CorruptCheckpoint as e:
-        bad.append({"path": layout.INDEX_HEADER, "url": step.join(layout.INDEX_HEADER).url, "detail": str(e)})
+        bad.append({"path": layout.INDEX_HEADER, "url": c.step.index_header_url, "detail": str(e)})
     for o in marker.objects:
-        url = step.join(o.path).url
+        url = c.step.url_of(o.path)
         try:
             if o.path == layout.DCP_METADATA:
                 if marker.object(layout.INDEX_HEADER) is not None and o.size > PARSE_METADATA_BYTES:
@@ -220,13 +232,14 @@ def verify_step(step: Where, *, size_only: bool = False, jobs: int = 16,
     if progress is not None:
         progress.start(0 if size_only else marker.total_bytes)
     on_bytes = progress.update if progress is not None else None
-    store = loc.store
+    store, objects_at = loc.store, StepRef(loc, root=marker.root)  # a replaced step's objects: under its root
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         results = list(pool.map(
-            lambda o: _check_object(store, loc.join(o.path).url, o, size_only=size_only, on_bytes=on_bytes), objects))
+            lambda o: _check_object(store, objects_at.url_of(o.path), o, size_only=size_only, on_bytes=on_bytes),
+            objects))
     bad = [r for r in results if r is not None]
     notes: list[dict] = []
     if not bad and not size_only:
         bad = check_contents(loc, marker, notes)
     return VerifyReport(url, marker, "size" if size_only else "size+crc32c", bad,
-                        [o.path for o in objects if not o.crc32c], notes)
+                        [o.path for o in objects if not o.crc32c], notes, refusal_of(loc))

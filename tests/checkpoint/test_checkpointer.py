@@ -183,6 +183,59 @@ def test_overwrite_refused_unless_save_overwrite_then_replaced(any_root, tmp_pat
     assert torch.equal(sd["model"]["w"], torch.arange(4096, dtype=torch.float32) * 2.0)
 
 
+def test_a_replaced_step_is_swapped_in_one_request_and_reads_everywhere(any_root, tmp_path):
+    """save_overwrite of a committed step on a store that replaces conditionally: the new
+    objects go under .replace/{save id}, the marker (format 4) replaces the old one in one
+    request, then the old objects go; every reader finds the new step (load, verify,
+    inspect, download + stock DCP), and replacing it again leaves one root."""
+    import torch.distributed.checkpoint as dcp
+
+    from cloudckpt.ops import download, inspect_step, verify_step
+
+    step = urls.join(any_root, "step1")
+    store = open_store(step)
+    with Checkpointer(work_dir=str(tmp_path / "w")) as ck:
+        ck.save(step, _plain_state(1.0), {"v": 1})
+    roots = []
+    for v in (2.0, 3.0):
+        with Checkpointer(work_dir=str(tmp_path / "w"), save_overwrite=True) as ck:
+            ck.save(step, _plain_state(v), {"v": v})
+        raw = json.loads(store.get_bytes(urls.join(step, layout.MARKER)))
+        assert raw["format_version"] == 4 and raw["root"].startswith(".replace/"), raw.get("root")
+        roots.append(raw["root"])
+        rels = {urls.relative(o.url, step) for o in store.walk(urls.as_prefix(step))}
+        assert rels - {layout.MARKER} and all(r.startswith(raw["root"] + "/") for r in rels - {layout.MARKER}), \
+            f"only the marker and the new step's objects are left: {sorted(rels)}"
+        sd = _plain_state(0)
+        assert Checkpointer().load(step, sd) == {"v": v}
+        assert torch.equal(sd["model"]["w"], torch.arange(4096, dtype=torch.float32) * v)
+        assert verify_step(step).ok and inspect_step(step).tensors
+    assert roots[0] != roots[1]
+    local = str(tmp_path / "copy" / "step1")
+    download(step, local)
+    got = {"model": {"w": torch.zeros(4096), "b": torch.zeros(3)}, "optim": {"m": torch.zeros(10)}}
+    dcp.load(got, storage_reader=dcp.FileSystemReader(os.path.join(local, layout.MODEL_DIR)), no_dist=True)
+    assert torch.equal(got["model"]["w"], torch.arange(4096, dtype=torch.float32) * 3.0), "stock DCP reads the copy"
+    assert json.loads(open(os.path.join(local, layout.MARKER), "rb").read())["format_version"] == 3
+    assert Checkpointer().load(local, _plain_state(0)) == {"v": 3.0}, "the copy is a step of its own"
+
+
+def test_a_marker_root_outside_replace_is_refused(tmp_path):
+    """A format 4 marker's root names where every object is read from: only
+    ``.replace/{32 hex digits}`` is accepted (a crafted ``../``, absolute or other name
+    is a typed refusal naming the marker)."""
+    step = str(tmp_path / "run" / "step1")
+    Checkpointer(work_dir=str(tmp_path / "w")).save(step, _plain_state(1.0), None)
+    path = os.path.join(step, layout.MARKER)
+    honest = json.loads(open(path, "rb").read())
+    for root in ("../../outside", "/etc", ".replace/../../x", ".replace/" + "0" * 31, "", 7, None):
+        doc = dict(honest, format_version=4, root=root)
+        with open(path, "w") as f:
+            json.dump(doc, f)
+        with pytest.raises(CorruptCheckpoint, match="root"):
+            discovery.read_header(step)
+
+
 def test_missing_keys_are_listed_and_strict_false_loads_what_exists(tmp_path):
     step = str(tmp_path / "c" / "step1")
     Checkpointer(work_dir=str(tmp_path / "w")).save(step, _plain_state(), None)

@@ -18,6 +18,7 @@ import google_crc32c
 
 MARKER = ".metadata.json"
 _STEP = re.compile(r"^step(\d+)$")
+_ROOT = re.compile(r"\.replace/[0-9a-f]{32}")  # format 4: a replaced step's objects
 
 
 def _split(url: str) -> tuple[str, str, str]:
@@ -125,12 +126,22 @@ def committed_steps(folder: str) -> list[int]:
     return sorted(s for s in steps if marker(f"{folder.rstrip('/')}/step{s}") is not None)
 
 
+def _base(step_url: str, m: dict) -> str:
+    """Where the step's objects are: the step folder, or (format 4: a replaced step) the
+    folder its ``root`` names under it."""
+    root = m.get("root") if m.get("format_version", 0) >= 4 or "root" in m else None
+    if root is not None:
+        assert isinstance(root, str) and _ROOT.fullmatch(root), f"{step_url}: a marker root {root!r}"
+        return f"{step_url.rstrip('/')}/{root}"
+    return step_url.rstrip("/")
+
+
 def _parts(step_url: str, m: dict, problems: list) -> list[dict]:
     """Format 2: every part the marker lists must exist with its size and CRC32C and
     name the marker's step, save and its rank; returns the objects the parts list."""
     out = []
     for p in m.get("parts", []):
-        url = f"{step_url.rstrip('/')}/{p['path']}"
+        url = f"{_base(step_url, m)}/{p['path']}"
         data = get(url)
         if data is None or len(data) != p["size"] or crc32c(data) != p["crc32c"]:
             problems.append(f"{url}: manifest part missing or not as the marker says")
@@ -159,7 +170,7 @@ def verify_step(step_url: str) -> list[str]:
         return [f"{step_url}: no marker"]
     problems: list = []
     for o in list(m["objects"]) + _parts(step_url, m, problems):
-        url = f"{step_url.rstrip('/')}/{o['path']}"
+        url = f"{_base(step_url, m)}/{o['path']}"
         data = get(url)
         if data is None:
             problems.append(f"{url}: missing")

@@ -139,3 +139,65 @@ def test_a_save_killed_after_any_request_leaves_a_committed_step_or_none(folder,
     assert not outcomes[-1][1] and outcomes[-1][2], "with every request answered, the save commits"
     assert any(c for _, d, c in outcomes if d), "a save dying after its marker (before the pointer or the lock's " \
                                                 "release) is committed"
+
+
+def _loads_as(step_url: str, tmp: str) -> int | None:
+    """Which save's state the committed step ``step_url`` holds (the step number it was
+    saved with: 1 or 2 below), loading it bit for bit; None when nothing is committed."""
+    sd = _zeros()
+    with Checkpointer(work_dir=tmp) as ck:
+        got = ck.load(step_url, sd)["step"]
+    assert torch.equal(sd["model"]["w"], _state(got)["model"]["w"]) and torch.equal(
+        sd["optim"]["m"], _state(got)["optim"]["m"]), "the step loads bit for bit as the save that wrote it"
+    return got
+
+
+def test_replacing_a_step_killed_after_any_request_leaves_the_old_step_or_the_new(folder, tmp_path, secret_scan):
+    """``save_overwrite`` of a committed step, killed after each of its requests: the step
+    number always has a committed step, the old one or the new one (never neither, never
+    a mix): the new objects go under a root of their own and the marker is swapped in one
+    conditional request. The next replace (another job, the dead one's lock stale) commits."""
+    store = open_store(folder, StorageOptions())
+    dir = checks.step_dir(folder, 5)
+
+    def old_step() -> None:  # step 5 holds the state of "step 1", as a save wrote it
+        with Checkpointer(work_dir=str(tmp_path / "base")) as ck:
+            ck.save(dir, _state(1), {"step": 1})
+
+    def replace(work: str, **kw) -> None:
+        with Checkpointer(work_dir=work, save_overwrite=True, **kw) as ck:
+            ck.save(dir, _state(2), {"step": 2})
+
+    old_step()
+    spy = Crash(store, 10**9)
+    try:
+        replace(str(tmp_path / "count"))
+    finally:
+        spy.undo()
+    total = spy.sent
+    assert "put_bytes_if_match" in spy.names and "delete_prefix" not in spy.names[:spy.names.index(
+        "put_bytes_if_match")], "the old step is not deleted before the new marker replaces its marker"
+    outcomes = []
+    for k in range(total + 1):
+        store.delete_prefix(dir)
+        old_step()
+        crash = Crash(store, k)
+        try:
+            replace(str(tmp_path / f"w{k}"))
+            died = False
+        except Died:
+            died = True
+        except BaseException as e:  # noqa: BLE001 - the crash surfaced through a library error: named below
+            died = isinstance(e.__context__, Died) or "died before" in str(e)
+            assert died, f"k={k}: {type(e).__name__}: {e}"
+        finally:
+            crash.undo()
+        assert checks.committed_steps(folder) == [5], f"k={k}: the step number lost its committed step"
+        assert checks.verify_step(dir) == [], f"k={k}: the committed step is partial"
+        held = _loads_as(dir, str(tmp_path / f"load{k}"))
+        outcomes.append((k, died, held))
+        replace(str(tmp_path / f"again{k}"), stale_lock_seconds=0)  # another job replaces it now
+        assert _loads_as(dir, str(tmp_path / f"reload{k}")) == 2 and checks.verify_step(dir) == []
+    assert outcomes[0] == (0, True, 1), "dying before the first request keeps the old step"
+    assert outcomes[-1] == (total, False, 2), "with every request answered, the new step replaces the old"
+    assert {h for _, d, h in outcomes if d} == {1, 2}, "a replace dies before and after its swap, both tried"
