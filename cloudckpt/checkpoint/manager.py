@@ -40,7 +40,7 @@ from .. import errors, exact_resume
 from ..errors import CloudCkptError, ConfigError, CorruptCheckpoint, NotACheckpoint
 from ..options import ManagerOptions
 from ..storage import Location
-from . import discovery, layout, loaders, retention
+from . import discovery, layout, loaders, refusals, retention
 from .checkpointer import Checkpointer
 from .local.groups import Replication
 from .local.tier import LocalTier
@@ -75,7 +75,12 @@ class CheckpointManager:
         skipped_steps: ``SkippedStep(step, dir, reason)`` for each newer bucket step
             ``resume()`` passed over because it failed its checks.
         steps_above_resumed: committed steps above the resumed one (``load_step`` resumed
-            an older step); ``maybe_save`` does not save over them unless ``save_overwrite``.
+            an older step, or newer steps failed their checks); ``maybe_save`` does not save
+            over them unless ``save_overwrite``, except those in ``refused_above``.
+        refused_above: the steps above the resumed one that failed their checks (this
+            resume's ``skipped_steps``, or a refusal note of an earlier one: see
+            ``cloudckpt.checkpoint.refusals``); ``maybe_save`` deletes such a step, with a
+            warning, and saves that step number afresh.
         last_saved_step: the newest step this manager saved.
     """
 
@@ -98,6 +103,7 @@ class CheckpointManager:
         self.resumed_step: int | None = None
         self.skipped_steps: tuple[SkippedStep, ...] = ()  # bucket steps resume() found failing their checks
         self.steps_above_resumed: frozenset[int] = frozenset()  # committed steps above the resumed one
+        self.refused_above: frozenset[int] = frozenset()  # those of them that failed their checks: replaced
         self.last_saved_step: int | None = None
         self._closed = False
         self._loaders: dict[str, Any] = {}
@@ -217,13 +223,11 @@ class CheckpointManager:
             reason = "; ".join(f"rank {r}: {t}" for r, (_, t) in sorted(failed.items())[:3]) + \
                 (f" (and {len(failed) - 3} more ranks)" if len(failed) > 3 else "")
             kind = _corrupt_class(failed[min(failed)][0])  # the first failing rank's class, on every rank
+            older = self.coord.on_coordinator("find older step", functools.partial(self._refuse, step, reason))
             if explicit or self.config.strict_resume:
                 why = f"load_step={step} was asked for" if explicit else "strict_resume=True"
                 raise kind(f"{dir} fails its checks ({reason}); not falling back to an older step "
-                           f"because {why}: restore the step, or resume from an older one with "
-                           "load_step=N (cloudckpt list shows them)")
-            older = self.coord.on_coordinator("find older step",
-                                              functools.partial(_newest_committed_below, self.save_location, step))
+                           f"because {why}. {_advice(step, older, self.config.save_folder)}")
             self.skipped_steps += (SkippedStep(step, dir, reason),)
             if older is None:
                 raise kind(f"{dir} fails its checks ({reason}) and no older committed step exists to "
@@ -234,28 +238,62 @@ class CheckpointManager:
                           dir, reason, older, dir)
             dir = older
 
+    def _refuse(self, step: int, reason: str) -> str | None:
+        """Coordinator: record that ``step`` failed its checks (a refusal note beside the
+        run, ``refusals``) and return the newest committed step folder below it (None: none)."""
+        refusals.record(self.save_location, step, reason)
+        return _newest_committed_below(self.save_location, step)
+
     def _decide_steps_above(self, dir: str, *, explicit: bool) -> None:
         """Committed steps above the resumed one (skipped as corrupt, or newer than an
-        explicit ``load_step``) are decided now, not at the save that would meet them."""
+        explicit ``load_step``) are decided now, not at the save that would meet them.
+        Steps that failed their checks (this resume's ``skipped_steps``, or a refusal note
+        that still describes the step) are replaced as the run reaches them; others block
+        an explicit ``load_step`` unless ``save_overwrite``."""
         step = layout.parse_step_dir(dir)
-        above = self.coord.on_coordinator("steps above", lambda: _committed_above(self.save_location, step))
-        above = sorted(set(above) | {s.step for s in self.skipped_steps if s.step > step})
+        above, noted = self.coord.on_coordinator("steps above", lambda: self._steps_above(step))
+        refused = {s.step for s in self.skipped_steps if s.step > step} | set(noted)
+        above = sorted(set(above) | refused)
         if not above:
             return
-        bad = {s.step for s in self.skipped_steps}
-        if explicit and not self.config.checkpointer.save_overwrite and set(above) - bad:
+        healthy = sorted(set(above) - refused)
+        if explicit and not self.config.checkpointer.save_overwrite and healthy:
             raise ConfigError(
                 f"resume: load_step={step}, but {self.config.save_folder} has committed steps above it "
-                f"({_steps_text(above)}); training on would mix two histories in one folder and meet those steps. "
+                f"({_steps_text(healthy)}); training on would mix two histories in one folder and meet those steps. "
                 "Branch into a new save_folder, remove them (cloudckpt rm), or set save_overwrite=True to replace "
                 "them as the run reaches them")
         self.steps_above_resumed = frozenset(above)
-        if self.coord.is_coordinator:
+        self.refused_above = frozenset(refused)
+        self.maintenance.refused(refused)
+        if not self.coord.is_coordinator:
+            return
+        if refused:
+            mine = {s.step for s in self.skipped_steps}
+            why = "; ".join(f"step{s}: {noted[s]}" for s in sorted(set(noted) - mine)[:3])
+            log.warning("resume: step(s) above the resumed step %d failed their checks: %s%s; they are replaced "
+                        "as the run reaches them (the refused step is deleted first)", step,
+                        _steps_text(sorted(refused)), f" (recorded earlier: {why})" if why else "")
+        if healthy:
             overwrite = self.config.checkpointer.save_overwrite
             what = ("replaced as the run reaches them (save_overwrite=True)" if overwrite else
                     "kept: the saves of these step numbers are skipped (set save_overwrite=True to replace them)")
             log.warning("resume: committed steps above the resumed step %d: %s; they will be %s", step,
-                        _steps_text(above), what)
+                        _steps_text(healthy), what)
+
+    def _steps_above(self, step: int) -> tuple[list[int], dict[int, str]]:
+        """Coordinator: the committed steps above ``step``, and the steps above it with a
+        refusal note that still describes them (``{step: "reason (refused at T)"}``). A
+        note for ``step`` itself is removed: the step just passed its checks."""
+        loc = self.save_location
+        notes = refusals.read_all(loc)
+        if step in notes:
+            log.warning("resume: %s passed its checks; it was recorded as refused at %s (%s): removing that note",
+                        layout.step_dir(loc.url, step), notes[step].when, notes[step].reason[:200])
+            refusals.remove(loc, step)
+        live = refusals.live(loc, notes, [s for s in notes if s > step])
+        return (_committed_above(loc, step),
+                {s: f"{n.reason[:200]} (refused at {n.when})" for s, n in live.items()})
 
     def step_to_resume(self, *, load_step: int | None = None) -> str | None:
         """The bucket step folder ``resume`` loads (``load_step``, default the config's,
@@ -270,7 +308,14 @@ class CheckpointManager:
             if load_step is not None:
                 latest = _committed_step(loc, load_step)
             else:
-                latest, skipped = discovery.newest_usable(loc, skip_refused=not self.config.strict_resume)
+                latest, skipped = discovery.newest_usable(loc, skip_refused=True)
+                for s, _dir, reason in skipped:
+                    refusals.record(loc, s, reason)
+                if skipped and self.config.strict_resume:
+                    s, dir, reason = skipped[0]
+                    raise CorruptCheckpoint(f"{dir} is committed but its marker is refused ({reason}); not falling "
+                                            "back to an older step because strict_resume=True. "
+                                            + _advice(s, latest, self.config.save_folder))
                 for _step, dir, reason in skipped:
                     log.error("resume: %s is committed but its marker is refused (%s); passing over it to an older "
                               "step. Set strict_resume=True to stop instead", dir, reason)
@@ -302,8 +347,9 @@ class CheckpointManager:
         """Save if ``step`` is due (or ``force``). Collective.
 
         A step above the resumed one that is already committed is not saved over
-        (a warning) unless ``save_overwrite``. After the save commits, rank 0 prunes and
-        garbage-collects in the background.
+        (a warning) unless ``save_overwrite``; one that failed its checks at resume
+        (``refused_above``) is deleted first (a warning) and saved afresh. After the save
+        commits, rank 0 prunes and garbage-collects in the background.
 
         Args:
             step: the training step; the config's intervals decide whether it is due
@@ -325,6 +371,10 @@ class CheckpointManager:
         for loader in self._loaders.values():
             loaders.release(loader)  # the first step after a resume has run
         kind = self.due(step) or ("persistent" if force else None)
+        if kind is not None and step in self.refused_above:
+            self.coord.on_coordinator("replace refused step", functools.partial(self._drop_refused, step))
+            self.refused_above -= {step}
+            self.steps_above_resumed -= {step}
         if kind is not None and step in self.steps_above_resumed and not self.config.checkpointer.save_overwrite:
             if self.coord.is_coordinator:
                 log.warning("step %d is already committed in %s (it was above the resumed step): not saving over it",
@@ -338,6 +388,14 @@ class CheckpointManager:
             return self.save_local(step, state_dict, train_state, persist=kind is not None,
                                    ephemeral=kind == "ephemeral")
         return self.save(step, state_dict, train_state, ephemeral=kind == "ephemeral")
+
+    def _drop_refused(self, step: int) -> None:
+        """Coordinator: delete the committed step ``step`` that failed its checks at resume
+        (marker first, then its objects and its refusal note), so the run can save it."""
+        dir = layout.step_dir(self.save_location.url, step)
+        log.warning("replacing %s, which failed its checks at resume: deleting it (marker first) to save step %d "
+                    "afresh", dir, step)
+        retention.delete_step(self.save_location.at(dir))
 
     def _with_rng(self, train_state: Any) -> Any:
         if not self.config.exact_resume:
@@ -485,6 +543,17 @@ def _committed_step(folder: Location, step: int) -> str:
         f"load_step={step}: {dir} is not a committed checkpoint; "
         + (f"the nearest committed steps are {nearest} (of {len(committed)}): pass one of them, or leave load_step "
            "unset to resume from the newest" if committed else f"{folder.url} holds no committed checkpoint"))
+
+
+def _advice(step: int, older: str | None, folder: str) -> str:
+    """What to do about a committed step that failed its checks, with the setting that
+    works the first time."""
+    if older is None:
+        return (f"No older committed step exists: restore step{step}, or start the run afresh in a new save_folder "
+                f"(`cloudckpt list {folder}` marks it REFUSED)")
+    return (f"The refusal is recorded (`cloudckpt list {folder}` marks step{step} REFUSED). Restore the step, or "
+            f"resume from the previous committed step with load_step={layout.parse_step_dir(older)}: the run then "
+            f"replaces step{step} when it reaches it")
 
 
 def _steps_text(steps: list[int]) -> str:

@@ -11,6 +11,7 @@ reads of finding the newest committed step, and only when a command has already 
 from __future__ import annotations
 
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 from ..checkpoint import discovery, layout
@@ -68,10 +69,17 @@ def missing_local(given: str, resolved: str) -> str | None:
     text = f"{resolved} does not exist"
     if _local_path(given) == given and not os.path.isabs(given):  # a plain path as typed, relative
         first, _, rest = given.partition("/")
-        bucket = f"{first}/{rest}" if rest else first
-        text += (f" (`{given}` is read as a local path relative to {os.getcwd()}; for a bucket write "
-                 f"s3://{bucket} or gs://{bucket})")
+        text += f" (`{given}` is read as a local path relative to {os.getcwd()}"
+        if _BUCKET.fullmatch(first):  # it could have meant a bucket: say how to name one
+            bucket = f"{first}/{rest}" if rest else first
+            text += f"; for a bucket write s3://{bucket} or gs://{bucket}"
+        text += ")"
     return text
+
+
+# a first path component that could be a bucket name (S3's and GCS's common rules: 3-63 lowercase
+# letters, digits, dots, hyphens, starting and ending with a letter or digit); `.`, `..`, `~` never are
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 
 HINT_DIRS = 200  # step folders checked for a marker in a hint (the newest ones)

@@ -105,18 +105,28 @@ def cmd_list(args) -> int:
                           "-" if r["size_bytes"] is None else size(r["size_bytes"]),
                           "-" if r["object_count"] is None else r["object_count"], "-", *when, r["url"]])
         else:
-            lines.append([r["step"], "ephemeral" if r["ephemeral"] else "persistent", r["format"],
+            kind = "ephemeral" if r["ephemeral"] else "persistent"
+            lines.append([r["step"], f"REFUSED ({kind})" if r["refused"] else kind, r["format"],
                           size(r["size_bytes"]), r["object_count"], r["world_size"], *when, r["url"]])
     table(["STEP", "KIND", "FORMAT", "SIZE", "OBJECTS", "WORLD", "CREATED", "AGE", "URL"], lines,
           right=(0, 3, 4, 5, 7))
     committed = [r for r in rows if r["status"] == "committed"]
     eph = sum(1 for r in committed if r["ephemeral"])
+    refused = [r for r in committed if r["refused"]]
     summary = f"{len(committed)} committed ({len(committed) - eph} persistent, {eph} ephemeral), " \
               f"{size(sum(r['size_bytes'] for r in committed))}"
+    if refused:
+        summary += f", {len(refused)} of them REFUSED by a resume"
     others = len(rows) - len(committed)
     if others:
         summary += f"; {others} not committed"
     print(summary)
+    for r in refused:
+        print(f"REFUSED step{r['step']}: a resume found it failing its checks at {utc(r['refused']['refused_unix'])}"
+              f": {r['refused']['reason']}")
+    if refused:
+        print("a resume passes over a REFUSED step to the previous one, and the run saves that step number afresh "
+              "when it reaches it; `cloudckpt verify STEP` checks one again, `cloudckpt rm STEP --yes` removes one")
     unverified = [r for r in committed if not r["verified"]]
     if unverified:
         print(f"{len(unverified)} step(s) written by another tool have no manifest (FORMAT {unverified[0]['format']}): "

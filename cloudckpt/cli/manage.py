@@ -28,6 +28,10 @@ def cmd_prune(args) -> int:
         if foreign and not args.include_foreign:
             print(f"not counted: {len(foreign)} step(s) written by another tool ({', '.join(map(str, foreign[:10]))}"
                   f"{', ...' if len(foreign) > 10 else ''}); --include-foreign counts them")
+        if plan.refused:
+            print(f"not counted, not pruned: {len(plan.refused)} step(s) a resume refused "
+                  f"({', '.join(map(str, plan.refused[:10]))}{', ...' if len(plan.refused) > 10 else ''}): "
+                  "`cloudckpt list` says why; `cloudckpt rm STEP --yes` removes one")
         if not plan.prune:
             print(f"nothing to prune in {args.folder}: the policy keeps all {plan.committed} committed step(s)")
         else:
@@ -57,12 +61,15 @@ def cmd_gc(args) -> int:
     rep = retention.gc(loc(args, args.folder), older_than=args.older_than, dry_run=not args.yes)
     if args.json:
         emit(args, {"folder": args.folder, "dry_run": not args.yes, "older_than_seconds": args.older_than,
-                    "step_dirs": rep.step_dirs, "uploads": rep.uploads, "failed": rep.failed, "young": rep.young})
+                    "step_dirs": rep.step_dirs, "uploads": rep.uploads, "failed": rep.failed, "young": rep.young,
+                    "refusal_notes": rep.notes})
         return EXIT_ERROR if rep.failed else EXIT_OK
     verb = "removed" if args.yes else "would remove"
     older = f"{age(args.older_than)} (before {utc(time.time() - args.older_than)})"
     young = (f"; left {len(rep.young)} uncommitted step folder(s) younger than that ({_urls(rep.young)}: a save may "
              "still be writing them; a shorter --older-than takes them)") if rep.young else ""
+    for n in rep.notes:
+        print(f"{verb} refusal note {n} (its step was replaced, restored or removed since)")
     if not rep.step_dirs and not rep.uploads and not rep.failed:
         print(f"nothing to collect in {args.folder}: no uncommitted step folder or multipart upload older than "
               f"{older}{young}")

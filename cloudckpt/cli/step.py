@@ -6,6 +6,7 @@ import sys
 import time
 
 from ..checkpoint import layout
+from ..errors import CorruptCheckpoint
 from .common import EXIT_NO, EXIT_OK, loc, positive_int
 from .output import Bar, age, emit, size, table, utc
 
@@ -83,7 +84,16 @@ def cmd_verify(args) -> int:
     from ..ops.verify import adopt_hint, unverified_reason
 
     with Bar(args, "verify") as bar:
-        rep = ops.verify_step(loc(args, args.step), size_only=args.size_only, jobs=args.jobs, progress=bar)
+        try:
+            rep = ops.verify_step(loc(args, args.step), size_only=args.size_only, jobs=args.jobs, progress=bar)
+        except CorruptCheckpoint:  # the marker itself is refused: say whether a resume recorded it too
+            from ..ops.verify import refusal_of
+
+            refused = refusal_of(loc(args, args.step))
+            if refused:
+                print(f"REFUSED: a resume found {args.step} failing its checks at {utc(refused['refused_unix'])}: "
+                      f"{refused['reason']}", file=sys.stderr)
+            raise
     if args.json:
         emit(args, rep.to_json())
     else:
@@ -108,6 +118,10 @@ def cmd_verify(args) -> int:
             print(f"note: {len(rep.no_checksum)} object(s) have no CRC32C in the marker; only their size was checked")
         for n in rep.notes:
             print(f"note: {n['path']}: {n['detail']}")
+        if rep.refused:
+            print(f"REFUSED: a resume found {args.step} failing its checks at {utc(rep.refused['refused_unix'])}: "
+                  f"{rep.refused['reason']}" + ("" if rep.bad else " (it passes now: the next resume that reaches it "
+                                                                   "loads it and removes the note)"))
     if rep.bad:
         print(f"cloudckpt: verify failed for {args.step}: {', '.join(r['path'] for r in rep.bad)}", file=sys.stderr)
         return EXIT_NO

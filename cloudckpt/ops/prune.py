@@ -5,7 +5,10 @@
   ephemeral ones are kept, ephemeral steps divisible by ``keep_every`` are kept and
   not counted (retention's ``Policy`` has no such mode: it is composed here from
   ``steps_to_prune`` over the ephemeral candidates, the newest committed step protected);
-- a plan to show before anything is deleted (sizes, kinds, the foreign steps left out).
+- a plan to show before anything is deleted (sizes, kinds, the foreign steps left out);
+- steps a resume refused (a refusal note that still describes the step,
+  :mod:`cloudckpt.checkpoint.refusals`) are neither counted nor pruned: they are listed,
+  and ``cloudckpt rm`` removes one.
 
 Steps are deleted with :func:`~cloudckpt.checkpoint.retention.delete_step` (marker
 first, then the objects).
@@ -16,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..checkpoint import discovery, layout, retention
+from ..checkpoint import discovery, layout, refusals, retention
 from ..storage import Location, Where
 
 
@@ -42,6 +45,7 @@ class PrunePlan:
     prune: list[PruneItem]
     kept: list[int]
     foreign: list[int]  # committed steps another tool wrote (counted only with include_foreign)
+    refused: list[int] = field(default_factory=list)  # committed steps a resume refused (never counted or pruned)
     deleted: list[int] = field(default_factory=list)
     kept_items: list[PruneItem] = field(default_factory=list)  # the kept steps, like ``prune`` (for showing)
 
@@ -54,7 +58,7 @@ class PrunePlan:
                 "policy": {"keep_last": self.keep_last, "keep_every": self.keep_every,
                            "ephemeral_only": self.ephemeral_only, "keep_last_ephemeral": self.keep_last_ephemeral},
                 "prune": [i.to_json() for i in self.prune], "kept": self.kept, "deleted": self.deleted,
-                "foreign": {"steps": self.foreign, "counted": self.include_foreign}}
+                "foreign": {"steps": self.foreign, "counted": self.include_foreign}, "refused": self.refused}
 
 
 def plan_prune(folder: Where, *, keep_last: int, keep_every: int | None = None, keep_last_ephemeral: int | None = None,
@@ -71,6 +75,8 @@ def plan_prune(folder: Where, *, keep_last: int, keep_every: int | None = None, 
                          "ephemeral steps)")
     loc = Location.of(folder)
     found = list(discovery.find_checkpoints(loc, with_markers=True))
+    refused = sorted(refusals.live(loc, refusals.read_all(loc), [s for s, _, _ in found]))
+    found = [f for f in found if f[0] not in refused]
     foreign = [s for s, _, m in found if m.foreign]
     if not include_foreign:
         found = [f for f in found if not f[2].foreign]
@@ -92,7 +98,7 @@ def plan_prune(folder: Where, *, keep_last: int, keep_every: int | None = None, 
     gone = set(doomed)
     kept = [s for s, _ in committed if s not in gone]
     return PrunePlan(loc, keep_last, keep_every, ephemeral_only, keep_last_ephemeral, include_foreign,
-                     [item(s) for s in doomed], kept, foreign, kept_items=[item(s) for s in kept])
+                     [item(s) for s in doomed], kept, foreign, refused, kept_items=[item(s) for s in kept])
 
 
 def apply_prune(plan: PrunePlan, *, on_deleted: Callable[[PruneItem], None] | None = None) -> list[int]:

@@ -2,8 +2,9 @@
 request) the others, with what they hold.
 
 Cost: one paginated LIST of the folder (delimiter ``/``), the markers read
-concurrently, and with ``include_uncommitted`` one recursive LIST of each folder
-without a marker.
+concurrently, one LIST of the run's refusal notes (``cloudckpt.checkpoint.refusals``)
+and, per note, a GET of it and of its step's marker head; with ``include_uncommitted``
+one recursive LIST of each folder without a marker.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..checkpoint import discovery
+from ..checkpoint import discovery, refusals
 from ..checkpoint.marker import Marker
+from ..checkpoint.refusals import Refusal
 from ..errors import CorruptCheckpoint, IncompatibleCheckpoint, NotACheckpoint
 from ..storage import Location, Where
 
@@ -39,6 +41,7 @@ class StepRow:
     object_count: int | None = None
     size_bytes: int | None = None
     newest_mtime: float | None = None
+    refused: Refusal | None = None  # a resume found the step failing its checks (its refusal note)
 
     @property
     def created_unix(self) -> float | None:
@@ -48,15 +51,17 @@ class StepRow:
         m = self.marker
         created = self.created_unix
         age = None if created is None else round(now - created, 1)
+        r = self.refused
+        refused = None if r is None else {"reason": r.reason, "refused_unix": r.refused_unix, "note": r.url}
         if m is None:
             return {"step": self.step, "url": self.url, "status": self.status, "ephemeral": None,
                     "size_bytes": self.size_bytes, "object_count": self.object_count, "world_size": None,
                     "created": None, "created_unix": created, "age_seconds": age,
-                    **({"error": self.error} if self.error else {})}
+                    **({"error": self.error} if self.error else {}), **({"refused": refused} if r else {})}
         return {"step": self.step, "url": self.url, "status": "committed", "ephemeral": m.ephemeral,
                 "size_bytes": m.total_bytes, "object_count": m.object_count, "world_size": m.world_size,
                 "created": m.created, "created_unix": m.created_unix, "age_seconds": age,
-                "format": m.kind, "writer": m.writer, "verified": m.verified}
+                "format": m.kind, "writer": m.writer, "verified": m.verified, "refused": refused}
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,11 @@ class StepListing:
     @property
     def committed(self) -> list[StepRow]:
         return [r for r in self.rows if r.status == "committed"]
+
+    @property
+    def refused(self) -> list[StepRow]:
+        """The committed steps a resume refused (they fail their checks)."""
+        return [r for r in self.committed if r.refused is not None]
 
 
 def probe_marker(dir: Location) -> tuple[Marker | None, str | None]:
@@ -106,18 +116,25 @@ def list_steps(folder: Where, *, include_uncommitted: bool = False, ephemeral: b
             contents = dict(zip(loose, pool.map(lambda d: _contents(loc.at(d)), loose), strict=True))
     rows: list[StepRow] = []
     warnings: list[str] = []
+    notes = refusals.read_all(loc) if steps else {}
+    with ThreadPoolExecutor(max_workers=MARKER_READ_THREADS) as pool:
+        noted = [(s, d) for (s, d), (m, problem) in zip(steps, probes, strict=True) if s in notes and (m or problem)]
+        live = {s for (s, d), fp in zip(noted, pool.map(lambda sd: refusals.fingerprint(loc.at(sd[1])), noted),
+                                        strict=True) if notes[s].describes(fp)}
     for (step, dir), (m, problem) in zip(steps, probes, strict=True):
+        refused = notes[step] if step in live else None
         if m is None:
             if problem:
-                warnings.append(f"{dir} is not counted: {problem}")
+                said = f" (a resume refused it at {refused.when})" if refused else ""
+                warnings.append(f"{dir} is not counted: {problem}{said}")
             count, size, newest = contents.get(dir, (None, None, None))
             if include_uncommitted and count != 0:
                 rows.append(StepRow(step, dir, "unreadable" if problem else "incomplete", error=problem,
-                                    object_count=count, size_bytes=size, newest_mtime=newest))
+                                    object_count=count, size_bytes=size, newest_mtime=newest, refused=refused))
             continue
         if ephemeral is not None and m.ephemeral != ephemeral:
             continue
-        rows.append(StepRow(step, dir, "committed", marker=m))
+        rows.append(StepRow(step, dir, "committed", marker=m, refused=refused))
     if include_uncommitted:
         for dir in junk:
             count, size, newest = contents[dir]
