@@ -25,6 +25,13 @@ def test_mkdocs_build_strict(tmp_path):
     assert "configuration.html" in {x.lstrip("./") for x in links}, links
     assert not [x for x in links if x.endswith("/") and x not in ("./", "/")], f"folder links: {links}"
     assert (site / "search" / "search_index.js").is_file()
+    # ... and without a network: no page loads a script, a stylesheet or a font from another host
+    # (the search worker's file:// shim is vendored, the theme's web fonts are off)
+    external = re.compile(r'<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)\s*=\s*["\']?(?:https?:)?//', re.I)
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) > 10 and not [p.name for p in pages if external.search(p.read_text())], \
+        [(p.name, external.search(p.read_text()).group()) for p in pages if external.search(p.read_text())][:5]
+    assert "iframe-worker-shim.js" in index and (site / "javascripts" / "iframe-worker-shim.js").is_file()
     css = (site / "stylesheets" / "extra.css").read_text()
     assert "nowrap" in css and "stylesheets/extra.css" in (site / "configuration.html").read_text()
     # the API reference is rendered from the docstrings (mkdocstrings), not an empty page

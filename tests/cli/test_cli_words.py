@@ -7,6 +7,7 @@ leftover step folders (10)."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -153,6 +154,13 @@ def test_a_local_path_that_does_not_exist_says_so_and_a_relative_one_hints_at_bu
                                 "gs://mlruns/run-d)"), p.stderr
     r = cli("latest", tmp_path / "nope")
     assert r.code == 3 and r.assert_one_line_error() == f"cloudckpt: error: {tmp_path}/nope does not exist"
+    # an explicitly local path, or a first folder no bucket can be named: a local-path hint only
+    for given, where in (("./no/such/run", "no/such/run"), ("../no/such/run", "../no/such/run"),
+                         ("no/such/run", "no/such/run"), ("Runs/run-d", "Runs/run-d")):
+        p, _ = imported("list", given, cwd=str(tmp_path))
+        assert p.returncode == 3 and "s3://" not in p.stderr and "gs://" not in p.stderr, p.stderr
+        assert p.stderr.strip() == (f"cloudckpt: error: {os.path.normpath(os.path.join(tmp_path, where))} does not "
+                                    f"exist (`{given}` is read as a local path relative to {tmp_path})"), p.stderr
 
 
 def test_gc_with_nothing_old_enough_names_the_young_leftovers_it_kept(tmp_path):
