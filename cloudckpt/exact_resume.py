@@ -2,7 +2,10 @@
 states of Python ``random``, NumPy, torch CPU (and CUDA when present) and the state of
 stateful data loaders (torchdata's ``StatefulDataLoader`` or anything with
 ``state_dict``/``load_state_dict``), as plain data that ``torch.load(weights_only=True)``
-accepts. The manager stores them under one key of the per-rank train state.
+accepts. The manager stores them under one key of the per-rank train state. A
+``StatefulDataLoader`` with workers also carries each worker's RNG states inside its
+own state (``WORKER_KEY``, put there by ``checkpoint/loaders.py``): they are checked
+here like the rank's own before the loader gets them.
 
 That state comes back from a checkpoint anyone with write access may have crafted:
 ``restore`` checks every value's type and shape before it restores anything (a
@@ -24,7 +27,10 @@ from .errors import CorruptCheckpoint
 log = logging.getLogger(__name__)
 
 
-def capture_rng_state() -> dict[str, Any]:
+def capture_rng_state(*, cuda: bool = True) -> dict[str, Any]:
+    """This process's Python, torch CPU, NumPy (when installed) and, with ``cuda`` and
+    CUDA present, CUDA RNG states. Loader workers pass ``cuda=False``: a forked worker
+    must not initialize CUDA."""
     state: dict[str, Any] = {"python": _py_to_plain(random.getstate()), "torch": torch.get_rng_state()}
     try:
         import numpy as np
@@ -34,7 +40,7 @@ def capture_rng_state() -> dict[str, Any]:
                           "has_gauss": int(has_gauss), "gauss": float(gauss)}
     except ImportError:
         pass  # NumPy is optional: nothing to capture
-    if torch.cuda.is_available():
+    if cuda and torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -87,6 +93,7 @@ def _plain_to_py(s):
 
 
 KEY = "cloudckpt_resume"
+WORKER_KEY = "cloudckpt_worker_rng"  # a loader worker's RNG states, in its dataset state
 
 
 def capture(loaders: dict[str, Any]) -> dict[str, Any]:
@@ -110,6 +117,9 @@ def restore(state: dict[str, Any], loaders: dict[str, Any], *, same_world_size: 
     saved = state.get("loaders", {})
     if type(saved) is not dict:
         raise _bad(where, f"its loaders are a {type(saved).__name__}, not a dict")
+    for name in loaders:
+        for rng in _worker_rngs(saved.get(name)):
+            _check_rng(rng, where)
     done = [f"rng:{n}" for n in restore_rng_state(state.get("rng", {}), where=where)]
     missing = []
     for name, dl in loaders.items():
@@ -123,6 +133,21 @@ def restore(state: dict[str, Any], loaders: dict[str, Any], *, same_world_size: 
         else:
             missing.append(f"loader:{name}")
     return done, missing
+
+
+def _worker_rngs(loader_state: Any) -> list[Any]:
+    """The worker RNG states in a ``StatefulDataLoader`` state (``_snapshot`` ->
+    ``_worker_snapshots`` -> ``worker_N`` -> ``dataset_state`` -> ``WORKER_KEY``)."""
+    snapshot = loader_state.get("_snapshot") if type(loader_state) is dict else None
+    workers = snapshot.get("_worker_snapshots") if type(snapshot) is dict else None
+    if type(workers) is not dict:
+        return []
+    found = []
+    for worker in workers.values():
+        ds = worker.get("dataset_state") if type(worker) is dict else None
+        if type(ds) is dict and WORKER_KEY in ds:
+            found.append(ds[WORKER_KEY])
+    return found
 
 
 _PY_WORDS = 625  # random.getstate()'s internal state: 624 words and the position

@@ -122,6 +122,8 @@ class CheckpointManager:
     def register_data_loader(self, loader: Any, name: str = "train") -> None:
         """Save and restore this loader's state (``state_dict``/``load_state_dict``) with
         every checkpoint of this rank (exact resume). Register before ``resume()``.
+        A ``StatefulDataLoader`` with workers keeps their RNG states too (map-style
+        datasets); a case that cannot resume exactly is logged as a warning here.
 
         Raises:
             ConfigError: the loader is not stateful (a plain ``torch.utils.data.DataLoader``:
@@ -132,6 +134,8 @@ class CheckpointManager:
             raise ConfigError(f"register_data_loader: a loader named {name!r} is already registered; "
                               "pass another name= for a second loader")
         self._loaders[name] = loader
+        if self.config.exact_resume:
+            loaders.watch_workers(loader, name)
 
     # ------------------------------------------------------------ resume
     def resume(self, state_dict: dict, *, load_step: int | None = None, **load_kwargs: Any) -> Any:
