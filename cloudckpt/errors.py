@@ -135,6 +135,29 @@ class UnsafeCheckpoint(CorruptCheckpoint):
     object or folder is expected. Nothing of it was run, created or deleted."""
 
 
+class InternalError(CloudCkptError):
+    """cloudckpt broke a rule of its own: a read of the load's own plan went wrong (a
+    stream read outside the range it opened, an item handed on with the wrong length),
+    or bytes a peer checked before sending arrived changed. This is a cloudckpt bug,
+    never a verdict on the checkpoint: it is not a :class:`CorruptCheckpoint`, so
+    ``CheckpointManager.resume`` does not fall back to an older step for it. Report it
+    with the message; loading with ``load_exchange=False`` or ``pre_download=True`` may
+    avoid the path that failed."""
+
+    def __init__(self, message: str):
+        super().__init__(f"{message} (this is a cloudckpt bug, not damage to the checkpoint: please report it)")
+
+    def __reduce__(self):
+        return (_internal_error, (self.args[0],))
+
+
+def _internal_error(text: str) -> "InternalError":
+    """An InternalError with ``text`` as it is (unpickling: the suffix is there already)."""
+    e = InternalError.__new__(InternalError)
+    Exception.__init__(e, text)
+    return e
+
+
 class IncompatibleCheckpoint(CheckpointError):
     """The marker has a format version this library cannot read."""
 
@@ -200,3 +223,52 @@ class ExchangeFailed(CollectiveError):
     vanished (a peer that did not send or receive within the collective timeout, or
     whose connection closed) to what was seen. Nothing more is put in place; load again
     once the rank is back (a restart of the job)."""
+
+
+class PeerLost(CollectiveError):
+    """A collective step could not complete because a rank of the job is gone: its
+    process died (gloo: its connection closed or was reset) or it did not answer within
+    ``collective_timeout``. Raised on every surviving rank that meets the step, at the
+    latest ``collective_timeout`` seconds after it got there; from then on every step of
+    the same group raises it at once (the group cannot be used again).
+
+    ``step``: the collective (a named step of the save or load such as ``agree`` or
+    ``load read``, or DCP's own ``save plan`` / ``save finish``); ``where``: the step
+    folder, where known; ``gone``: the ranks known to be gone (empty when gloo does not
+    say which: its text names the peer's address); ``timed_out``: no answer within
+    ``timeout`` seconds rather than a closed connection. A step is committed only after
+    every rank agreed, so nothing partial is committed: restart the job, which resumes
+    from the newest committed step."""
+
+    def __init__(self, step: str, failures: Mapping[int, BaseException | str], *, where: str | None = None,
+                 gone: tuple[int, ...] = (), timeout: float | None = None, timed_out: bool = False,
+                 also: str | None = None, earlier: str | None = None):
+        super().__init__(step, failures)
+        self.where, self.gone, self.timeout, self.timed_out = where, tuple(gone), timeout, timed_out
+        self.also = also  # this rank's own error, when it had failed before the peer was lost
+        self.earlier = earlier  # the step at which the group lost the peer, when that was an earlier one
+
+    def at(self, where: str) -> "PeerLost":
+        """Name the step folder (once: the first caller that knows it)."""
+        if self.where is None:
+            self.where = where
+        return self
+
+    def __str__(self) -> str:
+        of = f" of {self.where}" if self.where else ""
+        ranks = f" (rank {', '.join(map(str, self.gone))})" if self.gone else ""
+        limit = f"{self.timeout:g} s" if self.timeout is not None else "collective_timeout"
+        if self.earlier is not None:
+            what = f"the group lost a peer rank earlier, at {self.earlier}{ranks}"
+        elif self.timed_out:
+            what = f"a peer rank{ranks} did not answer within collective_timeout ({limit}): it died or hangs"
+        else:
+            what = f"a peer rank{ranks} is gone (its connection closed: the process died)"
+        seen = "; ".join(f"rank {r} saw: {m}" for r, m in sorted(self.failures.items()))
+        also = f"; this rank had failed before: {self.also}" if self.also else ""
+        return (f"collective step '{self.step}'{of} failed: {what}; {seen}{also}. Nothing partial was committed: restart the job "
+                f"(it resumes from the newest committed step). A survivor gives up on a silent peer after "
+                f"collective_timeout ({limit}).")
+
+    def __reduce__(self):
+        return (type(self), (self.step, self.failures), dict(self.__dict__))

@@ -33,6 +33,18 @@ delivered anywhere in the job always moves: no rank waits on another in a cycle.
 
 A peer that fails or dies: the ranks waiting on it (a closed connection, or nothing
 within the collective timeout) raise :class:`ExchangeFailed` naming it.
+
+**After a failure, the drain.** A gloo send or receive that was posted cannot be taken
+back (torch binds no ``abort`` of a Work), and a thread left waiting in one when the
+process exits is destroyed inside gloo: ``terminate called without an active
+exception`` (SIGABRT), seen on the rank that was not at fault. So a rank whose exchange
+fails first tells its peers (``_Status``: the word travels ahead of anything else on
+each connection), then delivers the rest of its schedule: every item it owes is sent
+(zeros for those it does not have; a peer that heard of the failure drops them unread)
+and every item it awaits is received and dropped. Both sides go in the global order, so
+the drain ends (a dead peer's operations fail at once, a hung one's within the
+collective timeout); :meth:`Exchange.read` raises only once no thread of the exchange
+runs. Item tags carry the load's number, so nothing of a failed load matches the next.
 """
 
 from __future__ import annotations
@@ -88,9 +100,14 @@ def owner_of(fid: int, offset: int, length: int, world_size: int) -> int:
     return int.from_bytes(h, "little") % world_size
 
 
-def _tag(key: Key) -> int:
-    # messages between two ranks also match in order (both sides go in the global order)
-    return int.from_bytes(hashlib.blake2b(struct.pack("<qqq", *key), digest_size=4).digest(), "little") & 0x3FFFFFFF
+def _tag(key: Key, load: int) -> int:
+    """The tag of ``key``'s message in the ``load``-th load of the group: the load's number
+    (mod 1024) in the high bits, so a message of an earlier load that failed (the same
+    file names and ranges at the next step, or at the step a resume falls back to) never
+    matches a later load's. Keys of one load that share a tag match in order (both sides
+    go in the global order)."""
+    h = int.from_bytes(hashlib.blake2b(struct.pack("<qqq", *key), digest_size=4).digest(), "little")
+    return ((load % 1024) << 20) | (h & 0xFFFFF)
 
 
 class Plan:
@@ -274,7 +291,7 @@ class Exchange:
         to_send = sorted(k for k, d in plan.reads.items() if d)
         status = _Status(self, plan)
         sender = _Sender(self, plan, to_send)
-        receiver = _Receiver(self, reader, planner, plan, {k: items[k] for k in plan.recvs})
+        receiver = _Receiver(self, reader, planner, plan, {k: items[k] for k in plan.recvs}, status)
         streams = _Worker(self, "cloudckpt-exchange-read")
         streams.run = lambda: read_streamed(reader, mine, planner, max_gap=0, hold=sender)
         workers = (streams, sender, receiver)
@@ -293,10 +310,14 @@ class Exchange:
             for w in workers:
                 w.join()
         except BaseException as e:  # noqa: BLE001 - re-raised (peers told which rank failed)
-            for w in (sender, receiver):
-                w.stop()
+            sender.halt_streams()
             streams._thread.join()  # its streams stop before their next item: no target is written after this
-            raise self._raised(status.failing(e)) from None
+            e = status.failing(e)  # peers are told first: their word arrives before any message of the drain
+            for w in (sender, receiver):
+                w.stop()  # the drain: the rest of the schedule, nothing put in place
+            for w in (sender, receiver):
+                w._thread.join()  # no thread of the exchange waits in gloo once the load raised
+            raise self._raised(e) from None
         finally:
             reader.bytes_from_peers += receiver.bytes
             reader.direct_items += receiver.direct
@@ -372,6 +393,18 @@ class _Worker:
 
     def stop(self) -> None:
         self._stopped.set()
+
+    def _failed_with(self, e: BaseException) -> None:
+        """Keep the first error (the loading thread raises it) and go on draining."""
+        if self.error is None:
+            self.error = e
+        if self.wake is not None:
+            self.wake.set()
+
+    @property
+    def draining(self) -> bool:
+        """The load failed (here or as told): deliver the rest of the schedule, place nothing."""
+        return self._stopped.is_set() or self.error is not None
 
     def join(self) -> None:
         self._thread.join()
@@ -527,10 +560,15 @@ class _Sender(_Worker):
             self._cv.notify_all()
         return True
 
-    def stop(self) -> None:
-        super().stop()
+    def halt_streams(self) -> None:
+        """No stream starts another item (the load failed)."""
         if self._stop_streams is not None:
-            self._stop_streams(_Stopped())  # no stream starts another item
+            self._stop_streams(_Stopped())
+
+    def stop(self) -> None:
+        """Drain: the items not sent yet go as zeros (call after the peers were told)."""
+        self.halt_streams()
+        super().stop()
         with self._cv:
             self._cv.notify_all()
             ready, self._ready = self._ready, {}
@@ -541,19 +579,26 @@ class _Sender(_Worker):
 
     def run(self) -> None:
         posted: collections.deque = collections.deque()  # (key, [(dst, Work)], release), in the global order
+        zeros = torch.zeros(0, dtype=torch.uint8)
         try:
             for key in self.order:
                 with self._cv:
                     while key not in self._ready and not self._stopped.is_set():
                         self._cv.wait(1.0)
-                    if self._stopped.is_set():
-                        return
-                    tensor, release = self._ready.pop(key)
+                    got = self._ready.pop(key, None) if not self._stopped.is_set() else None
+                if got is None:  # the drain: the peers still get every message they posted a receive for
+                    if zeros.numel() < key[2]:
+                        zeros = torch.zeros(key[2], dtype=torch.uint8)
+                    got = (zeros[:key[2]], _nothing)
+                tensor, release = got
                 posted.append((key, [], release))
                 if key[2]:
                     for dst in self.plan.reads[key]:
-                        posted[-1][1].append((dst, self.post(self.ex.coord.isend, tensor, dst, _tag(key),
-                                                             what="sending to")))
+                        try:
+                            posted[-1][1].append((dst, self.post(self.ex.coord.isend, tensor, dst,
+                                                                 _tag(key, self.ex.loads), what="sending to")))
+                        except ExchangeFailed as e:  # that peer is gone: the others still get theirs
+                            self._failed_with(e)
                 while len(posted) > self.AHEAD:
                     self._settle(posted.popleft())
             while posted:
@@ -566,26 +611,35 @@ class _Sender(_Worker):
         key, works, release = entry
         try:
             for dst, w in works:
-                self.wait(w, dst, "sending to")
-            self.bytes += key[2] * len(self.plan.reads[key])
+                try:
+                    self.wait(w, dst, "sending to")
+                except ExchangeFailed as e:
+                    self._failed_with(e)
+            if not self.draining:
+                self.bytes += key[2] * len(self.plan.reads[key])
         finally:
             release()
+
+
+def _nothing() -> None:
+    pass
 
 
 class _Receiver(_Worker):
     """Receives the items this rank gets from peers, in the global order, a window of
     ``reader.budget`` bytes at a time; checks each against its CRC32C and puts it in place."""
 
-    def __init__(self, exchange: Exchange, reader, planner, plan: Plan, items: dict[Key, list]):
+    def __init__(self, exchange: Exchange, reader, planner, plan: Plan, items: dict[Key, list], status: "_Status"):
         super().__init__(exchange, "cloudckpt-exchange-recv")
         self.reader, self.planner, self.plan = reader, planner, plan
         self.items = items
+        self.status = status
         self.bytes = 0
         self.direct = 0
         self._placing = threading.Lock()
 
     def stop(self) -> None:
-        """Nothing more is put in place once this returns."""
+        """Nothing more is put in place once this returns (the rest is received and dropped)."""
         super().stop()
         with self._placing:
             pass
@@ -601,26 +655,39 @@ class _Receiver(_Worker):
                 buf = torch.empty(k[2], dtype=torch.uint8)
                 work = None
                 if k[2]:
-                    work = self.post(self.ex.coord.irecv, buf, self.plan.recvs[k], _tag(k), what="receiving from")
+                    try:
+                        work = self.post(self.ex.coord.irecv, buf, self.plan.recvs[k], _tag(k, self.ex.loads),
+                                         what="receiving from")
+                    except ExchangeFailed as e:  # that peer is gone: the others' messages are still received
+                        self._failed_with(e)
                 posted.append((k, buf, work))
                 held += k[2]
                 nxt += 1
             k, buf, work = posted.popleft()
-            src = self.plan.recvs[k]
-            if work is not None:
-                self.wait(work, src, "receiving from")
-            rel = self.plan.rels[k[0]]
-            url = f"{urls.join(self.reader.remote_dir, rel)} (received from rank {src})"
-            data = memoryview(buf.numpy())
-            self.reader._check(rel, k[1], k[2], data, url)
-            with self._placing:  # (stop waits for an item being put in place)
-                if self._stopped.is_set():
-                    return
-                for req in self.items[k]:
-                    self.direct += self.reader._consume(req, self.planner, data, url)
-            self.bytes += k[2]
             held -= k[2]
-            del data, buf
+            src = self.plan.recvs[k]
+            try:
+                if work is not None:
+                    self.wait(work, src, "receiving from")
+                if self.draining:
+                    continue  # received and dropped
+                self.status.check()  # a peer that failed told so before its drain's zeros: never placed
+                self._place(k, buf, src)
+            except BaseException as e:  # noqa: BLE001 - raised on the loading thread; the rest is drained
+                self._failed_with(e)
+            del buf
+
+    def _place(self, k: Key, buf: torch.Tensor, src: int) -> None:
+        rel = self.plan.rels[k[0]]
+        url = f"{urls.join(self.reader.remote_dir, rel)} (received from rank {src})"
+        data = memoryview(buf.numpy())
+        self.reader._check(rel, k[1], k[2], data, url, peer=src)
+        with self._placing:  # (stop waits for an item being put in place)
+            if self._stopped.is_set():
+                return
+            for req in self.items[k]:
+                self.direct += self.reader._consume(req, self.planner, data, url)
+        self.bytes += k[2]
 
 
 _shared: "weakref.WeakKeyDictionary[dist.Coordinator, Exchange]" = weakref.WeakKeyDictionary()

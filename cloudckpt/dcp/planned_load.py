@@ -74,8 +74,8 @@ def read(local: Any, reader: Any, planner: Any) -> None:
 def put_back(state_dict: dict, sd: dict) -> None:
     """Hand the loaded values back as ``dcp.load`` does: ``load_state_dict`` for a
     ``Stateful``, ``state_dict[key] = value`` for every other top-level value (tensors
-    were filled in place)."""
-    for k in sd:
+    were filled in place), key by key in sorted order as ``dcp.load`` does."""
+    for k in sorted(sd):
         if isinstance(state_dict[k], Stateful):
             state_dict[k].load_state_dict(sd[k])
         else:

@@ -26,12 +26,12 @@ from concurrent.futures import Future, wait
 
 from torch.distributed.checkpoint.planner import LoadPlanner
 
-from ..errors import NotFound, StorageError
+from ..errors import InternalError, NotFound, StorageError
 from ..storage import url as urls
 from ..storage.nofollow import Folder, resolve
 from ..units import MiB
 from ..untrusted import local_name
-from .resumable import ResumableStream, coalesce, missing
+from .resumable import ResumableStream, coalesce, cut, distinct, missing, spans
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -85,18 +85,23 @@ def read_predownloaded(reader, per_file: dict[str, list], planner: LoadPlanner) 
                         break
                     shared.wait()
                     continue
-            off, length, req = dl.items[0]
-            if dl.landed < off + length:  # the download failed
-                dl.result()
-                raise dl.truncated(dl.landed)
+            start, end, items = dl.items[0]  # a span: overlapping items (one item read twice), read once
+            if dl.landed < end:  # the download ended short of what it was to land
+                dl.result()  # its error, if it failed
+                raise InternalError(f"pre-download of {dl.url}: the download of bytes [{dl.start}, {dl.end}) ended "
+                                    f"without error at byte {dl.landed}, before the item at [{start}, {end})")
             dl.items.popleft()
-            mapping, data = map_bytes(dl.fd, dl.local(off), length)  # the page cache's bytes, not a copy
+            mapping, data = map_bytes(dl.fd, dl.local(start), end - start)  # the page cache's bytes, not a copy
             try:
-                reader._check(dl.rel, off, length, data, dl.url)
-                reader.direct_items += reader._consume(req, planner, data, dl.url)
+                for off, length in distinct(items):
+                    with memoryview(cut(data, start, off, length)) as view:
+                        reader._check(dl.rel, off, length, view, dl.url)
+                for off, length, req in items:
+                    with memoryview(cut(data, start, off, length)) as view:
+                        reader.direct_items += reader._consume(req, planner, view, dl.url)
             finally:
                 unmap(mapping, data)
-            reader.bytes_read += length
+            reader.bytes_read += end - start
             if dl.items:
                 dl.discard_below(dl.items[0][0])
             if not dl.items:
@@ -125,7 +130,8 @@ class FileDownload(ResumableStream):
     def __init__(self, shared: threading.Condition, rel: str, url: str, path: str, items: list):
         super().__init__(url, items[0][0], max(off + n for off, n, _ in items), shared)
         self.shared, self.rel, self.path = shared, rel, path
-        self.items = collections.deque(items)  # sorted (offset, length, ReadItem) not read yet
+        # the spans not read yet (resumable.spans: (start, end, [(offset, length, ReadItem)]), in order)
+        self.items = collections.deque(spans(items))
         self.landed = self.start
         self.finished = False  # the future is done (set under ``shared``)
         self.future: Future | None = None
@@ -182,7 +188,7 @@ class FileDownload(ResumableStream):
 
     def ready(self) -> bool:
         """The next item has landed, or the download ended (call under ``shared``)."""
-        return bool(self.items) and (self.finished or self.landed >= self.items[0][0] + self.items[0][1])
+        return bool(self.items) and (self.finished or self.landed >= self.items[0][1])
 
     def discard_below(self, pos: int) -> None:
         """Free the file's pages below ``pos`` (read already, Linux: a hole is punched):

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 
 from .. import dist
-from ..errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint, InternalError
 from ..storage import url as urls
 from ..transfer import crc32c_bytes
 from ..units import MiB
@@ -189,20 +189,29 @@ class StreamingReader(StorageReader):
         return self.remote_dir
 
     # ---------------------------------------------------------------- reading
-    def _check(self, rel: str, offset: int, length: int, data, url: str) -> None:
+    def _check(self, rel: str, offset: int, length: int, data, url: str, *, peer: int | None = None) -> None:
+        """Check one item's bytes: its length (what the load itself cut: a wrong one is
+        its bug, InternalError) and its CRC32C from the manifest (a mismatch in bytes read
+        from the store: CorruptCheckpoint; in bytes received from rank ``peer``, which
+        checked them against the same CRC32C when it read them: InternalError)."""
         if len(data) != length:
-            raise CorruptCheckpoint(
-                f"{url}: expected {length} bytes at offset {offset}, got {len(data)}; the object is truncated"
-            )
+            raise InternalError(f"{url}: the load cut {len(data)} bytes for the item at offset {offset} of "
+                                f"{length} bytes")
         if not self.verify:
             return
         want = self.checksums.get(rel, {}).get((offset, length))
-        if want is not None and crc32c_bytes(data) != want:
-            raise CorruptCheckpoint(
-                f"{url}: CRC32C mismatch in bytes [{offset}, {offset + length}) (expected {want}, "
-                f"got {crc32c_bytes(data)}); "
-                "the object is corrupt: restore it or load an older step"
-            )
+        if want is None:
+            return
+        got = crc32c_bytes(data)
+        if got == want:
+            return
+        if peer is not None:
+            raise InternalError(f"{url}: bytes [{offset}, {offset + length}) received from rank {peer} fail their "
+                                f"CRC32C (expected {want}, got {got}), which rank {peer} checked when it read them")
+        raise CorruptCheckpoint(
+            f"{url}: CRC32C mismatch in bytes [{offset}, {offset + length}) (expected {want}, got {got}); "
+            "the object is corrupt: restore it or load an older step"
+        )
 
     def _consume(self, req: ReadItem, planner: LoadPlanner, data: memoryview, url: str) -> bool:
         """Put one item into place; True if it was copied straight into its target."""

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 
 from ..errors import NotFound
 from ..storage import url as urls
-from .resumable import ResumableStream, coalesce, missing
+from .resumable import ResumableStream, coalesce, cut, distinct, missing, spans
 
 
 def read_streamed(reader, per_file: dict[str, list], planner: LoadPlanner, *, max_gap: int | None = None,
@@ -45,7 +45,7 @@ def read_streamed(reader, per_file: dict[str, list], planner: LoadPlanner, *, ma
             fut = reader._stream(st.url, st.start, st.end, st)
             fut.add_done_callback(st.finished)
             futures.append(fut)
-        tally.wait(sum(len(st.parts) for st in streams))
+        tally.wait(sum(len(st.spans) for st in streams))
     finally:
         tally.close()  # streams still running stop before their next item; waits for items being put in place
         for fut in futures:
@@ -56,7 +56,7 @@ def read_streamed(reader, per_file: dict[str, list], planner: LoadPlanner, *, ma
 
 class _Tally:
     """What the streams share: the byte budget (items being read or put into their
-    targets), how many items are in place, and the first error of any stream,
+    targets), how many spans are in place, and the first error of any stream,
     raised by ``wait``."""
 
     def __init__(self, budget: int):
@@ -97,11 +97,11 @@ class _Tally:
                 raise _Stopped()
             self._busy += 1
 
-    def placed(self, n: int, direct: bool, *, keep: bool = False) -> None:
-        """An item is in place; its bytes go back to the budget (``keep``: later, by ``release``)."""
+    def placed(self, n: int, direct: int, *, kept: int = 0) -> None:
+        """A span of ``n`` bytes is in place; its bytes go back to the budget, but for
+        ``kept`` bytes (items the exchange sends on: later, by ``release``)."""
         with self._cv:
-            if not keep:
-                self._held -= n
+            self._held -= n - kept
             self.items += 1
             self.bytes += n
             self.direct += direct
@@ -141,9 +141,11 @@ class _Stopped(Exception):
 
 class _ItemStream(ResumableStream):
     """One stream of the load: read ``parts`` (sorted ``(offset, length, ReadItem)``
-    within ``[start, end)`` of one shard file) in order, check each and put it into its
-    target, on the stream's thread. Each attempt starts at the first item not taken
-    yet; a superseded attempt takes nothing more, so every item is put in place once."""
+    within ``[start, end)`` of one shard file) in order, a span at a time (overlapping
+    items, the same stored item read twice included, are one span: read once, each
+    item cut from it), check each item and put it into its target, on the stream's
+    thread. Each attempt starts at the first span not taken yet; a superseded attempt
+    takes nothing more, so every item is put in place once."""
 
     def __init__(self, reader, planner: LoadPlanner, tally: _Tally, url: str, rel: str,
                  start: int, end: int, parts: list, hold=None):
@@ -151,18 +153,18 @@ class _ItemStream(ResumableStream):
         self.reader, self.planner, self.tally = reader, planner, tally
         self.hold = hold
         self.rel = rel
-        self.parts = parts
-        self._next = 0  # index of the first item not taken
+        self.spans = spans(parts)
+        self._next = 0  # index of the first span not taken
 
     def resume_at(self) -> int | None:
-        """The index of the first item not taken."""
-        return self._next if self._next < len(self.parts) else None
+        """The index of the first span not taken."""
+        return self._next if self._next < len(self.spans) else None
 
     def attempt(self, attempt, at, open_from, progress) -> int:
-        pos = self.parts[at][0]
+        pos = self.spans[at][0]
         # a store that fetches the range whole (not streamed) holds it all from the first
-        # read: reserve all of it up front; a streamed one holds one item at a time
-        held = sum(n for _, n, _ in self.parts[at:]) if not self.reader.streamed else 0
+        # read: reserve all of it up front; a streamed one holds one span at a time
+        held = sum(e - s for s, e, _ in self.spans[at:]) if not self.reader.streamed else 0
         if held:
             self.tally.reserve(held, progress, self._urgent(at))
         done = 0
@@ -173,34 +175,41 @@ class _ItemStream(ResumableStream):
                         if not self.current(attempt):
                             return done  # superseded: the current attempt goes on from self._next
                         i = self._next
-                    if i >= len(self.parts):
+                    if i >= len(self.spans):
                         return done
-                    off, length, req = self.parts[i]
-                    if off > pos:
-                        self.read(body, pos, off - pos, progress)  # bytes between items: not needed
-                        pos = off
+                    start, end, items = self.spans[i]
+                    if start > pos:
+                        self.read(body, pos, start - pos, progress)  # bytes between spans: not needed
+                        pos = start
                     if not held:
-                        self.tally.reserve(length, progress, self._urgent(i))
-                        held = length
-                    data = self.read(body, off, length, progress)
-                    self.reader._check(self.rel, off, length, data, self.url)
+                        self.tally.reserve(end - start, progress, self._urgent(i))
+                        held = end - start
+                    data = self.read(body, start, end - start, progress)
+                    keys = distinct(items)
+                    for off, length in keys:
+                        self.reader._check(self.rel, off, length, cut(data, start, off, length), self.url)
                     with self._lock:
                         if not self.current(attempt):
                             raise _Stopped()
                         self.tally.claim()
                         self._next = i + 1
+                    direct = kept = 0
                     try:
-                        direct = self.reader._consume(req, self.planner, memoryview(data), self.url)
-                        # the exchange sends it on: its bytes stay held until sent
-                        kept = self.hold is not None and self.hold.keep(self.rel, off, length, data,
-                                                                        lambda n=length: self.tally.release(n))
+                        for off, length, req in items:
+                            direct += self.reader._consume(req, self.planner, memoryview(cut(data, start, off, length)),
+                                                           self.url)
+                        if self.hold is not None:  # the exchange sends it on: its bytes stay held until sent
+                            for off, length in keys:
+                                if self.hold.keep(self.rel, off, length, cut(data, start, off, length),
+                                                  lambda n=length: self.tally.release(n)):
+                                    kept += length
                     finally:
                         self.tally.unclaim()
                     del data
-                    held -= length
-                    self.tally.placed(length, direct, keep=kept)  # gives back its bytes (unless kept)
-                    pos = off + length
-                    done += length
+                    held -= end - start
+                    self.tally.placed(end - start, direct, kept=kept)  # gives back its bytes (but those kept)
+                    pos = end
+                    done += end - start
         finally:
             if held:
                 self.tally.release(held)  # what this attempt reserved and did not place
@@ -208,8 +217,8 @@ class _ItemStream(ResumableStream):
     def _urgent(self, i: int) -> Callable[[], bool] | None:
         if self.hold is None:
             return None
-        off, length, _ = self.parts[i]
-        return lambda: self.hold.urgent(self.rel, off, length)
+        keys = distinct(self.spans[i][2])
+        return lambda: any(self.hold.urgent(self.rel, off, length) for off, length in keys)
 
     def finished(self, fut: Future) -> None:
         """Done callback of the stream's Future: its error goes to the thread waiting in ``read_data``."""
@@ -222,5 +231,5 @@ class _ItemStream(ResumableStream):
             exc = missing(self.url)
         if exc is not None:
             self.tally.fail(exc)
-        elif self._next < len(self.parts):  # cannot happen: a job returns only when done or superseded
+        elif self._next < len(self.spans):  # cannot happen: a job returns only when done or superseded
             self.tally.fail(RuntimeError(f"{self.url}: a stream ended with items left"))
