@@ -279,7 +279,7 @@ class Marker:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise CorruptCheckpoint(f"commit marker {url} is not a cloudckpt marker (no \"format\": \"cloudckpt\")")
         v = d.get("format_version")
-        if not isinstance(v, int) or v > NEWEST_FORMAT_VERSION or v < 1:
+        if type(v) is not int or v > NEWEST_FORMAT_VERSION or v < 1:  # exact: true is not format 1
             raise IncompatibleCheckpoint(
                 f"commit marker {url} has format_version {v!r}; this cloudckpt {__version__} reads version "
                 f"1 to {NEWEST_FORMAT_VERSION}: upgrade cloudckpt to read this checkpoint"

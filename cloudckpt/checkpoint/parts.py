@@ -129,10 +129,12 @@ class ManifestPart:
             raise CorruptCheckpoint(f"manifest part {url} does not match its size and CRC32C in the marker; the step "
                                     "is damaged: restore it or load an older step")
         d = loads_json(data, url=url, what="manifest part", limit=ref.size)
-        if type(d) is not dict or d.get("format") != PART_FORMAT or d.get("format_version") != PART_FORMAT_VERSION:
+        if type(d) is not dict or d.get("format") != PART_FORMAT or type(d.get("format_version")) is not int or \
+                d["format_version"] != PART_FORMAT_VERSION:
             raise CorruptCheckpoint(f"manifest part {url} is not a cloudckpt manifest part of format "
                                     f"{PART_FORMAT_VERSION}")
-        if d.get("step") != step or d.get("rank") != ref.rank or d.get("save_id") != save_id:
+        if (type(d.get("step")) is not int or d["step"] != step or type(d.get("rank")) is not int
+                or d["rank"] != ref.rank or d.get("save_id") != save_id):  # exact types: not 1.0, not true
             raise UnsafeCheckpoint(f"manifest part {url} belongs to another step, rank or save than the marker "
                                    f"names (step {step}, rank {ref.rank}); refusing the checkpoint")
         try:
@@ -392,7 +394,13 @@ def encode_refs(marker: "Marker", ranks: Iterable[int]) -> list[int]:
 
 
 def decode_refs(ints: list[int]) -> dict[int, PartRef | None]:
-    """:func:`encode_refs`'s references back (from the coordinator: our own process group)."""
+    """:func:`encode_refs`'s references back (from the coordinator: our own process group).
+    Trusted as the marker they came from, not checked again: the coordinator encodes
+    them from a marker it parsed and checked (:func:`parse_part_columns` or
+    :func:`parse_part_list`), and a peer's objects are trusted (docs/security.md, threat
+    model: do not put ranks of different trust in one process group). What a reference
+    leads to is not: the part's bytes are checked against it (size, CRC32C) and parsed
+    by :meth:`ManifestPart.from_bytes` as for a reference read from the marker."""
     out: dict[int, PartRef | None] = {}
     for i in range(0, len(ints) - len(ints) % REF_INTS, REF_INTS):
         r, size, crc, objects, nbytes = ints[i:i + REF_INTS]

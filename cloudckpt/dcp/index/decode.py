@@ -165,7 +165,8 @@ def parse_header(data: bytes, *, url: str, writers: int = 0) -> Header:
     whose owners are given by a rule (not listed) has at most that many chunks, so
     nothing is built beyond what the step's bytes carry. Raises CorruptCheckpoint."""
     d = loads_json(data, url=url, what="DCP index", limit=MAX_INDEX_BYTES)
-    if type(d) is not dict or d.get("format") != FORMAT or d.get("version") not in HEADER_VERSIONS:
+    if type(d) is not dict or d.get("format") != FORMAT or type(d.get("version")) is not int or \
+            d["version"] not in HEADER_VERSIONS:  # exact: true is not version 1
         raise _bad(url, f"not a {FORMAT} header of version {' or '.join(map(str, HEADER_VERSIONS))}")
     try:
         dv = d.get("dcp_version")
@@ -338,9 +339,10 @@ def parse_part(data: bytes, *, url: str, rank: int) -> dict[tuple[str, tuple], t
     index part (bytes already checked against its manifest part). Raises
     CorruptCheckpoint, UnsafeCheckpoint (an item in another rank's file)."""
     d = loads_json(data, url=url, what="DCP index part", limit=MAX_INDEX_BYTES)
-    if type(d) is not dict or d.get("format") != FORMAT or d.get("version") != VERSION:
+    if type(d) is not dict or d.get("format") != FORMAT or type(d.get("version")) is not int or \
+            d["version"] != VERSION:
         raise _bad(url, f"not a {FORMAT} of version {VERSION}")
-    if d.get("rank") != rank:
+    if type(d.get("rank")) is not int or d["rank"] != rank:  # exact: not false for rank 0, nor 0.0
         raise UnsafeCheckpoint(f"DCP index part {url} names rank {_shown(d.get('rank'))}, not {rank}; refusing the "
                                "checkpoint")
     out: dict = {}
