@@ -84,6 +84,15 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+def pytest_collection_finish(session):
+    """Start building the venvs (OLMo-core, torchtitan, checkov) that a collected test
+    needs, in the background (venv_builds.py), so that pip overlaps the tests run first."""
+    if not session.config.option.collectonly:
+        from venv_builds import start_needed
+
+        start_needed(session.items)
+
+
 def pytest_collection_modifyitems(config, items):
     def weight(item) -> float:
         return LONGEST_FIRST.get(item.nodeid.split("::", 1)[0], 0.0)

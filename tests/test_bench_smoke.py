@@ -160,7 +160,7 @@ def test_metadata_unpickle_bench_reports_both_times_and_their_ratio():
 def test_smoke_local_tier_bench_recovers_bit_exactly_from_peers(tmp_path):
     """``bench.local_tier --smoke``: every row is measured and the recovery it times is
     a real one (from the peer node, bit-exact); the figures of a smoke run mean nothing."""
-    p = subprocess.run([sys.executable, "-m", "bench.local_tier", "--smoke", "--out-dir", str(tmp_path)],
+    p = subprocess.run(warm("bench.local_tier", "--smoke", "--out-dir", str(tmp_path)),
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     row = json.loads((tmp_path / "local_tier_smoke.json").read_text())["row"]
@@ -168,13 +168,13 @@ def test_smoke_local_tier_bench_recovers_bit_exactly_from_peers(tmp_path):
     assert all(row[k] > 0 for k in ("copy_s", "local_blocked_s", "bucket_s", "replicated_s", "recover_local_s"))
 
 
-@pytest.mark.slow  # six phases in their own processes and two real gloo ranks: about two minutes
+@pytest.mark.slow  # seven phases in their own processes and two real gloo ranks (forked warm): 25 s, 2 min spawned
 def test_smoke_scale_runs_every_phase_and_agrees_with_real_ranks(tmp_path):
     """``bench/scale.py --quick --confirm``: the small shape at R = 4, every phase run by
     the library's code (save protocol, resume, load prologue, stock pickle, maintenance)
     without an error, and the simulation's AGREE bytes and marker size matching a real
     2-rank gloo save of the same shape (within a few bytes of timestamps and ids)."""
-    p = subprocess.run([sys.executable, "-m", "bench.scale", "--quick", "--confirm", "--out-dir", str(tmp_path)],
+    p = subprocess.run(warm("bench.scale", "--quick", "--confirm", "--out-dir", str(tmp_path)),
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads((tmp_path / "scale_quick.json").read_text())

@@ -176,8 +176,9 @@ def test_terraform_fmt_check_passes(tmp_path):
 
 
 def _checkov_executable() -> Path:
-    script = REPO / "scripts" / "checkov_venv.sh"
-    r = subprocess.run(["bash", str(script)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    from venv_builds import run_script  # under the lock of the build the session started in the background
+
+    r = run_script("checkov_venv.sh", timeout=900)
     if r.returncode != 0:
         pytest.fail(
             "could not set up checkov in .venv-checkov with scripts/checkov_venv.sh "

@@ -12,6 +12,13 @@ function is unpickled), and the module then runs unchanged as ``__main__``: the
 same cases, the same rank code, the same checks of what was loaded. Only the ranks'
 start-up differs, so the figures of such a run (meaningless in a smoke run anyway) do
 not include a rank's Python start-up.
+
+A bench that runs parts of itself as ``python -m bench.<module>`` children through
+``subprocess.run`` (``bench.scale``: each phase in its own process) gets those children
+forked from the same forkserver (``warm_ranks.WarmModules``): each is still a process of
+its own that imports cloudckpt and the bench module and runs it as ``__main__``, with
+the command's arguments, environment and working directory; only torch is imported
+already, so its figures (meaningless in a smoke run) start from a different baseline.
 """
 
 from __future__ import annotations
@@ -27,11 +34,12 @@ def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: python tests/warm_bench.py MODULE [ARGS...]")
     sys.path.insert(0, str(ROOT))  # as ``python -m`` from the repository root (tests/ stays: warm_ranks)
-    from warm_ranks import WarmSpawn
+    from warm_ranks import WarmModules, WarmSpawn
 
     from cloudckpt.testing import multiprocess
 
-    multiprocess.mp = WarmSpawn()
+    multiprocess.mp = spawn = WarmSpawn()
+    WarmModules(spawn).install()  # ``python -m bench.*`` children (bench.scale's phases) forked warm too
     module = sys.argv[1]
     sys.argv = [module, *sys.argv[2:]]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -55,10 +55,12 @@ TOOL = Path(__file__).parent / "olmo" / "olmo_tool.py"
 
 @pytest.fixture(scope="session")
 def olmo_python() -> str:
-    """The python of .venv-olmo, installed on first use (a minute, once per machine)."""
+    """The python of .venv-olmo, installed once per machine (a minute or two: started in the
+    background when the session collected these tests, tests/venv_builds.py; waited for here)."""
+    from venv_builds import run_script
+
     t0 = time.monotonic()
-    r = subprocess.run(["bash", str(REPO / "scripts" / "setup_olmo_venv.sh")], cwd=REPO, capture_output=True,
-                       text=True, timeout=1200)
+    r = run_script("setup_olmo_venv.sh", timeout=1200)
     if r.returncode != 0:
         log = REPO / ".venv-olmo" / "setup.log"
         tail = log.read_text(errors="replace")[-6000:] if log.exists() else "(no log)"

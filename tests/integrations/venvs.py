@@ -1,6 +1,8 @@
 """Separate venvs for integrations whose pins conflict with .venv (torchtitan, OLMo-core):
-built on first use by their scripts/setup_*_venv.sh (idempotent, cached in the repo folder,
-ignored by git). A failed install fails the test with pip's log: it is part of the suite.
+built by their scripts/setup_*_venv.sh (idempotent, cached in the repo folder, ignored by
+git), started in the background once the session has collected a test that needs them
+(tests/venv_builds.py) and waited for on first use. A failed install fails the test with
+pip's log: it is part of the suite.
 Also the helpers their kill-and-resume tests share."""
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def venv_python(script: str, venv: str, what: str) -> str:
     """Run ``scripts/{script}``; return the venv's python (its last line of output)."""
+    from venv_builds import run_script  # under the lock of the build the session started (tests/venv_builds.py)
+
     t0 = time.monotonic()
-    r = subprocess.run(["bash", str(REPO / "scripts" / script)], cwd=REPO, capture_output=True, text=True, timeout=1200)
+    r = run_script(script, timeout=1200)
     if r.returncode != 0:
         log = REPO / venv / "setup.log"
         tail = log.read_text(errors="replace")[-6000:] if log.exists() else "(no log)"
