@@ -178,8 +178,12 @@ def test_format_3_takes_columns_only_and_format_2_a_list_only():
         Marker.from_bytes(json.dumps({**d, "format_version": 2}).encode())
     with pytest.raises(CorruptCheckpoint, match="parts"):
         Marker.from_bytes(json.dumps({k: v for k, v in d.items() if k != "parts"}).encode())
-    with pytest.raises(IncompatibleCheckpoint, match="reads version 1 to 3: upgrade"):
+    with pytest.raises(CorruptCheckpoint, match="root"):  # format 4: format 3 and the root of a replaced step
         Marker.from_bytes(json.dumps({**d, "format_version": 4}).encode())
+    root = ".replace/" + "ab" * 16
+    assert Marker.from_bytes(json.dumps({**d, "format_version": 4, "root": root}).encode()).root == root
+    with pytest.raises(IncompatibleCheckpoint, match="reads version 1 to 4: upgrade"):
+        Marker.from_bytes(json.dumps({**d, "format_version": 5}).encode())
 
 
 # ------------------------------------------------------------------ steps written in format 2
