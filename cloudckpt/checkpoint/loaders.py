@@ -156,6 +156,13 @@ class _WorkersGetWorkerRNG:
     def __init__(self, loader: Any):
         self._loader = weakref.ref(loader)  # no cycle: the loader holds this object
 
+    def __deepcopy__(self, memo):  # a deep copy of the loader starts its own iterators
+        loader = self._loader()
+        return _WorkersGetWorkerRNG(memo.get(id(loader), loader))
+
+    def __reduce__(self):  # a pickled loader (the loader is memoised before its attributes)
+        return (_WorkersGetWorkerRNG, (self._loader(),))
+
     def __call__(self):
         loader = self._loader()
         get = type(loader)._get_iterator

@@ -8,6 +8,7 @@ resume exactly are named when the loader is registered."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import pickle
 
@@ -104,6 +105,7 @@ def test_registration_names_what_cannot_resume_exactly(tmp_path, caplog):
             "in_order=True (the default) to resume exactly"]
         # a map-style loader's iterators hand their workers the wrapped dataset; loader.dataset stays the user's
         dl = quiet[2]
+        copied = copy.deepcopy(dl)  # before it runs: torch cannot copy a loader's live worker iterator
         assert type(dl.dataset) is _Items
         assert [b.tolist() for b in dl] == [[[0.0], [1.0]], [[2.0], [3.0]], [[4.0], [5.0]], [[6.0], [7.0]]]
         assert type(dl.dataset) is _Items
@@ -111,6 +113,9 @@ def test_registration_names_what_cannot_resume_exactly(tmp_path, caplog):
         worker_state = dl.state_dict()["_snapshot"]["_worker_snapshots"]["worker_1"]["dataset_state"]
         assert set(worker_state) == {exact_resume.WORKER_KEY}
         assert set(worker_state[exact_resume.WORKER_KEY]) == {"python", "torch", "numpy"}  # no CUDA in a worker
+        first = dl._iterator  # a copy's iterators are the copy's, wrapped too
+        assert [b.tolist() for b in copied] == [[[0.0], [1.0]], [[2.0], [3.0]], [[4.0], [5.0]], [[6.0], [7.0]]]
+        assert dl._iterator is first and type(copied._iterator._dataset) is loaders.WorkerRNGDataset
     finally:
         mgr.close()
 
