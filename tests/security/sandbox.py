@@ -23,7 +23,10 @@ write past ``fsize_limit``, the largest file a try may write), ``hang`` (still r
 at ``timeout``; killed).
 
 The zygote is ``python -m tests.security.sandbox`` reading one JSON request per line on
-stdin and answering one JSON line on stdout.
+stdin and answering one JSON line on stdout per try, with the request's ``id``, as soon
+as that try has ended: tries submitted together (``Sandbox.submit``, then
+``Sandbox.result``) run side by side, each still in a fork of its own with its own
+limits and its own wall clock; ``Sandbox.run`` submits one and waits for it.
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ class Sandbox:
         e[CACHE_ENV] = self.cache
         if warm_up:
             e[WARM_UP_ENV] = warm_up
+        self._next = 0  # the number of the last try submitted
+        self._answers: dict[int, dict] = {}  # results read while waiting for another
         self._proc = subprocess.Popen([sys.executable, "-m", "tests.security.sandbox"], cwd=_REPO, env=e,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         ready = self._proc.stdout.readline()
@@ -96,14 +101,30 @@ class Sandbox:
             fsize_limit: int = FSIZE_LIMIT, env: dict[str, str] | None = None, **kwargs) -> Result:
         """Run ``target`` (``"module:function"``) with ``kwargs`` in a fresh fork; never raises
         for what the try does."""
-        req = {"target": target, "kwargs": kwargs, "timeout": timeout, "as_limit": as_limit,
+        return self.result(self.submit(target, timeout=timeout, as_limit=as_limit, rss_limit=rss_limit,
+                                       fsize_limit=fsize_limit, env=env, **kwargs))
+
+    def submit(self, target: str, *, timeout: float = TIMEOUT, as_limit: int = AS_LIMIT, rss_limit: int = RSS_LIMIT,
+               fsize_limit: int = FSIZE_LIMIT, env: dict[str, str] | None = None, **kwargs) -> int:
+        """Start ``run``'s try without waiting for it; returns the number ``result`` takes.
+        Tries submitted before the result of the first is read run side by side, each in a
+        fork of its own with its own limits and wall clock."""
+        self._next += 1
+        req = {"id": self._next, "target": target, "kwargs": kwargs, "timeout": timeout, "as_limit": as_limit,
                "rss_limit": rss_limit, "fsize_limit": fsize_limit, "env": env or {}}
         self._proc.stdin.write(json.dumps(req) + "\n")
         self._proc.stdin.flush()
-        line = self._proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the sandbox zygote died")
-        return Result(**json.loads(line))
+        return self._next
+
+    def result(self, number: int) -> Result:
+        """The result of the try ``submit`` numbered ``number`` (waiting for it)."""
+        while number not in self._answers:
+            line = self._proc.stdout.readline()
+            if not line:
+                raise RuntimeError("the sandbox zygote died")
+            answer = json.loads(line)
+            self._answers[answer.pop("id")] = answer
+        return Result(**self._answers.pop(number))
 
     def close(self) -> None:
         if self._proc.poll() is None:
@@ -176,33 +197,22 @@ def _child(req: dict, result_path: str, log_fd: int) -> None:
     os._exit(0)
 
 
-def _wait(pid: int, deadline: float):
-    """(status, rusage, hung) of the child ``pid``, killed at ``deadline``. Wakes up the
-    moment the child exits (a pidfd), not on a polling tick."""
-    try:
-        fd = os.pidfd_open(pid)
-    except (AttributeError, OSError):  # no pidfd (old kernel): poll
-        fd = None
-    try:
-        while True:
-            wpid, st, ru = os.wait4(pid, os.WNOHANG)
-            if wpid == pid:
-                return st, ru, False
-            left = deadline - time.monotonic()
-            if left <= 0:
-                os.kill(pid, signal.SIGKILL)
-                _, st, ru = os.wait4(pid, 0)
-                return st, ru, True
-            if fd is None:
-                time.sleep(min(0.01, left))
-            else:
-                select.select([fd], [], [], left)
-    finally:
-        if fd is not None:
-            os.close(fd)
+@dataclass
+class _Running:
+    """A try forked by the zygote and not reaped yet."""
+
+    req: dict
+    pid: int
+    tmp: str
+    t0: float
+    pidfd: int | None
+
+    @property
+    def deadline(self) -> float:
+        return self.t0 + self.req["timeout"]
 
 
-def _serve_one(req: dict) -> dict:
+def _start_one(req: dict) -> _Running:
     tmp = tempfile.mkdtemp(prefix="cloudckpt-sandbox-")
     result_path, log_path = os.path.join(tmp, "result.json"), os.path.join(tmp, "log.txt")
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -214,7 +224,17 @@ def _serve_one(req: dict) -> dict:
         finally:
             os._exit(99)
     os.close(log_fd)
-    status, rusage, hung = _wait(pid, t0 + req["timeout"])
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd (old kernel): polled
+        pidfd = None
+    return _Running(req, pid, tmp, t0, pidfd)
+
+
+def _finish_one(run: _Running, status: int, rusage, hung: bool) -> dict:
+    """The result of the reaped try ``run`` (its files read and removed)."""
+    req, tmp, t0 = run.req, run.tmp, run.t0
+    result_path, log_path = os.path.join(tmp, "result.json"), os.path.join(tmp, "log.txt")
     seconds = time.monotonic() - t0
     with open(log_path, "rb") as f:
         f.seek(max(0, os.path.getsize(log_path) - 4096))
@@ -308,10 +328,54 @@ def _zygote() -> None:
     gc.collect()
     gc.freeze()
     proto.write("ready\n")
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        proto.write(json.dumps(_serve_one(json.loads(line))) + "\n")
+    _serve(proto)
+
+
+def _serve(proto) -> None:
+    """Read requests from stdin and start each try at once; answer each (with its ``id``)
+    as soon as it has ended, in the order they end. At the end of stdin the tries still
+    running are killed (nobody will read their results)."""
+    running: dict[int, _Running] = {}
+    pending, open_ = b"", True
+    while open_ or running:
+        fds = ([0] if open_ else []) + [r.pidfd for r in running.values() if r.pidfd is not None]
+        wait = min((r.deadline for r in running.values()), default=None)
+        if wait is not None:
+            wait = max(0.0, wait - time.monotonic())
+            if any(r.pidfd is None for r in running.values()):
+                wait = min(wait, 0.01)
+        if not open_:  # stdin is gone: end what runs
+            for r in running.values():
+                os.kill(r.pid, signal.SIGKILL)
+            wait = 0.0 if fds else None
+        ready = select.select(fds, [], [], wait)[0] if fds else []
+        if 0 in ready:
+            data = os.read(0, 1 << 16)
+            if not data:
+                open_ = False
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                if line.strip():
+                    req = json.loads(line)
+                    run = _start_one(req)
+                    running[run.pid] = run
+        for pid in list(running):
+            run = running[pid]
+            wpid, st, ru = os.wait4(pid, os.WNOHANG)
+            hung = False
+            if wpid != pid:
+                if time.monotonic() < run.deadline and open_:
+                    continue
+                os.kill(pid, signal.SIGKILL)
+                _, st, ru = os.wait4(pid, 0)
+                hung = open_
+            del running[pid]
+            if run.pidfd is not None:
+                os.close(run.pidfd)
+            res = _finish_one(run, st, ru, hung)
+            if open_:
+                proto.write(json.dumps({"id": run.req.get("id"), **res}) + "\n")
 
 
 if __name__ == "__main__":

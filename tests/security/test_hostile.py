@@ -147,12 +147,44 @@ def test_the_shares_are_every_try_once():
     assert sorted(p.name for p in here) == [f"test_hostile_share{i}.py" for i in range(1, PARTS)]
 
 
-def run_try(t: Try, sandbox, tmp_path, request) -> None:
-    """One try in the sandbox: the expected outcome, never a finding, the planted files intact."""
-    tmp = str(tmp_path)
+# tries in flight per test process: while a test waits for its try, the tries of the next
+# tests of its file already run beside it (each in a fork of its own, its own folder, limits
+# and wall clock), so that a try's waits (fsync, the S3 server, the zygote's round trip) are
+# another's work; each test still asserts on its own try. HOSTILE_AHEAD=0: one at a time.
+AHEAD = int(os.environ.get("HOSTILE_AHEAD", "1"))
+_STARTED: dict[str, tuple[int, str, str]] = {}  # test node id -> (sandbox number, tmp, outside)
+
+
+def _start(t: Try, sandbox, tmp: str, request) -> tuple[int, str, str]:
     outside = plant(tmp)
     root = f"{tmp}/saves" if t.backend == "local" else f"{request.getfixturevalue('bucket')}/{uuid.uuid4().hex}"
-    r = sandbox.run(t.target, timeout=t.timeout, tmp=tmp, root=root, **t.kwargs)
+    return sandbox.submit(t.target, timeout=t.timeout, tmp=tmp, root=root, **t.kwargs), tmp, outside
+
+
+def _start_next(sandbox, request) -> None:
+    """Submit the tries of the next ``AHEAD`` tests of this file that this process will run
+    (the collected items after this one: --dist loadfile runs a file in one process, in order)."""
+    items = request.session.items
+    try:
+        i = items.index(request.node)
+    except ValueError:
+        return
+    for item in items[i + 1:i + 1 + AHEAD]:
+        spec = getattr(item, "callspec", None)
+        t = spec.params.get("t") if spec else None
+        if item.module is not request.node.module or not isinstance(t, Try) and type(t).__name__ != "Try":
+            break
+        if item.nodeid not in _STARTED:
+            tmp = str(request.getfixturevalue("tmp_path_factory").mktemp("ahead", numbered=True))
+            _STARTED[item.nodeid] = _start(t, sandbox, tmp, request)
+
+
+def run_try(t: Try, sandbox, tmp_path, request) -> None:
+    """One try in the sandbox: the expected outcome, never a finding, the planted files intact."""
+    started = _STARTED.pop(request.node.nodeid, None) or _start(t, sandbox, str(tmp_path), request)
+    _start_next(sandbox, request)
+    number, tmp, outside = started
+    r = sandbox.result(number)
     head = f"{try_id(t)} ({t.what}) through {t.entry} on {t.backend}"
     assert r.outcome not in FINDINGS, f"FINDING: {head}: {r}"
     assert r.outcome == t.expect, f"{head}: expected {t.expect}, got {r}"

@@ -339,7 +339,14 @@ def honest_step(root: str, step: int = 1) -> str:
     if not os.path.isdir(template):
         building = f"{template}.{os.getpid()}"
         _build_honest(os.path.join(building, "run"), step, os.path.join(building, "work"))
-        os.rename(building, template)
+        try:
+            os.rename(building, template)
+        except OSError:  # a try running beside this one built it first: the same bytes
+            if not os.path.isdir(template):
+                raise
+            import shutil
+
+            shutil.rmtree(building, ignore_errors=True)
     run = os.path.join(template, "run")
     if "://" not in root or root.startswith("file://"):  # a plain copy: the local backend would fsync every file
         import shutil
