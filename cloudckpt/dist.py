@@ -9,6 +9,15 @@ Call order matters like for any collective: every rank must call the same steps
 in the same order. The checkpointer owns a dedicated gloo group (``Coordinator``),
 so its coordination never runs on the training process group, and background
 (async) saves can coordinate while training issues its own collectives.
+
+A rank that dies or stops answering: every collective of the group fails on the ranks
+that wait for it, with gloo's ``RuntimeError`` ("Connection closed by peer", or "Timed
+out waiting ...ms" after the group's timeout, ``collective_timeout``). The steps here
+(and DCP's collectives on the group, through :meth:`Coordinator.lost_in_dcp`) turn it
+into :class:`~cloudckpt.errors.PeerLost`, naming the step; the group is then spent:
+every later step on it raises PeerLost at once, so no survivor issues a collective
+that could pair with another survivor's different one. ``isend``/``irecv``/``wait``
+leave gloo's error as it is: their caller (the read-once exchange) names the peer.
 """
 
 from __future__ import annotations
@@ -16,13 +25,16 @@ from __future__ import annotations
 import datetime
 import logging
 import pickle
+import re
+import sys
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveError
+from .errors import CollectiveError, PeerLost
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,13 +69,53 @@ def _portable(o: _Outcome) -> _Outcome:
     return o
 
 
+# gloo's texts for a peer that is gone: the time ran out (checked first: "Application
+# timeout caused pair closure"), or its connection closed (the process died)
+_TIMED_OUT = ("timed out", "timeout")
+_CLOSED = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
+           "socket closed", "pair closure", "no route to host", "network is unreachable")
+_DCP_STEPS = {"reduce_scatter": "save plan", "all_reduce": "save finish", "all_gather": "all_gather",
+              "broadcast": "broadcast", "barrier": "barrier"}
+
+
+_SPENT = object()  # a spent Coordinator's group (given up: see Coordinator._give_up)
+
+
+def peer_gone(e: BaseException) -> str | None:
+    """``"timeout"`` or ``"closed"`` when ``e`` is gloo's error for a peer that is gone
+    (no answer within the group's timeout, or its connection closed), else None."""
+    if not isinstance(e, RuntimeError):
+        return None
+    text = str(e).lower()
+    if any(s in text for s in _TIMED_OUT):
+        return "timeout"
+    if any(s in text for s in _CLOSED):
+        return "closed"
+    return None
+
+
+def _gloo_text(e: BaseException) -> str:
+    """gloo's message without its source location and its advice: ``Connection closed by
+    peer [10.0.0.7]:41234`` (the peer's address: its node)."""
+    text = re.sub(r"^\[[^\]]*:\d+\]\s*", "", str(e).strip())
+    return text.split(". This is typically caused")[0].strip()[:300]
+
+
+def _caller(depth: int = 2) -> str:
+    """The function that called a step without a name (for PeerLost's message)."""
+    return sys._getframe(depth).f_code.co_name
+
+
 class Coordinator:
     """Named collective steps on a dedicated gloo group.
 
     Create it on every rank at the same point (it creates a process group when
     torch.distributed is initialised). ``timeout`` bounds how long a step waits
-    for a dead or stuck rank.
+    for a dead or stuck rank (the group's gloo timeout: every collective on the group,
+    DCP's included); a rank that is gone raises PeerLost (the module docstring).
     """
+
+    lost: PeerLost | None = None  # the first step that lost a peer: the group is spent
 
     def __init__(self, *, timeout: float = 600.0, group=None, local: bool = False):
         """``local=True``: this process acts alone even in a distributed job (e.g. a
@@ -83,23 +135,81 @@ class Coordinator:
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
-    def _all_gather(self, obj: Any) -> list:
+    # ------------------------------------------------------------ a peer that is gone
+    def _peer_lost(self, step: str, e: BaseException, *, own: BaseException | None = None,
+                   peer: int | None = None) -> PeerLost | None:
+        """The PeerLost for gloo's error ``e`` at ``step`` (None: ``e`` is not about a peer
+        that is gone); the group is spent from now on."""
+        kind = peer_gone(e)
+        if kind is None:
+            return None
+        also = None if own is None else f"{type(own).__name__}: {own}"[:500]
+        lost = PeerLost(step, {self.rank: _gloo_text(e)}, gone=() if peer is None else (peer,), timeout=self.timeout,
+                        timed_out=kind == "timeout", also=also)
+        if self.lost is None:
+            self.lost = lost
+            self._give_up()
+        log.error("rank %d: %s", self.rank, lost)
+        return lost
+
+    def _give_up(self) -> None:
+        """Destroy the spent group, so that this rank's connections of it close once the
+        last reference to it goes (the error's frames: PeerLost does not keep gloo's): a
+        survivor still waiting on this rank (in a collective that does not touch the dead
+        rank's connection, such as its part of a ring) fails then, not at the group's
+        timeout, and gives up its own in turn; the news crosses the job in moments.
+        ``group`` becomes a placeholder: every step raises PeerLost before using it."""
+        group, self.group = self.group, _SPENT
+        try:
+            dist.destroy_process_group(group)
+        except Exception as e:  # noqa: BLE001 - best effort: the survivors still time out
+            log.debug("rank %d: could not destroy the spent group: %s", self.rank, e)
+
+    def _step(self, step: str, *, own: BaseException | None = None, peer: int | None = None) -> "_Step":
+        """``with self._step(name): <collectives>``: gloo's error for a peer that is gone
+        becomes PeerLost (or this rank's own CollectiveError, ``own``, which says more:
+        the read-once exchange's names the rank); a spent group raises PeerLost at once."""
+        return _Step(self, step, own, peer)
+
+    def _usable(self) -> None:
+        """For ``isend``/``irecv``, whose caller handles gloo's RuntimeError: the same
+        error type once the group is spent."""
+        if self.lost is not None:
+            raise RuntimeError(f"rank {self.rank} gave up this group after {self.lost.step}: a peer rank is gone")
+
+    def lost_in_dcp(self, e: BaseException, *, where: str | None = None) -> PeerLost | None:
+        """The PeerLost for ``e``, raised out of ``dcp.save`` on this group, when it is
+        gloo's error for a peer that is gone (named by DCP's collective: ``DCP's save
+        plan`` or ``DCP's save finish``); else None. The group is spent from now on."""
+        if self.group is None or peer_gone(e) is None:
+            return None
+        names = [f.f_code.co_name for f, _ in traceback.walk_tb(e.__traceback__)
+                 if "distributed/checkpoint" in f.f_code.co_filename.replace("\\", "/")]
+        inner = next((_DCP_STEPS[n] for n in reversed(names) if n in _DCP_STEPS), "save")
+        e.__traceback__ = None  # DCP's frames hold the group: let it go (the text is in PeerLost)
+        lost = self._peer_lost(f"DCP's {inner}", e)
+        return lost.at(where) if lost is not None and where else lost
+
+    def _all_gather(self, obj: Any, step: str, own: BaseException | None = None) -> list:
         if self.group is None:
             return [obj]
         out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        with self._step(step, own=own):
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def _broadcast(self, obj: Any) -> Any:
+    def _broadcast(self, obj: Any, step: str, own: BaseException | None = None) -> Any:
         if self.group is None:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        with self._step(step, own=own):
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]
 
-    def all_gather(self, value: Any) -> list:
-        """Every rank's ``value`` (picklable, small), in rank order."""
-        return self._all_gather(value)
+    def all_gather(self, value: Any, step: str | None = None) -> list:
+        """Every rank's ``value`` (picklable, small), in rank order. ``step``: its name in
+        a PeerLost (default: the caller's function)."""
+        return self._all_gather(value, step or f"all_gather in {_caller()}")
 
     # ------------------------------------------------------------ point to point
     # Bulk bytes (files of the node-local tier) between two ranks of this group, in
@@ -109,33 +219,36 @@ class Coordinator:
 
     def send_bytes(self, data: bytes, dst: int) -> None:
         """Send ``data`` (its length first) to rank ``dst`` of this group."""
-        peer = dist.get_global_rank(self.group, dst)
-        dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=peer, group=self.group)
-        if data:
-            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=peer, group=self.group)
+        with self._step(f"send to rank {dst}", peer=dst):
+            peer = dist.get_global_rank(self.group, dst)
+            dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=peer, group=self.group)
+            if data:
+                dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=peer, group=self.group)
 
     def recv_bytes(self, src: int, *, limit: int) -> bytes:
         """What ``send_bytes`` sent from rank ``src``; a length above ``limit`` is refused
         (CollectiveError) before anything is allocated for it."""
-        peer = dist.get_global_rank(self.group, src)
         n = torch.zeros(1, dtype=torch.int64)
-        dist.recv(n, src=peer, group=self.group)
+        with self._step(f"receive from rank {src}", peer=src):
+            peer = dist.get_global_rank(self.group, src)
+            dist.recv(n, src=peer, group=self.group)
         size = int(n.item())
         if not 0 <= size <= limit:
             raise CollectiveError("receive", {src: f"announced {size} bytes, more than the {limit} allowed"})
         buf = torch.empty(size, dtype=torch.uint8)
         if size:
-            dist.recv(buf, src=peer, group=self.group)
+            with self._step(f"receive from rank {src}", peer=src):
+                dist.recv(buf, src=peer, group=self.group)
         return buf.numpy().tobytes()
 
     def send_file(self, path: str, size: int, dst: int, *, offset: int = 0) -> None:
         """Send ``size`` bytes of the file ``path`` from ``offset`` to rank ``dst`` of this group.
         Pipelined: the next piece is read while the one before it is on the wire."""
-        peer = dist.get_global_rank(self.group, dst)
         sizes, bufs = self._pieces(size)
         # (on an error the buffers are not freed under a transfer: its Work holds them)
         sending = None
-        with open(path, "rb") as f:
+        with self._step(f"send to rank {dst}", peer=dst), open(path, "rb") as f:
+            peer = dist.get_global_rank(self.group, dst)
             f.seek(offset)
             for k, n in enumerate(sizes):
                 view = bufs[k % len(bufs)][:n]  # the send that used this buffer is done (waited below)
@@ -145,17 +258,17 @@ class Coordinator:
                 if sending is not None:
                     sending.wait()
                 sending = dist.isend(view, dst=peer, group=self.group)
-        if sending is not None:
-            sending.wait()
+            if sending is not None:
+                sending.wait()
 
     def recv_file(self, path: str, size: int, src: int, on_chunk: Callable[[memoryview], None] | None = None, *,
                   offset: int | None = None) -> None:
         """Receive ``size`` bytes from rank ``src`` of this group into a new file ``path``
         (``offset``: into the existing file ``path`` at that offset). Pipelined: the next
         piece arrives while the one before it is checked (``on_chunk``) and written."""
-        peer = dist.get_global_rank(self.group, src)
         sizes, bufs = self._pieces(size)
-        with open(path, "xb" if offset is None else "r+b") as f:
+        with self._step(f"receive from rank {src}", peer=src), open(path, "xb" if offset is None else "r+b") as f:
+            peer = dist.get_global_rank(self.group, src)
             f.seek(offset or 0)
             receiving = dist.irecv(bufs[0][:sizes[0]], src=peer, group=self.group) if sizes else None
             for k, n in enumerate(sizes):
@@ -180,7 +293,7 @@ class Coordinator:
         """Rank 0 runs ``fn``; every rank gets its value, or raises its error
         (the same exception type where it can be carried, else CollectiveError)."""
         o = _portable(_run(fn)) if self.is_coordinator else None
-        o = self._broadcast(o)
+        o = self._broadcast(o, step, o.error if o is not None else None)
         if o.ok:
             return o.value
         if o.error is not None:
@@ -194,7 +307,7 @@ class Coordinator:
         (``error(step, {rank: text})`` builds it; default CollectiveError). A local
         exception is chained as the cause on its own rank."""
         mine = _run(fn)
-        outs = self._all_gather(_Outcome(mine.ok, mine.value, None, mine.error_text))
+        outs = self._all_gather(_Outcome(mine.ok, mine.value, None, mine.error_text), step, mine.error)
         failures = {r: o.error_text for r, o in enumerate(outs) if not o.ok}
         if failures:
             exc = (error or CollectiveError)(step, failures)
@@ -214,9 +327,10 @@ class Coordinator:
             outs: list | None = [o]
         else:
             outs = [None] * self.world_size if self.is_coordinator else None
-            dist.gather_object(o, outs, dst=dist.get_global_rank(self.group, 0), group=self.group)
+            with self._step(step, own=mine.error):
+                dist.gather_object(o, outs, dst=dist.get_global_rank(self.group, 0), group=self.group)
         failures = {r: x.error_text for r, x in enumerate(outs) if not x.ok} if outs is not None else None
-        failures = self._broadcast(failures)
+        failures = self._broadcast(failures, step, mine.error)
         if failures:
             exc = (error or CollectiveError)(step, failures)
             raise exc from mine.error
@@ -228,26 +342,30 @@ class Coordinator:
     # ``wait`` (bounded by this group's timeout; gloo's is_completed never reports a
     # dead peer, a timed wait does).
 
-    def all_to_all_int64(self, rows, send_counts: list[int], recv_counts: list[int]):
+    def all_to_all_int64(self, rows, send_counts: list[int], recv_counts: list[int], step: str | None = None):
         """all_to_all_single of an int64 tensor: ``send_counts[r]`` elements of ``rows``
         (in rank order) go to rank ``r``; returns what every rank sent here, in rank
         order (``recv_counts[r]`` from rank ``r``). Per-rank cost: this rank's own
         elements and two lists of ``world_size`` counts, nothing that grows with what
-        other ranks send each other."""
+        other ranks send each other. ``step``: its name in a PeerLost (default: the
+        caller's function)."""
         out = torch.empty(sum(recv_counts), dtype=torch.int64)
         if self.group is None:
             out.copy_(rows)
             return out
-        dist.all_to_all_single(out, rows, output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts),
-                               group=self.group)
+        with self._step(step or f"all_to_all in {_caller()}"):
+            dist.all_to_all_single(out, rows, output_split_sizes=list(recv_counts),
+                                   input_split_sizes=list(send_counts), group=self.group)
         return out
 
     def isend(self, tensor, dst: int, tag: int = 0):
         """Start sending ``tensor`` to rank ``dst`` of this group (a Work, for ``wait``)."""
+        self._usable()
         return dist.isend(tensor, dst=dist.get_global_rank(self.group, dst), group=self.group, tag=tag)
 
     def irecv(self, tensor, src: int, tag: int = 0):
         """Start receiving into ``tensor`` from rank ``src`` of this group (a Work, for ``wait``)."""
+        self._usable()
         return dist.irecv(tensor, src=dist.get_global_rank(self.group, src), group=self.group, tag=tag)
 
     def wait(self, work, seconds: float | None = None) -> None:
@@ -270,17 +388,14 @@ class Coordinator:
                 raise mine.error
             return mine.value
         flag = torch.tensor([0 if mine.ok else self.world_size - self.rank], dtype=torch.int64)
-        try:
+        with self._step(step, own=mine.error):  # a rank is gone: PeerLost (or this rank's CollectiveError)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        except RuntimeError:  # a rank is gone: this rank's own error, if any, says more (it may name that rank)
-            if not mine.ok:
-                raise mine.error from None
-            raise
         if int(flag.item()) == 0:
             return mine.value
         src = self.world_size - int(flag.item())
         box = [_portable(_Outcome(False, None, mine.error, mine.error_text)) if self.rank == src else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src), group=self.group)
+        with self._step(step, own=mine.error):
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src), group=self.group)
         if not mine.ok:
             raise mine.error
         o = box[0]
@@ -303,12 +418,14 @@ class Coordinator:
             if not o.ok:
                 raise o.error
             return list(o.value[0])
-        root = dist.get_global_rank(self.group, 0)
         width = torch.tensor([len(request)], dtype=torch.int64)
-        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=self.group)
+        with self._step(step):
+            root = dist.get_global_rank(self.group, 0)
+            dist.all_reduce(width, op=dist.ReduceOp.MAX, group=self.group)
         row = _padded_row(request, int(width.item()))
         rows = [torch.empty_like(row) for _ in range(self.world_size)] if self.is_coordinator else None
-        dist.gather(row, rows, dst=root, group=self.group)
+        with self._step(step):
+            dist.gather(row, rows, dst=root, group=self.group)
         o = None
         if self.is_coordinator:
             o = _run(lambda: answer([r[1:1 + int(r[0])].tolist() for r in rows]))
@@ -317,10 +434,12 @@ class Coordinator:
         # the reply's width, or -1 and the coordinator's error
         head = torch.tensor([max((len(v) for v in o.value), default=0) if o.ok else -1] if o else [0],
                             dtype=torch.int64)
-        dist.broadcast(head, src=root, group=self.group)
+        with self._step(step, own=o.error if o is not None else None):
+            dist.broadcast(head, src=root, group=self.group)
         if int(head.item()) < 0:
             box = [_portable(_Outcome(False, None, o.error, f"{type(o.error).__name__}: {o.error}")) if o else None]
-            dist.broadcast_object_list(box, src=root, group=self.group)
+            with self._step(step, own=o.error if o is not None else None):
+                dist.broadcast_object_list(box, src=root, group=self.group)
             if o is not None:
                 raise o.error
             if box[0].error is not None:
@@ -329,16 +448,51 @@ class Coordinator:
         n = int(head.item())
         out = torch.empty(n + 1, dtype=torch.int64)
         replies = [_padded_row(v, n) for v in o.value] if o is not None else None
-        dist.scatter(out, replies, src=root, group=self.group)
+        with self._step(step):
+            dist.scatter(out, replies, src=root, group=self.group)
         return out[1:1 + int(out[0])].tolist()
 
-    def any_rank(self, flags: "list[bool] | Any") -> list[bool]:
+    def any_rank(self, flags: "list[bool] | Any", step: str | None = None) -> list[bool]:
         """Element-wise OR of every rank's ``flags`` (same length on every rank): one
-        all_reduce of ``len(flags)`` bytes."""
+        all_reduce of ``len(flags)`` bytes. ``step``: its name in a PeerLost (default: the
+        caller's function)."""
         t = torch.tensor([bool(x) for x in flags], dtype=torch.uint8)
         if self.group is not None and len(t):
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            with self._step(step or f"any_rank in {_caller()}"):
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [bool(x) for x in t.tolist()]
+
+
+class _Step:
+    """:meth:`Coordinator._step`. A plain context manager, not ``contextlib``'s: the error
+    raised must not keep gloo's traceback (its frames hold the group, which closes its
+    connections only once nothing refers to it)."""
+
+    def __init__(self, coord: Coordinator, step: str, own: BaseException | None, peer: int | None):
+        self.coord, self.step, self.own, self.peer = coord, step, own, peer
+
+    def __enter__(self) -> None:
+        first = self.coord.lost
+        if first is None:
+            return
+        if isinstance(self.own, CollectiveError):
+            raise self.own
+        raise PeerLost(self.step, first.failures, where=first.where, gone=first.gone, timeout=self.coord.timeout,
+                       timed_out=first.timed_out,
+                       earlier=first.step if first.where is None else f"{first.step} of {first.where}")
+
+    def __exit__(self, typ, e, tb) -> bool:
+        if not isinstance(e, RuntimeError):
+            return False
+        lost = self.coord._peer_lost(self.step, e, own=self.own, peer=self.peer)
+        if lost is None:
+            return False
+        e.__traceback__ = None  # gloo's frames hold the group: let them go (its text is in PeerLost)
+        del tb
+        own, self.own = self.own, None
+        if isinstance(own, CollectiveError):
+            raise own from None
+        raise lost from own
 
 
 def _padded_row(values, width: int):

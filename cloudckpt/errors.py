@@ -261,14 +261,15 @@ class PeerLost(CollectiveError):
         if self.earlier is not None:
             what = f"the group lost a peer rank earlier, at {self.earlier}{ranks}"
         elif self.timed_out:
-            what = f"a peer rank{ranks} did not answer within collective_timeout ({limit}): it died or hangs"
+            what = (f"a peer rank{ranks} did not answer within collective_timeout ({limit}): it died, hangs or lags "
+                    "that far behind")
         else:
-            what = f"a peer rank{ranks} is gone (its connection closed: the process died)"
+            what = f"a peer rank{ranks} is gone (its connection closed: its process died or exited)"
         seen = "; ".join(f"rank {r} saw: {m}" for r, m in sorted(self.failures.items()))
         also = f"; this rank had failed before: {self.also}" if self.also else ""
-        return (f"collective step '{self.step}'{of} failed: {what}; {seen}{also}. Nothing partial was committed: restart the job "
-                f"(it resumes from the newest committed step). A survivor gives up on a silent peer after "
-                f"collective_timeout ({limit}).")
+        return (f"collective step '{self.step}'{of} failed: {what}; {seen}{also}. Restart the job: a step is "
+                f"committed only once every rank agreed, so nothing partial was committed and the job resumes from "
+                f"the newest committed step. A survivor gives up on a silent peer after collective_timeout ({limit}).")
 
     def __reduce__(self):
         return (type(self), (self.step, self.failures), dict(self.__dict__))

@@ -43,6 +43,7 @@ from typing import Any, Callable, Sequence
 from ..dcp import StreamingReader, planned_load
 from ..dcp.load_guard import KeyCheckingPlanner
 from ..dcp.reader import ShardSource
+from ..errors import PeerLost
 from ..options import CheckpointerOptions
 from ..storage.nofollow import private_dir
 from ..transfer import TransferEngine
@@ -117,7 +118,11 @@ def read_marker(coord: Any, step: StepRef, *, verify: bool) -> Shared:
         mine.append(read_shared(step, verify=verify))
         return mine[0].for_peers()
 
-    shared = coord.on_coordinator("read marker", read)
+    try:
+        shared = coord.on_coordinator("read marker", read)
+    except PeerLost as e:
+        e.at(step.url)  # the step folder, in the message
+        raise
     return mine[0] if mine else shared
 
 
@@ -160,6 +165,9 @@ def load(coord: Any, engine: TransferEngine, options: CheckpointerOptions, commi
                 req.before_read(reader.exchange.plan_ahead(ranges, reader) if reader.exchange else ranges)
             coord.agree("load read", lambda: planned_load.read(local_plan, reader, planner))
         planned_load.put_back(state_dict, sd)
+    except PeerLost as e:
+        e.at(step.url)  # the step folder, in the message
+        raise
     finally:
         if local:
             shutil.rmtree(local, ignore_errors=True)

@@ -109,7 +109,8 @@ class RankWriter:
                 torch.save(train_state, path)
                 on_file(path)
         except BaseException as e:  # noqa: BLE001 - carried to every rank by AGREE
-            error = _unwrap_dcp(e)
+            # a peer gone in DCP's collectives: PeerLost naming them, not gloo's RuntimeError
+            error = self.coord.lost_in_dcp(e, where=step.url if step is not None else None) or _unwrap_dcp(e)
         futures = [f for _, f in uploads]
         entries = []
         try:

@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import SaveFailed
+from ..errors import PeerLost, SaveFailed
 from ..options import CheckpointerOptions
 from ..storage.nofollow import private_dir
 from ..transfer import TransferEngine
@@ -125,7 +125,9 @@ def save(coord: Any, engine: TransferEngine, options: CheckpointerOptions, step:
         log.info("committed %s (%d objects, %.1f MB) in %.2fs", step, marker.object_count, marker.total_bytes / 1e6,
                  stats.seconds)
         return marker, stats
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, PeerLost):
+            e.at(step.url)  # the step folder, in the message
         if attempt is not None and attempt.locked:
             attempt.abort()
         raise
