@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSys
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.futures import Future
 
-from .._torch_compat import element_size, split_by_size_and_type, write_files
+from .._torch_compat import element_size, split_by_size_and_type, stock_metadata, write_files
 from ..checkpoint import layout
 from ..errors import SaveFailed
 from ..transfer.checksum import bytes_pieces
@@ -300,7 +300,7 @@ class UploadingWriter(FileSystemWriter):
             metadata.storage_meta = None
             tmp = os.path.join(str(self.path), ".metadata.tmp")
             with self.fs.create_stream(tmp, "wb") as f:
-                pickle.dump(metadata, f)
+                pickle.dump(stock_metadata(metadata), f)  # the class stock readers unpickle
             self.fs.rename(tmp, meta_path)  # on_file, with the CRC32C taken while writing
             merged = _Merged(metadata, metadata.state_dict_metadata, metadata.planner_data, storage, keys,
                              [got.digest for got in results], "", self._sums.get(".metadata"))
