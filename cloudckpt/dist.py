@@ -171,6 +171,15 @@ class Coordinator:
         the read-once exchange's names the rank); a spent group raises PeerLost at once."""
         return _Step(self, step, own, peer)
 
+    def _spent(self, step: str) -> None:
+        """:meth:`on_coordinator` on a spent group raises PeerLost before the coordinator
+        runs anything (no lock taken, nothing written for a save that cannot agree). The
+        steps every rank runs run first: their ``fn`` raises the rank's own PeerLost where
+        it holds one (a save's AGREE, after DCP's collectives lost the peer)."""
+        if self.lost is not None and self.group is not None:
+            with self._step(step):
+                pass
+
     def _usable(self) -> None:
         """For ``isend``/``irecv``, whose caller handles gloo's RuntimeError: the same
         error type once the group is spent."""
@@ -292,6 +301,7 @@ class Coordinator:
     def on_coordinator(self, step: str, fn: Callable[[], T]) -> T:
         """Rank 0 runs ``fn``; every rank gets its value, or raises its error
         (the same exception type where it can be carried, else CollectiveError)."""
+        self._spent(step)
         o = _portable(_run(fn)) if self.is_coordinator else None
         o = self._broadcast(o, step, o.error if o is not None else None)
         if o.ok:
@@ -477,7 +487,7 @@ class _Step:
             return
         if isinstance(self.own, CollectiveError):
             raise self.own
-        raise PeerLost(self.step, first.failures, where=first.where, gone=first.gone, timeout=self.coord.timeout,
+        raise PeerLost(self.step, first.failures, gone=first.gone, timeout=self.coord.timeout,
                        timed_out=first.timed_out,
                        earlier=first.step if first.where is None else f"{first.step} of {first.where}")
 

@@ -5,7 +5,8 @@ Every rank saves step 1, then one rank (the victim) is stopped at a chosen point
 the save of step 2 or of the load of step 1: SIGKILL (it dies) or SIGSTOP (it hangs).
 It writes the wall-clock time of its end first. Every other rank (a survivor) writes
 what it raised and when, waits until every survivor has written (so that no survivor's
-exit closes a connection another one is still waiting on), and exits.
+exit closes a connection another one is still waiting on), and exits. A survivor then
+tries the next save (step 3) on the same Checkpointer: refused at once.
 """
 
 from __future__ import annotations
@@ -86,6 +87,13 @@ def run(rank, world_size, folder, work_dir, phase, victim, sig, timeout, out_dir
                    "timed_out": getattr(e, "timed_out", None),
                    "chain": [type(x).__name__ for x in _chain(e)]}
     outcome.update(at=time.time(), seconds=time.monotonic() - t0)
+    if outcome["raised"]:  # the next save, on the spent group: refused at once
+        t1 = time.monotonic()
+        try:
+            ck.save(layout.step_dir(folder, 3), state(3, rank), {"step": 3, "rank": rank})
+            outcome["next"] = {"raised": None}
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            outcome["next"] = {"raised": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t1}
     tmp = os.path.join(out_dir, f".rank{rank}.json")
     with open(tmp, "w") as f:
         json.dump(outcome, f)

@@ -77,6 +77,12 @@ def _check_survivors(outcomes: dict, ended: float, *, step: str, where: str, tim
                "committed" in o["message"], (r, o)
         assert f"collective_timeout ({TIMEOUT:g} s)" in o["message"] or timed_out, (r, o)
         assert 0 <= delays[r] < bound, (r, delays[r], o)
+        # the next save on the spent group: PeerLost at once, naming where the peer was lost; nothing written
+        nxt = o["next"]
+        assert nxt["raised"] == "PeerLost" and nxt["seconds"] < 2, (r, nxt)
+        assert f"collective step 'prepare' of {os.path.dirname(where)}/step3 failed: the group lost a peer rank " \
+               f"earlier, at {step} of {where}" in nxt["message"], (r, nxt)
+    assert not os.path.exists(os.path.join(os.path.dirname(where), "step3")), "a save on a spent group wrote"
 
 
 def _restart_resumes_step_1(folder: str, tmp_path, world_size: int) -> None:
