@@ -108,8 +108,8 @@ def save(coord: Any, engine: TransferEngine, options: CheckpointerOptions, step:
         if not coord.is_coordinator:
             step.connect_in_background()
         attempt.adopt(coord.on_coordinator("prepare", attempt.prepare))  # the save id; where the objects go
-        if needs_work:  # 0700, never through a link
-            coord.all_ranks("work dir", lambda: work.append(private_dir(
+        if needs_work:  # 0700, never through a link; a gather: no rank receives the others' outcomes
+            coord.to_coordinator("work dir", lambda: work.append(private_dir(
                 options.work_dir, f"step{step.number}-rank{coord.rank}-")), error=SaveFailed.from_failures)
         outcome = produce(attempt.ref, work[0] if work else None)
         reports = coord.to_coordinator("agree", lambda: _report(coord, engine, attempt, attempt.ref, outcome),
