@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = {
     "setup_olmo_venv.sh": "olmo_python",
     "setup_torchtitan_venv.sh": "titan_python",
+    "setup_megatron_venv.sh": "megatron_python",
     "checkov_venv.sh": "checkov_report",
 }
 

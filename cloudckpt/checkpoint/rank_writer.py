@@ -71,10 +71,12 @@ class RankWriter:
         # rank 0: (URL, CRC32C, file identity, the object's version as written) of the .metadata last sent
         self._metadata_sent: tuple[str, str, tuple, str] | None = None
 
-    def write(self, step: StepRef | None, work: str, state_dict: dict, train_state: Any) -> RankResult:
+    def write(self, step: StepRef | None, work: str, state_dict: dict, train_state: Any, *,
+              planner: Any = None) -> RankResult:
         """Write this rank's files into ``work`` and upload each to ``step`` as it is
         closed (``step`` None: keep them in ``work``, with their CRC32Cs: a local step).
-        Collective (DCP's save). Never raises: the error is in the result."""
+        ``planner``: DCP's save planner (None: ours; the Megatron integration passes
+        Megatron's). Collective (DCP's save). Never raises: the error is in the result."""
         t0 = time.monotonic()
         uploads: list = []  # (rel, future)
 
@@ -92,7 +94,8 @@ class RankWriter:
         error: BaseException | None = None
         try:
             with quiet_dcp():
-                planner = caching_save_planner(f"{self.coord.world_size}:{self.coord.rank}")
+                if planner is None:
+                    planner = caching_save_planner(f"{self.coord.world_size}:{self.coord.rank}")
                 try:
                     dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=self.coord.group,
                              no_dist=self.coord.local)

@@ -1,0 +1,447 @@
+"""Megatron-core: ``dist_checkpointing`` saves and loads through cloudckpt.
+
+Supported: megatron-core >= 0.19, < 0.20 (tested with 0.19.2, torch 2.13, on CPU with
+gloo; the helpers used below are private to Megatron and move between releases, so
+other versions are refused at import). Megatron is imported lazily: this module
+imports without it, its functions need it.
+
+The change in a Megatron-core script: the entry points and the folder::
+
+    from cloudckpt.integrations import megatron as cloud_megatron
+    cloud_megatron.save(model.sharded_state_dict(), "s3://bucket/run-7/iter_0000100")
+    state = cloud_megatron.load(model.sharded_state_dict(), "s3://bucket/run-7/iter_0000100")
+    model.load_state_dict(state)
+
+(``gs://…`` and local folders work the same.) :func:`save` replays the steps of
+Megatron's ``dist_checkpointing.serialization.save`` (factories, non-persistent
+values, the sharding check, common state as the ``ShardedObject`` ``common_state``)
+and then :class:`CloudSaveStrategy`, a ``TorchDistSaveShardedStrategy`` whose ``save``
+runs Megatron's own state-dict translation (``mcore_to_pyt_state_dict``) and
+``torch.distributed.checkpoint.save`` with Megatron's ``MCoreSavePlanner`` and
+cloudckpt's uploading writer, inside cloudckpt's commit protocol: every rank writes to
+its own work dir, uploads are throttled and retried, rank 0 adds Megatron's
+``metadata.json`` (an object of the step, in its manifest) and cloudckpt's marker is
+written last, so that neither Megatron nor cloudckpt ever sees the step before it is
+complete. :func:`load` replays ``serialization.load`` with :class:`CloudLoadStrategy`:
+the read goes through cloudckpt's loader (its DCP index, the read-once exchange,
+checksums), the common state and every ``ShardedObject`` are unpickled as plain data
+only (``weights_only``: an object that is not plain data is refused). Tensors reshard
+as DCP reshards: a step saved at one tensor-parallel size loads at another.
+
+Layout: ``{url}/model_and_optim/`` is a stock ``torch_dist`` folder (DCP's files and
+Megatron's ``metadata.json``), ``{url}/.metadata.json`` is cloudckpt's marker. After
+``cloudckpt download {url} DEST``, Megatron's own ``dist_checkpointing.load(…,
+"DEST/model_and_optim")`` reads it; :func:`import_folder` commits a folder Megatron's
+own ``dist_checkpointing.save`` wrote as a step.
+
+Every failure fails every rank together: each step that could raise on one rank only
+(the sharding check raises on rank 0) runs inside one of cloudckpt's named collective
+steps, which carry each rank's error to every rank.
+
+Not done yet: async saves (``async_sharded_save``), Megatron-Bridge's checkpoint
+manager, the fully-parallel wrappers, ``load_sharded_metadata``, pipeline-parallel
+resharding tests. The step folder's number is ``step`` or comes from its name
+(``step{N}`` or Megatron's ``iter_{N:07d}``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from .. import Checkpointer
+from ..errors import ConfigError
+
+SUPPORTED = ((0, 19), (0, 20))
+"""megatron-core versions this module supports: ``[low, high)``, by (major, minor)."""
+
+MODEL_DIR = "model_and_optim"  # cloudckpt's DCP folder: the stock torch_dist folder of the step
+COMMON_KEY = "common_state"  # Megatron's ShardedObject of the common (non-sharded) state
+CONFIG_NAME = "metadata.json"  # Megatron's own commit marker (dist_checkpointing.core.CONFIG_FNAME)
+_ITER = re.compile(r"(?:step|iter_)(\d+)")
+
+
+def _megatron():
+    """Megatron's modules this integration uses, after the version check. Raises
+    ImportError (no megatron-core, or a version outside ``SUPPORTED``)."""
+    import megatron.core
+    from megatron.core.dist_checkpointing import core, mapping, serialization, state_dict_utils, validation
+    from megatron.core.dist_checkpointing.strategies import torch as mtorch
+
+    m = re.match(r"(\d+)\.(\d+)", megatron.core.__version__)
+    version = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+    if not SUPPORTED[0] <= version < SUPPORTED[1]:
+        low, high = (".".join(map(str, v)) for v in SUPPORTED)
+        raise ImportError(f"cloudckpt.integrations.megatron supports megatron-core >= {low}, < {high}; found "
+                          f"{megatron.core.__version__}")
+    return core, mapping, serialization, state_dict_utils, validation, mtorch
+
+
+def step_number(url: str, step: int | None = None) -> int:
+    """``step``, or the number in the folder's name (``step{N}``, ``iter_{N}``).
+    Raises ConfigError when there is none."""
+    if step is not None:
+        return int(step)
+    m = _ITER.fullmatch(os.path.basename(str(url).rstrip("/")))
+    if m is None:
+        raise ConfigError(f"{url}: the step folder is not named step{{N}} or iter_{{N}}; pass step=")
+    return int(m.group(1))
+
+
+@contextmanager
+def _checkpointer(given: Checkpointer | None, settings: dict) -> Iterator[Checkpointer]:
+    if given is not None:
+        yield given
+        return
+    ckpt = Checkpointer(**settings)
+    try:
+        yield ckpt
+    finally:
+        ckpt.close()
+
+
+def _every_rank(ckpt: Checkpointer, name: str, fn):
+    """``fn()`` on this rank inside the named collective step ``name``: a failure on any
+    rank raises on every rank (CollectiveError naming each rank's error)."""
+    out: list = []
+    ckpt.coord.all_ranks(name, lambda: out.append(fn()))  # only the outcome travels, not the value
+    return out[0]
+
+
+def _typed(v: Any) -> Any:
+    """Megatron's DCP containers (``CheckpointableShardedTensor``, ``LocalShardsContainer``)
+    are tensor wrappers made without a dtype (float32 whatever they hold); the same
+    containers with their data's dtype, for cloudckpt's dtype check of the load. Other
+    values as they are."""
+    import torch
+    from megatron.core.dist_checkpointing.strategies.checkpointable import (
+        CheckpointableShardedTensor,
+        LocalShardsContainer,
+    )
+
+    if type(v) is CheckpointableShardedTensor:
+        t = torch.Tensor._make_wrapper_subclass(CheckpointableShardedTensor, torch.Size(v._sh_ten.global_shape),
+                                                dtype=v._data.dtype)
+        CheckpointableShardedTensor.__init__(t, v._data, v._sh_ten)
+        return t
+    if type(v) is LocalShardsContainer:
+        shards = [_typed(s) for s in v._local_shards]
+        t = torch.Tensor._make_wrapper_subclass(LocalShardsContainer, shards[0].size(), dtype=shards[0].dtype)
+        LocalShardsContainer.__init__(t, shards)
+        return t
+    return v
+
+
+def _strategy_bases():
+    return _megatron()[5]
+
+
+def _save_pyt(ckpt: Checkpointer, url: str, number: int, pyt_state_dict: dict, planner: Any, config: dict, *,
+              ephemeral: bool) -> None:
+    """Save the DCP state dict ``pyt_state_dict`` (Megatron's translation) with ``planner``
+    as the step ``url``, rank 0 adding Megatron's ``metadata.json`` (``config``) to
+    ``model_and_optim/``, all inside cloudckpt's commit protocol (the marker last).
+    Collective."""
+    from ..checkpoint import layout, saving
+    from ..checkpoint.entries import ObjectEntry
+    from ..checkpoint.rank_writer import RankResult
+    from ..transfer import TransferEngine, crc32c_file
+
+    def produce(ref, work):
+        t0 = time.monotonic()
+        res = ckpt._writer.write(ref, work, pyt_state_dict, None, planner=planner)
+        if ckpt.coord.rank != 0:
+            return res
+        try:  # rank 0: Megatron's metadata.json, one more object of the step (in the manifest)
+            entries = list(res.result().objects)
+            rel = f"{layout.MODEL_DIR}/{CONFIG_NAME}"
+            path = os.path.join(work, rel)
+            with open(path, "w") as f:
+                json.dump(config, f)
+            done = TransferEngine.wait_all([ckpt.engine.submit_upload(path, ref.url_of(rel),
+                                                                      crc32c=crc32c_file(path))])[0]
+            entries.append(ObjectEntry(rel, done.size, done.crc32c))
+        except BaseException as e:  # noqa: BLE001 - carried to every rank by AGREE
+            return RankResult([], t0, e)
+        return RankResult(entries, t0, None)
+
+    step = ckpt._step(url, number, named=True)
+    ckpt._commit(saving.save(ckpt.coord, ckpt.engine, ckpt.options, step, produce, ephemeral=ephemeral))
+
+
+def _save_strategy_class():
+    mtorch = _strategy_bases()
+    core = _megatron()[0]
+
+    class CloudSaveStrategy(mtorch.TorchDistSaveShardedStrategy):
+        """Megatron's ``torch_dist`` save strategy writing through cloudckpt (module docstring).
+
+        Args:
+            checkpointer: the cloudckpt Checkpointer to save with (None: one made from
+                ``settings`` at the first save, kept for the next ones, closed by :meth:`close`).
+            step: the step number, for a folder not named ``step{N}`` / ``iter_{N}``.
+            ephemeral: mark the steps ephemeral.
+            keep_only_main_replica: as Megatron's (only main replicas are written).
+            **settings: ``CheckpointerOptions`` fields (``work_dir=…``) for the Checkpointer made here.
+        """
+
+        def __init__(self, checkpointer: Checkpointer | None = None, *, step: int | None = None,
+                     ephemeral: bool = False, keep_only_main_replica: bool = True, backend: str = "torch_dist",
+                     version: int = 1, **settings: Any):
+            super().__init__(backend, version, keep_only_main_replica=keep_only_main_replica)
+            self.checkpointer, self._own = checkpointer, checkpointer is None
+            self.settings, self.step, self.ephemeral = settings, step, ephemeral
+
+        def _ckpt(self) -> Checkpointer:
+            if self.checkpointer is None:
+                self.checkpointer = Checkpointer(**self.settings)
+            return self.checkpointer
+
+        def save(self, sharded_state_dict, checkpoint_dir) -> None:
+            """Translate (Megatron's own steps) and save the step ``checkpoint_dir`` (a URL or
+            a folder) with cloudckpt's commit protocol. Collective. Raises as
+            ``Checkpointer.save`` (CheckpointExists, SaveFailed naming each rank's error …)."""
+            ckpt, url = self._ckpt(), str(checkpoint_dir)
+            number = step_number(url, self.step)
+
+            def translate():
+                sd, _, _ = mtorch._replace_state_dict_keys_with_sharded_keys(sharded_state_dict,
+                                                                             self.keep_only_main_replica)
+                return mtorch.mcore_to_pyt_state_dict(sd, False)
+
+            pyt_state_dict = _every_rank(ckpt, "megatron translate", translate)
+            config = core.CheckpointingConfig(self.backend, self.version)
+            planner = mtorch.MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                              flatten_state_dict=False, flatten_sharded_tensors=False)
+            _save_pyt(ckpt, url, number, pyt_state_dict, planner, dict(config.__dict__), ephemeral=self.ephemeral)
+
+        def async_save(self, sharded_state_dict, checkpoint_dir, async_strategy: str = "nvrx"):
+            raise ConfigError("CloudSaveStrategy does not save asynchronously yet (async_sharded_save=True); "
+                              "save synchronously, or use cloudckpt's Checkpointer.save_async")
+
+        def can_handle_sharded_objects(self) -> bool:
+            return True
+
+        def close(self) -> None:
+            """Close the Checkpointer made here (not one that was passed in)."""
+            if self._own and self.checkpointer is not None:
+                self.checkpointer.close()
+                self.checkpointer = None
+
+    return CloudSaveStrategy
+
+
+def _load_strategy_class():
+    mtorch = _strategy_bases()
+    _, mapping, _, _, _, _ = _megatron()
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    from ..checkpoint import loading
+    from ..checkpoint.committed import CommittedStep
+    from ..checkpoint.loading import LoadRequest
+
+    class CloudLoadStrategy(mtorch.TorchDistLoadShardedStrategy):
+        """Megatron's ``torch_dist`` load strategy reading a committed cloudckpt step (a URL
+        or a folder) through cloudckpt's loader. ``checkpointer``/``settings``: as for
+        :class:`CloudSaveStrategy`."""
+
+        def __init__(self, checkpointer: Checkpointer | None = None, **settings: Any):
+            super().__init__()
+            self.checkpointer, self._own, self.settings = checkpointer, checkpointer is None, settings
+
+        def _ckpt(self) -> Checkpointer:
+            if self.checkpointer is None:
+                self.checkpointer = Checkpointer(**self.settings)
+            return self.checkpointer
+
+        def load(self, sharded_state_dict, checkpoint_dir, async_strategy: str = "mcore"):
+            """Load ``sharded_state_dict``'s tensors and objects from the step. Collective."""
+            return self._load(sharded_state_dict, checkpoint_dir, common=False)[0]
+
+        def _load(self, sharded_state_dict, checkpoint_dir, *, common: bool) -> tuple[dict, Any]:
+            """Megatron's ``TorchDistLoadShardedStrategy.load`` with cloudckpt's read; with
+            ``common`` the common state is read in the same load. Returns (the loaded state
+            dict, the common state or None)."""
+            ckpt = self._ckpt()
+            common_key = mapping.ShardedObject(COMMON_KEY, None, (1,), (0,)).unique_key
+
+            def translate():
+                checked = [t for t in nested_values(sharded_state_dict) if isinstance(t, mapping.ShardedTensor)]
+                sd, flat, renamed = mtorch._replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
+                pyt = {k: _typed(v) for k, v in mtorch.mcore_to_pyt_state_dict(sd, True).items()}
+                if common:
+                    pyt[common_key] = io.BytesIO()
+                return pyt, flat, renamed, checked
+
+            pyt, flat, renamed, checked = _every_rank(ckpt, "megatron translate", translate)
+            ckpt._async.wait()
+            committed = loading.open_step(ckpt.coord, ckpt.engine, ckpt.options, ckpt._step(str(checkpoint_dir)))
+            shapes = committed.shapes().state_dict_metadata
+
+            def shapes_match():  # Megatron's MCoreLoadPlanner._validate_global_shapes
+                for t in checked:
+                    if t.key in shapes and tuple(shapes[t.key].size) != tuple(t.global_shape):
+                        if t.allow_shape_mismatch:  # Megatron loads the overlap (padded vocabularies)
+                            raise ConfigError(f"{checkpoint_dir}: {t.key} was saved as {tuple(shapes[t.key].size)}, "
+                                              f"the target is {tuple(t.global_shape)}: loading a tensor of another "
+                                              "shape (allow_shape_mismatch) is not supported by cloudckpt yet")
+                        raise mtorch.CheckpointingException(
+                            f"{checkpoint_dir}: global shape mismatch for {t.key}: saved {tuple(shapes[t.key].size)}"
+                            f", expected {tuple(t.global_shape)}")
+
+            _every_rank(ckpt, "megatron shapes", shapes_match)
+            # Megatron's strict default (ASSUME_OK_UNEXPECTED): keys the target does not ask for stay behind
+            ckpt._load(committed, pyt, LoadRequest(load_trainer_state=False, allow_partial=True))
+            found = pyt.pop(common_key)[0] if common else None
+            state = {k: mtorch._unwrap_pyt_sharded_tensor(v) for k, v in pyt.items()}
+            state = mtorch._replace_sharded_keys_with_state_dict_keys(state, flat, renamed)
+            mtorch._restore_dict_types(state, sharded_state_dict)
+            return state, found
+
+        def load_tensors_metadata(self, checkpoint_dir, metadata=None):
+            """Every tensor of the step (key, global shape, dtype) as unsharded
+            ShardedTensors without data, from cloudckpt's index. Not collective."""
+
+            ckpt = self._ckpt()
+            md = metadata or CommittedStep.open(ckpt._step(str(checkpoint_dir)),
+                                                verify=ckpt.options.verify_checksums).shapes()
+            return mtorch.TorchDistLoadShardedStrategy.load_tensors_metadata(self, checkpoint_dir, md) \
+                if md is not None else {}
+
+        def close(self) -> None:
+            if self._own and self.checkpointer is not None:
+                self.checkpointer.close()
+                self.checkpointer = None
+
+    return CloudLoadStrategy
+
+
+_CLASSES: dict = {}
+
+
+def __getattr__(name: str):
+    """``CloudSaveStrategy`` and ``CloudLoadStrategy``: built (Megatron imported) at first use."""
+    if name in ("CloudSaveStrategy", "CloudLoadStrategy"):
+        if name not in _CLASSES:
+            _CLASSES[name] = _save_strategy_class() if name == "CloudSaveStrategy" else _load_strategy_class()
+        return _CLASSES[name]
+    raise AttributeError(name)
+
+
+# ================================================================ entry points
+def save(sharded_state_dict: dict, url: str, *, step: int | None = None, ephemeral: bool = False,
+         checkpointer: Checkpointer | None = None, validate_access_integrity: bool = True,
+         content_metadata: dict | None = None, preprocess_common_before_consistancy_check: Any = None,
+         **settings: Any) -> None:
+    """Megatron's ``dist_checkpointing.save(sharded_state_dict, url)`` with every byte
+    through cloudckpt: ``url`` is the step folder (``s3://…``, ``gs://…`` or a local
+    folder; named ``step{N}`` or ``iter_{N}``, or pass ``step``). Collective: call on
+    every rank. ``checkpointer``: a cloudckpt Checkpointer to reuse across saves (None:
+    one is made from ``settings``, ``CheckpointerOptions`` fields, and closed).
+
+    Raises (on every rank together): CollectiveError (Megatron's preparation failed on
+    some rank, e.g. the sharding check), CheckpointExists (the step is committed),
+    SaveFailed, ConfigError, storage errors."""
+    _, mapping, _, state_dict_utils, _, _ = _megatron()
+    import torch
+
+    with _checkpointer(checkpointer, settings) as ckpt:
+        strategy = _save_strategy_class()(ckpt, step=step, ephemeral=ephemeral)
+        step_number(url, step)  # the same answer on every rank: no collective needed to refuse
+
+        def prepare():
+            if content_metadata is not None:
+                sharded_state_dict["content_metadata"] = content_metadata
+            sharded, common = state_dict_utils.save_preprocess(sharded_state_dict, validate_access_integrity,
+                                                               preprocess_common_before_consistancy_check)
+            sharded[COMMON_KEY] = mapping.ShardedObject(key=COMMON_KEY, data=common, global_shape=(1,),
+                                                        global_offset=(0,), replica_id=torch.distributed.get_rank())
+            return sharded
+
+        strategy.save(_every_rank(ckpt, "megatron prepare", prepare), url)
+
+
+def load(sharded_state_dict: dict, url: str, *, checkpointer: Checkpointer | None = None,
+         validate_access_integrity: bool = True, **settings: Any) -> dict:
+    """Megatron's ``dist_checkpointing.load(sharded_state_dict, url)`` reading the
+    committed cloudckpt step ``url`` through cloudckpt (resharding as DCP does).
+    Collective. Returns the loaded state dict (the common state with the loaded tensors
+    and objects merged in, factories merged back), as Megatron's does. Raises (on every
+    rank together): NotACheckpoint, CollectiveError (Megatron's checks failed on some
+    rank), MissingKeys, CorruptCheckpoint, UnsafeCheckpoint (an object that is not plain
+    data), storage errors."""
+    from megatron.core.dist_checkpointing.dict_utils import merge
+
+    _, mapping, serialization, state_dict_utils, validation, _ = _megatron()
+    with _checkpointer(checkpointer, settings) as ckpt:
+        strategy = _load_strategy_class()(ckpt)
+
+        def prepare():
+            sharded, nonpersistent, factories = state_dict_utils.load_preprocess(sharded_state_dict)
+            sharded, _ = serialization.extract_sharded_base(sharded)
+            return sharded, nonpersistent, factories
+
+        sharded, nonpersistent, factories = _every_rank(ckpt, "megatron prepare", prepare)
+        if validate_access_integrity:  # Megatron's gather, then its check (which may fail on some ranks only)
+            local_md, global_md = validation.determine_global_metadata(sharded)
+
+            def check():
+                return validation.validate_integrity_and_strict_load(
+                    sharded, validation.StrictHandling.ASSUME_OK_UNEXPECTED, True, local_md, global_md, None)[0]
+
+            sharded = _every_rank(ckpt, "megatron check", check)
+        loaded, common = strategy._load(sharded, url, common=True)
+        merge(common, nonpersistent)
+        merge(common, loaded)
+        return mapping.apply_factory_merges(common, factories)
+
+
+def import_folder(src: str, url: str, *, step: int | None = None, **settings: Any) -> str:
+    """Commit the local ``torch_dist`` folder ``src`` that Megatron's own
+    ``dist_checkpointing.save`` wrote (DCP's files and ``metadata.json``) as the
+    cloudckpt step ``url`` (a URL or a folder), as one process: ``.metadata`` is
+    unpickled with cloudckpt's allowlist, every item read as untrusted input (tensors
+    whole, Megatron's objects as plain data only), the whole state held in memory once.
+    The step keeps Megatron's ``metadata.json``, so Megatron's loader reads a download of
+    it. Not collective. Returns the step's URL. Raises ConfigError (not a local Megatron
+    ``torch_dist`` folder, no step number), UnsafeCheckpoint, CorruptCheckpoint,
+    CheckpointExists, storage errors."""
+    from ..ops.export import read_dcp_state
+    from ..storage import Location
+    from ..storage import url as urls
+    from ..untrusted import loads_metadata
+    from ..untrusted.limits import read_metadata
+
+    number = step_number(url, step)
+    local = urls.local_path(src)
+    if local is None:
+        raise ConfigError(f"import_folder reads a local folder; download {src} first")
+    folder = Location.of(urls.resolve_local(local))
+    prefix = folder.url.rstrip("/") + "/"
+    files = {e.url[len(prefix):]: e.size for e in folder.store.list(prefix) if not e.is_prefix}
+    listed, config = files.pop(".metadata", None), files.pop(CONFIG_NAME, None)
+    if listed is None or config is None:
+        raise ConfigError(f"{src}: no DCP .metadata or no {CONFIG_NAME}; not a folder Megatron's torch_dist save "
+                          "committed")
+    if config > 65536:
+        raise ConfigError(f"{src}/{CONFIG_NAME}: {config} bytes; Megatron's is a few dozen")
+    with open(os.path.join(local, CONFIG_NAME), "rb") as f:
+        raw = json.loads(f.read(65537))
+    if type(raw) is not dict or raw.get("sharded_backend") != "torch_dist":
+        raise ConfigError(f"{src}/{CONFIG_NAME}: not a torch_dist checkpoint ({raw!r:.200})")
+    config = {k: v for k, v in raw.items() if k in ("sharded_backend", "sharded_backend_version")
+              and type(v) in (str, int)}
+    md = loads_metadata(read_metadata(folder.store, prefix + ".metadata", size=listed,
+                                      described=sum(files.values())), url=prefix + ".metadata", files=files)
+    sd = read_dcp_state(folder, md)  # flat keys: Megatron saves with flatten_state_dict=False
+    with Checkpointer(distributed=False, **settings) as ckpt:
+        _save_pyt(ckpt, url, number, sd, None, config, ephemeral=False)
+    return url
+
+
+__all__ = ["SUPPORTED", "import_folder", "load", "save", "step_number"]

@@ -1,0 +1,208 @@
+"""Drives the real megatron-core (0.19.2, .venv-megatron) for tests/integrations/test_megatron.py.
+
+Runs with the python of .venv-megatron (scripts/setup_megatron_venv.sh) and cloudckpt
+from the source tree (PYTHONPATH). Every command starts ``--world`` ranks itself
+(spawned processes, gloo on 127.0.0.1, CPU) and exits non-zero if any rank failed.
+
+    save URL --world W [--stock]       the sharded state dict below (a dim-0 split
+        ShardedTensor, a replicated one, one ShardedObject per rank, a factory, common
+        state) saved through cloudckpt.integrations.megatron.save (--stock: Megatron's own
+        dist_checkpointing.save into the local folder URL)
+    load URL --world W [--stock]       the same structure at world W loaded back
+        (--stock: Megatron's own dist_checkpointing.load, its default strategy) and
+        compared bit for bit with what any world size saved; prints "LOADED OK"
+    import SRC URL                      import_folder(SRC, URL)
+    gpt-save URL --world W --out F      a tiny GPTModel (local layer spec) at tensor
+        parallel W: its logits on a fixed batch to F, its weights saved to URL
+    gpt-load URL --world W --out F      the same model at tensor parallel W loaded from
+        URL: its logits to F
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+ROWS, COLS = 8, 4
+
+
+def expected() -> dict:
+    a = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) / 7
+    return {"a": a, "b": torch.linspace(-1, 1, 5, dtype=torch.float64), "f": a.flip(0) * 3}
+
+
+def sharded_sd(world: int, rank: int, *, fill: bool) -> dict:
+    """The state dict at world size ``world`` (``fill``: the saved values; else zeros)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    e = expected()
+    rows = ROWS // world
+    part = slice(rank * rows, (rank + 1) * rows)
+
+    def val(t):
+        return t.clone() if fill else torch.zeros_like(t)
+
+    def build(key, data, replica_id, flattened_range):  # a factory: the tensor saved as two column halves
+        return {"h0": ShardedTensor.from_rank_offsets(f"{key}.h0", data[:, :2].clone(), (0, rank, world),
+                                                      replica_id=replica_id),
+                "h1": ShardedTensor.from_rank_offsets(f"{key}.h1", data[:, 2:].clone(), (0, rank, world),
+                                                      replica_id=replica_id)}
+
+    def merge(sub):
+        return torch.cat([sub["h0"], sub["h1"]], dim=1)
+
+    sd = {
+        "a": ShardedTensor.from_rank_offsets("a", val(e["a"][part]), (0, rank, world)),
+        "b": ShardedTensor.from_rank_offsets("b", val(e["b"]), replica_id=rank),
+        "f": ShardedTensorFactory("f", val(e["f"][part]), build, merge),
+        "iteration": 7,
+    }
+    # ShardedObjects are not resharded by DCP: at any world size a rank asks for the objects
+    # of saved rank i with i % world == rank (SAVED_WORLD of them in all)
+    saved_world = int(os.environ.get("SAVED_WORLD", world))
+    sd["objs"] = [ShardedObject("obj", {"saved_by": i, "words": ["x"] * i} if fill else None, (saved_world,), (i,),
+                                replica_id=0) for i in range(saved_world) if i % world == rank]
+    return sd
+
+
+def check_loaded(state: dict, world: int, rank: int) -> None:
+    e = expected()
+    rows = ROWS // world
+    part = slice(rank * rows, (rank + 1) * rows)
+    assert torch.equal(state["a"], e["a"][part]), ("a", state["a"])
+    assert torch.equal(state["b"], e["b"]) and state["b"].dtype == torch.float64, ("b", state["b"])
+    assert torch.equal(state["f"], e["f"][part]), ("f", state["f"])
+    assert state["iteration"] == 7, state["iteration"]
+    saved_world = int(os.environ.get("SAVED_WORLD", world))
+    want = [{"saved_by": i, "words": ["x"] * i} for i in range(saved_world) if i % world == rank]
+    assert state.get("objs", []) == want, (state.get("objs"), want)  # Megatron drops an empty list
+
+
+def cmd_save(a, rank, world):
+    from megatron.core import dist_checkpointing
+
+    sd = sharded_sd(world, rank, fill=True)
+    if a.stock:  # Megatron's own save calls torch.cuda.synchronize() and current_device(): CPU stand-ins
+        torch.cuda.synchronize = lambda *args, **kwargs: None
+        torch.cuda.current_device = lambda: torch.device("cpu")
+        os.makedirs(a.url, exist_ok=True)
+        dist_checkpointing.save(sd, a.url)
+    else:
+        from cloudckpt.integrations import megatron as cm
+
+        cm.save(sd, a.url, work_dir=a.work)
+
+
+def cmd_load(a, rank, world):
+    from megatron.core import dist_checkpointing
+
+    sd = sharded_sd(world, rank, fill=False)
+    if a.stock:
+        state = dist_checkpointing.load(sd, a.url)
+    else:
+        from cloudckpt.integrations import megatron as cm
+
+        state = cm.load(sd, a.url, work_dir=a.work)
+    check_loaded(state, world, rank)
+    if rank == 0:
+        print("LOADED OK", flush=True)
+
+
+def gpt(tp: int):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    # Megatron's attention takes a scratch buffer on torch.cuda.current_device(): on the CPU here
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    # no CUDA RNG to track: Megatron's inference tracker forks nothing
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    torch.manual_seed(1234 + tp)  # the TP-1 model starts from other weights than the one saved
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                               tensor_model_parallel_size=tp)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
+                     max_sequence_length=8)
+    model.eval()
+    return model
+
+
+def logits(model) -> torch.Tensor:
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 64, (2, 8), generator=g)
+    pos = torch.arange(8).unsqueeze(0).expand(2, 8)
+    mask = torch.tril(torch.ones(1, 1, 8, 8)) < 0.5
+    with torch.no_grad():
+        out = model(tokens, pos, mask)
+    return gather_from_tensor_model_parallel_region(out)
+
+
+def cmd_gpt_save(a, rank, world):
+    from cloudckpt.integrations import megatron as cm
+
+    model = gpt(world)
+    out = logits(model)
+    cm.save(model.sharded_state_dict(), a.url, work_dir=a.work)
+    if rank == 0:
+        torch.save(out, a.out)
+
+
+def cmd_gpt_load(a, rank, world):
+    from cloudckpt.integrations import megatron as cm
+
+    model = gpt(world)
+    before = logits(model)
+    state = cm.load(model.sharded_state_dict(), a.url, work_dir=a.work)
+    model.load_state_dict(state)
+    out = logits(model)
+    assert not torch.allclose(before, out), "the model's logits did not change on load"
+    if rank == 0:
+        torch.save(out, a.out)
+
+
+def cmd_import(a, rank, world):
+    from cloudckpt.integrations import megatron as cm
+
+    print("IMPORTED", cm.import_folder(a.src, a.url, work_dir=a.work), flush=True)
+
+
+COMMANDS = {"save": cmd_save, "load": cmd_load, "gpt-save": cmd_gpt_save, "gpt-load": cmd_gpt_load,
+            "import": cmd_import}
+
+
+def _rank(rank: int, a) -> None:
+    world = a.world
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{a.port}")
+    COMMANDS[a.cmd](a, rank, world)  # a rank's error ends the run: start_processes stops the others
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cmd", choices=sorted(COMMANDS))
+    ap.add_argument("url", nargs="?")
+    ap.add_argument("dest", nargs="?")
+    ap.add_argument("--world", type=int, default=1)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--stock", action="store_true")
+    ap.add_argument("--out")
+    ap.add_argument("--work", required=True)
+    a = ap.parse_args()
+    if a.cmd == "import":
+        a.src, a.url = a.url, a.dest
+        cmd_import(a, 0, 1)
+        return
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank, args=(a,), nprocs=a.world, start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()
