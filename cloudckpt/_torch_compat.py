@@ -283,6 +283,7 @@ __all__ = [
     "element_size",
     "flatten_for_load",
     "get_layout",
+    "make_wrapper_subclass",
     "narrow_tensor_by_index",
     "set_element",
     "split_by_size_and_type",
@@ -291,6 +292,16 @@ __all__ = [
     "unflatten_state_dict",
     "write_files",
 ]
+
+
+# ---------------------------------------------------------------------- tensor subclasses
+def make_wrapper_subclass(cls, size, *, dtype):
+    """checked: 2.13. ``torch.Tensor._make_wrapper_subclass(cls, size, dtype=...)``: an
+    instance of the tensor subclass ``cls`` with no storage of its own, of this size and
+    dtype (integrations/megatron.py rebuilds Megatron's containers with their data's dtype)."""
+    import torch
+
+    return torch.Tensor._make_wrapper_subclass(cls, size, dtype=dtype)
 
 
 # ---------------------------------------------------------------------- DTensor internals

@@ -68,6 +68,7 @@ NON_CONFIG_ENV = frozenset({
     "CLOUDCKPT_FUZZ_EXAMPLES",  # tests/security/test_fuzz.py: hypothesis examples
     "CLOUDCKPT_KEEP_SERVER_DIRS",  # cloudckpt.testing.servers: keep the emulators' data folders
     "CLOUDCKPT_KILL_SEED",  # tests/faults/test_kill.py
+    "CLOUDCKPT_TEST_NO_PREBUILD",  # tests/venv_builds.py: no background build of the integrations' venvs
     "CLOUDCKPT_KILL_TRIALS",  # tests/faults/test_kill.py
 })
 #: Flat names kept for dicts, YAML, environment variables and keyword arguments: each is

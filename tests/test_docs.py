@@ -64,7 +64,8 @@ TESTED_FILES = {"examples/quickstart.py", "examples/manager.py", "examples/manag
                 "tests/integrations/examples/lightning_fit.py", "tests/integrations/examples/export_and_seed.py",
                 "tests/storage/test_conformance_local.py",
                 "examples/hf_trainer.py", "examples/hf_accelerate.py",  # run by tests/integrations/test_hf.py
-                "tests/integrations/titan/titan_tool.py", "tests/integrations/olmo/trainer_tool.py"}
+                "tests/integrations/titan/titan_tool.py", "tests/integrations/olmo/trainer_tool.py",
+                "tests/integrations/megatron/mcore_tool.py"}  # run by tests/integrations/test_megatron.py
 INLINE_SAMPLES_RUN = {"storage.md"}
 
 

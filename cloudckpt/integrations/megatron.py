@@ -55,6 +55,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from .. import Checkpointer
+from .._torch_compat import make_wrapper_subclass
 from ..errors import ConfigError
 
 SUPPORTED = ((0, 19), (0, 20))
@@ -125,13 +126,12 @@ def _typed(v: Any) -> Any:
     )
 
     if type(v) is CheckpointableShardedTensor:
-        t = torch.Tensor._make_wrapper_subclass(CheckpointableShardedTensor, torch.Size(v._sh_ten.global_shape),
-                                                dtype=v._data.dtype)
+        t = make_wrapper_subclass(CheckpointableShardedTensor, torch.Size(v._sh_ten.global_shape), dtype=v._data.dtype)
         CheckpointableShardedTensor.__init__(t, v._data, v._sh_ten)
         return t
     if type(v) is LocalShardsContainer:
         shards = [_typed(s) for s in v._local_shards]
-        t = torch.Tensor._make_wrapper_subclass(LocalShardsContainer, shards[0].size(), dtype=shards[0].dtype)
+        t = make_wrapper_subclass(LocalShardsContainer, shards[0].size(), dtype=shards[0].dtype)
         LocalShardsContainer.__init__(t, shards)
         return t
     return v

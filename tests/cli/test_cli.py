@@ -351,7 +351,7 @@ def test_gc_removes_old_uncommitted_folders_and_multipart_uploads_only_with_yes(
     r = cli("gc", folder, "--json")  # default --older-than 1h: everything is younger
     assert r.code == 0, r.err
     assert r.json() == {"folder": folder, "dry_run": True, "older_than_seconds": 3600.0, "step_dirs": [], "uploads": [],
-                        "failed": [], "young": [folder + "/step20"]}  # kept, and said so
+                        "failed": [], "young": [folder + "/step20"], "refusal_notes": []}  # kept, and said so
 
     _wait_until_gc_sees(folder, [folder + "/step20"], uploads=1)
     r = cli("gc", folder, "--older-than", "0s", "--json")

@@ -29,6 +29,12 @@ class _Reader:
     def close(self):
         pass
 
+    def __enter__(self):  # the stores' range readers are context managers
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
 
 class _Stream(ResumableStream):
     def __init__(self, start, end, reads):

@@ -112,7 +112,9 @@ def _changed(data, doc, n_max: int = 4):
         if isinstance(node, dict) and data.draw(st.integers(0, 5)) == 0:
             del node[key]
         else:
-            node[key] = data.draw(_JUNK)
+            # a copy: sampled_from hands out the same list or dict every time, and a later change made inside
+            # it would alter the strategy itself (and could put a container inside itself)
+            node[key] = copy.deepcopy(data.draw(_JUNK))
     return doc
 
 
