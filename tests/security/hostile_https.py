@@ -28,7 +28,10 @@ SHARD = "model_and_optim/__0_0.distcp"
 MARKER = ".metadata.json"
 # a hostile body stops here (or past the bound of the try): a client without a bound reads all of it (a finding)
 CAP = 128 << 20
-SLACK = 16 << 20  # what socket buffers may take from a server after the client stopped reading
+# what socket buffers (and the HTTP client's read-ahead) may take from a server after the client stopped reading,
+# with the sandbox running two tries side by side on two cores: 16 MiB was once exceeded by 19 MiB that way. A
+# client without a bound still reads to the server's cap (the try's size + 2 x SLACK), past this, and is a finding
+SLACK = 64 << 20
 TIB = 1 << 40
 
 
