@@ -40,6 +40,7 @@ from .entries import ObjectEntry
 from .foreign import ForeignMarker, foreign_step, parse_marker
 from .marker import Marker
 from .parts import MAX_PART_BYTES, ManifestPart, PartRef
+from .step import StepRef
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +170,7 @@ class StepManifest:
     def _read_part(self, ref: PartRef) -> ManifestPart:
         from ..untrusted import read_checked
 
-        root = self.marker.root  # a replaced step's objects are under it (format 4)
-        url = (self.step.join(root, ref.path) if root else self.step.join(ref.path)).url
+        url = StepRef(self.step, root=self.marker.root).url_of(ref.path)  # a replaced step's: under its root
         with self._lock:
             self.parts_read += 1
         if self.pace is not None:

@@ -86,6 +86,23 @@ def _save(folder: str, step: int, work: str, **kw) -> None:
         ck.save(checks.step_dir(folder, step), _state(step), {"step": step})
 
 
+def _dies(store, k: int, save) -> bool:
+    """Run ``save`` with ``store`` answering only its first ``k`` requests: whether the
+    save died (the crash, or a library error it surfaced through); it fails the test on
+    any other error."""
+    crash = Crash(store, k)
+    try:
+        save()
+        return False
+    except Died:
+        return True
+    except BaseException as e:  # noqa: BLE001 - the crash surfaced through a library error: named below
+        assert isinstance(e.__context__, Died) or "died before" in str(e), f"k={k}: {type(e).__name__}: {e}"
+        return True
+    finally:
+        crash.undo()
+
+
 def _requests_of_a_save(folder: str, tmp_path) -> int:
     store = open_store(folder, StorageOptions())
     spy = Crash(store, 10**9)
@@ -103,17 +120,7 @@ def test_a_save_killed_after_any_request_leaves_a_committed_step_or_none(folder,
     step1, step2 = checks.step_dir(folder, 1), checks.step_dir(folder, 2)
     outcomes = []
     for k in range(total + 2):  # one more than a save needs: the save completes
-        crash = Crash(store, k)
-        try:
-            _save(folder, 2, str(tmp_path / f"w{k}"))
-            died = False
-        except Died:
-            died = True
-        except BaseException as e:  # noqa: BLE001 - the crash surfaced through a library error: named below
-            died = isinstance(e.__context__, Died) or "died before" in str(e)
-            assert died, f"k={k}: {type(e).__name__}: {e}"
-        finally:
-            crash.undo()
+        died = _dies(store, k, lambda w=str(tmp_path / f"w{k}"): _save(folder, 2, w))
         committed = checks.committed_steps(folder)
         assert 1 in committed and checks.verify_step(step1) == [], f"k={k}: step 1 damaged"
         assert set(committed) <= {1, 2}
@@ -181,17 +188,7 @@ def test_replacing_a_step_killed_after_any_request_leaves_the_old_step_or_the_ne
     for k in range(total + 1):
         store.delete_prefix(dir)
         old_step()
-        crash = Crash(store, k)
-        try:
-            replace(str(tmp_path / f"w{k}"))
-            died = False
-        except Died:
-            died = True
-        except BaseException as e:  # noqa: BLE001 - the crash surfaced through a library error: named below
-            died = isinstance(e.__context__, Died) or "died before" in str(e)
-            assert died, f"k={k}: {type(e).__name__}: {e}"
-        finally:
-            crash.undo()
+        died = _dies(store, k, lambda w=str(tmp_path / f"w{k}"): replace(w))
         assert checks.committed_steps(folder) == [5], f"k={k}: the step number lost its committed step"
         assert checks.verify_step(dir) == [], f"k={k}: the committed step is partial"
         held = _loads_as(dir, str(tmp_path / f"load{k}"))
