@@ -61,10 +61,6 @@ class StepRef:
     def store(self):
         return self.loc.store
 
-    @property
-    def options(self) -> StorageOptions:
-        return self.loc.options
-
     def __str__(self) -> str:
         return self.loc.url
 
