@@ -36,6 +36,7 @@ from ..errors import (
 )
 from ..units import MiB
 from . import url as urls
+from .assembly import Assembly, Piece, check_pieces
 
 Progress = Optional[Callable[[int], None]]
 """Called with the number of bytes moved since the last call."""
@@ -315,6 +316,15 @@ class ObjectStore(ABC):
     #: CopyUnsupported and the caller sends the bytes itself.
     copies_objects: ClassVar[bool] = False
 
+    #: ``begin_assembly`` / ``put_piece`` / ``complete_assembly`` / ``abort_assembly`` work
+    #: (storage/assembly.py: one object from pieces different processes upload; S3
+    #: multipart, GCS compose, local offsets). False (the default): they raise StorageError.
+    assembles_objects: ClassVar[bool] = False
+    #: The least bytes of every piece of an assembly but the last (S3: 5 MiB).
+    min_piece_size: ClassVar[int] = 0
+    #: The most pieces of one assembly (S3: 10,000); None: no limit.
+    max_pieces: ClassVar[Optional[int]] = None
+
     #: Used when StorageOptions leaves multipart_threshold / part_size as None.
     default_multipart_threshold: ClassVar[int] = 64 * MiB
     default_part_size: ClassVar[int] = 16 * MiB
@@ -476,6 +486,46 @@ class ObjectStore(ABC):
             raise PreconditionFailed(f"copy {info.url} to {dst_url}: the source is version {info.version}, not the "
                                      f"{src_version} the caller wrote (someone replaced it); nothing was copied",
                                      url=info.url)
+
+    # ------------------------------------------------------------ assembly (storage/assembly.py)
+    def begin_assembly(self, url: str) -> Assembly:
+        """(one process) Start assembling the object ``url`` from pieces; nothing is
+        visible at ``url`` until :meth:`complete_assembly`. A store without
+        :attr:`assembles_objects` raises StorageError."""
+        raise self._no_assembly(url)
+
+    def put_piece(self, assembly: Assembly, index: int, data: bytes, *, offset: int) -> Piece:
+        """(any process) Upload piece ``index`` (0, 1, ...): bytes ``[offset, offset +
+        len(data))`` of the object. Uploading a piece again replaces it. Returns the
+        record :meth:`complete_assembly` needs. Raises NotFound once the assembly is
+        aborted or completed (where the store can tell)."""
+        raise self._no_assembly(assembly.url)
+
+    def complete_assembly(self, assembly: Assembly, pieces: Iterable[Piece], *,
+                          if_absent: bool = False) -> ObjectInfo:
+        """(one process) Make the object from ``pieces`` (every piece's record, any order;
+        checked by ``assembly.check_pieces`` first: PreconditionFailed, nothing sent): it
+        appears at the URL whole, at once. ``if_absent``: only if no object is there
+        (AlreadyExists otherwise; the assembly is left for :meth:`abort_assembly`).
+        Returns the object's ObjectInfo (size; ``crc32c`` and ``version`` where free)."""
+        url = assembly.url
+        if not self.assembles_objects:
+            raise self._no_assembly(url)
+        ordered = check_pieces(url, list(pieces), min_piece_size=self.min_piece_size, max_pieces=self.max_pieces)
+        return self._complete_assembly(assembly, ordered, if_absent=if_absent)
+
+    def _complete_assembly(self, assembly: Assembly, pieces: list[Piece], *, if_absent: bool) -> ObjectInfo:
+        """The backend's complete: ``pieces`` checked, in order."""
+        raise self._no_assembly(assembly.url)
+
+    def abort_assembly(self, assembly: Assembly) -> None:
+        """(any process) Give up the assembly: nothing appears at the URL and the pieces
+        uploaded so far are removed. Aborting twice, or after a complete, is not an error."""
+        raise self._no_assembly(assembly.url)
+
+    def _no_assembly(self, url: str) -> StorageError:
+        return StorageError(f"{url}: the {type(self).__name__} backend cannot assemble an object from pieces (its "
+                            "assembles_objects is False); callers check store.assembles_objects first", url=url)
 
     def list_multipart_uploads(self, prefix: str) -> list[PendingUpload]:
         """Incomplete multipart uploads under ``prefix`` (empty where the backend has none)."""

@@ -34,8 +34,10 @@ import base64
 import binascii
 import http.client
 import io
+import logging
 import os
 import random
+import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import datetime
@@ -68,6 +70,7 @@ from ..errors import (
     Timeout,
     Transient,
 )
+from .assembly import Assembly, Piece
 from .base import DeleteFailures, ListEntry, ObjectInfo, ObjectStore, PendingUpload, Progress, redact_endpoint
 from .errors_table import STATUS_ERRORS, status_error
 from .url import parse_url
@@ -79,6 +82,7 @@ from .url import parse_url
 _gcs_upload.random = random.Random()
 
 
+_log = logging.getLogger(__name__)
 _CHUNK_MULTIPLE = 256 * 1024  # GCS resumable chunks must be multiples of 256 KiB
 _SINGLE_REQUEST_MAX = 8 * 1024 * 1024  # google-cloud-storage sends up to this in one multipart request
 _EMULATOR_PROJECT = "cloudckpt-emulator"
@@ -213,6 +217,9 @@ class GCSStore(ObjectStore):
     # a bucket starts at about 1,000 object writes and 5,000 reads per second (it scales
     # up over minutes; above that GCS answers 429/503)
     default_request_rates = (1000.0, 5000.0)
+    # an assembly: each piece a component object beside the URL, composed 32 at a time
+    assembles_objects = True
+    COMPOSE_MAX = 32  # source objects of one compose request
 
     def __init__(self, options=None):
         super().__init__(options)
@@ -574,6 +581,84 @@ class GCSStore(ObjectStore):
                 raise
         failed.raise_if_any(n)
         return n
+
+    # ------------------------------------------------------------ assembly: compose
+    @staticmethod
+    def _pieces_prefix(assembly: Assembly) -> str:
+        """Where an assembly's component objects live: ``{url}.tmp-assembly-{token}/``."""
+        return f"{assembly.url}.tmp-assembly-{assembly.token}/"
+
+    def begin_assembly(self, url: str) -> Assembly:
+        """A random token (no request): pieces are uploaded as component objects under
+        ``{url}.tmp-assembly-{token}/``, composed at the complete, then deleted."""
+        _object(url)
+        return Assembly(url, secrets.token_hex(8))
+
+    def put_piece(self, assembly: Assembly, index: int, data: bytes, *, offset: int) -> Piece:
+        """One component object (a retried or repeated piece replaces it); the record's
+        tag is its generation, which the compose names (a piece replaced since is not used)."""
+        if index < 0:
+            raise PreconditionFailed(f"put piece {index} of {assembly.url}: pieces are numbered from 0",
+                                     url=assembly.url)
+        url = f"{self._pieces_prefix(assembly)}p{index:06d}"
+        bucket, key = _object(url)
+        try:
+            blob = self.client.bucket(bucket).blob(key, chunk_size=self._chunk_size(len(data)))
+            blob.upload_from_file(io.BytesIO(data), size=len(data), content_type="application/octet-stream",
+                                  timeout=self._timeout, retry=self._retry())
+        except Exception as e:  # noqa: BLE001 - translated below
+            raise self._translate(e, url, f"put piece {index} of {assembly.url}:") from None
+        return Piece(index, offset, len(data), str(blob.generation))
+
+    def _compose(self, sources: list[tuple[str, int]], dst_key: str, bucket: str, url: str,
+                 if_generation_match: int | None = None) -> tuple[str, int, storage.Blob]:
+        """Compose ``sources`` (``(name, generation)``, at most COMPOSE_MAX) into ``dst_key``;
+        ``(dst_key, its generation, its Blob)``."""
+        b = self.client.bucket(bucket)
+        dst = b.blob(dst_key)
+        try:
+            dst.compose([b.blob(n, generation=g) for n, g in sources], if_generation_match=if_generation_match,
+                        if_source_generation_match=[g for _, g in sources], timeout=self._timeout,
+                        retry=self._retry())
+        except Exception as e:  # noqa: BLE001 - translated below
+            raise self._translate(e, url, "complete assembly of") from None
+        return dst_key, int(dst.generation), dst
+
+    def _complete_assembly(self, assembly: Assembly, pieces: list[Piece], *, if_absent: bool) -> ObjectInfo:
+        """Compose the pieces, COMPOSE_MAX at a time: while more than that remain, each
+        run of them becomes one intermediate component (a level's composes run side by
+        side); the last compose writes the URL (``if_generation_match=0`` for
+        ``if_absent``). Then every component is deleted (a failure to delete is logged:
+        the object is complete; ``abort_assembly`` removes what is left)."""
+        url = assembly.url
+        bucket, key = _object(url)
+        prefix_key = _split(self._pieces_prefix(assembly))[1]
+        sources = [(f"{prefix_key}p{p.index:06d}", int(p.tag)) for p in pieces]
+        level = 0
+        while len(sources) > self.COMPOSE_MAX:
+            runs = [sources[i:i + self.COMPOSE_MAX] for i in range(0, len(sources), self.COMPOSE_MAX)]
+            with ThreadPoolExecutor(max_workers=min(16, len(runs)), thread_name_prefix="cloudckpt-compose") as ex:
+                names = [f"{prefix_key}c{level}-{j:06d}" for j in range(len(runs))]
+                done = list(ex.map(lambda run, name: self._compose(run, name, bucket, url), runs, names))
+            sources = [(name, gen) for name, gen, _ in done]
+            level += 1
+        try:
+            _, gen, blob = self._compose(sources, key, bucket, url, 0 if if_absent else None)
+        except PreconditionFailed:
+            if if_absent:
+                raise AlreadyExists(f"{url} already exists", url=url) from None
+            raise
+        try:
+            self.delete_prefix(self._pieces_prefix(assembly), force=True)
+        except StorageError as e:
+            _log.warning("assembled %s, but its components under %s were not all deleted: %s (abort_assembly "
+                         "removes them)", url, self._pieces_prefix(assembly), e)
+        return ObjectInfo(url, int(blob.size if blob.size is not None else sum(p.size for p in pieces)),
+                          _ts(blob.updated), _crc32c_hex(blob.crc32c), str(gen))
+
+    def abort_assembly(self, assembly: Assembly) -> None:
+        """Delete every component object of the assembly (pieces and intermediate ones)."""
+        self.delete_prefix(self._pieces_prefix(assembly), force=True)
 
     def list_multipart_uploads(self, prefix: str) -> list[PendingUpload]:
         """Always ``[]``: GCS resumable sessions cannot be listed (they expire after a week)."""

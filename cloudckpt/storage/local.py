@@ -39,6 +39,7 @@ from ..errors import (
     Transient,
     UnsafeCheckpoint,
 )
+from .assembly import Assembly, Piece
 from .base import ListEntry, MiB, ObjectInfo, ObjectStore, Progress, RangeReader
 from .url import parse_url
 
@@ -114,6 +115,12 @@ class LocalStore(ObjectStore):
     streams_ranges = True
     conditional_replace = True  # compare-and-rename under a lock
     copies_objects = True  # a file copy through this process (temp file, then rename)
+    assembles_objects = True  # a temporary file written at offsets, then renamed
+
+    @staticmethod
+    def _assembly_name(assembly: Assembly) -> str:
+        """The temporary file of an assembly, beside its object (listings skip ``.tmp-``)."""
+        return f".tmp-assembly-{assembly.token}"
 
     @staticmethod
     def _path(url: str) -> str:
@@ -154,13 +161,7 @@ class LocalStore(ObjectStore):
                 fill(f)
                 f.flush()
                 os.fsync(f.fileno())
-            if if_absent:
-                try:
-                    os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
-                except FileExistsError:  # also when a link holds the name: it is left alone
-                    raise AlreadyExists(f"{url} already exists", url=url) from None
-            else:
-                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # replaces a link itself, not its target
+            self._place(dfd, tmp, name, url, if_absent=if_absent)
         except StorageError:
             raise  # AlreadyExists is an OSError too: keep it as it is
         except OSError as e:
@@ -170,6 +171,20 @@ class LocalStore(ObjectStore):
                 os.unlink(tmp, dir_fd=dfd)
             except FileNotFoundError:
                 pass  # renamed into place
+
+    @staticmethod
+    def _place(dfd: int, tmp: str, name: str, url: str, *, if_absent: bool) -> None:
+        """The complete file ``tmp`` of the folder ``dfd`` becomes ``name``: renamed over
+        it, or (``if_absent``) linked, which raises AlreadyExists where the name is taken
+        (the caller removes ``tmp`` then)."""
+        if if_absent:
+            try:
+                os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+            except FileExistsError:  # also when a link holds the name: it is left alone
+                raise AlreadyExists(f"{url} already exists", url=url) from None
+            os.unlink(tmp, dir_fd=dfd)
+        else:
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # replaces a link itself, not its target
 
     def _write(self, url: str, fill, *, if_absent: bool) -> None:
         dfd, name, _ = self._parent(url, "write", create=True)
@@ -242,6 +257,83 @@ class LocalStore(ObjectStore):
 
             self._write(dst_url, fill, if_absent=False)
         return ObjectInfo(dst_url, size, state["mtime"], f"{state['crc']:08x}", state["version"])
+
+    # ------------------------------------------------------------ assembly
+    def begin_assembly(self, url: str) -> Assembly:
+        """Create the empty temporary file ``.tmp-assembly-{token}`` beside the object
+        (mode 0600, its folders made as for any write); pieces are written into it at
+        their offsets, and the complete renames it into place."""
+        assembly = Assembly(url, secrets.token_hex(8))
+        dfd, name, path = self._parent(url, "begin assembly of", create=True)
+        try:
+            tmp = self._assembly_name(assembly)
+            os.close(_open_at(dfd, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, path, tmp, 0o600))
+        except OSError as e:
+            raise self._err(e, url, "begin assembly of") from e
+        finally:
+            os.close(dfd)
+        return assembly
+
+    def _open_assembly(self, assembly: Assembly, what: str) -> tuple[int, int, str]:
+        """(fd of the object's folder, fd of the assembly's file open for writing, the
+        file's name); NotFound once the assembly is completed or aborted."""
+        dfd, _, path = self._parent(assembly.url, what)
+        tmp = self._assembly_name(assembly)
+        try:
+            fd = _open_at(dfd, tmp, os.O_WRONLY, path, tmp)
+        except OSError as e:
+            os.close(dfd)
+            if isinstance(e, FileNotFoundError):
+                raise NotFound(f"{what} {assembly.url}: the assembly is not under way (completed or aborted)",
+                               url=assembly.url) from None
+            raise self._err(e, assembly.url, what) from e
+        return dfd, fd, tmp
+
+    def put_piece(self, assembly: Assembly, index: int, data: bytes, *, offset: int) -> Piece:
+        """Write ``data`` at ``offset`` of the assembly's temporary file (another process
+        of a shared folder writes its own pieces into the same file)."""
+        if index < 0 or offset < 0:
+            raise PreconditionFailed(f"put piece {index} of {assembly.url} at {offset}: pieces are numbered, and "
+                                     "placed, from 0", url=assembly.url)
+        dfd, fd, _ = self._open_assembly(assembly, f"put piece {index} of")
+        try:
+            view, at = memoryview(data), offset
+            while view:
+                n = os.pwrite(fd, view, at)
+                view, at = view[n:], at + n
+        except OSError as e:
+            raise self._err(e, assembly.url, f"put piece {index} of") from e
+        finally:
+            os.close(fd)
+            os.close(dfd)
+        return Piece(index, offset, len(data))
+
+    def _complete_assembly(self, assembly: Assembly, pieces: list[Piece], *, if_absent: bool) -> ObjectInfo:
+        """fsync the temporary file (it must hold exactly the pieces' bytes) and rename it
+        into place (``if_absent``: link it, which fails if the name exists)."""
+        url = assembly.url
+        total = pieces[-1].offset + pieces[-1].size
+        dfd, fd, tmp = self._open_assembly(assembly, "complete assembly of")
+        try:
+            st = os.fstat(fd)
+            if st.st_size != total:
+                raise PreconditionFailed(f"complete assembly of {url}: its file holds {st.st_size} bytes, not the "
+                                         f"{total} of its {len(pieces)} pieces (a piece written elsewhere or "
+                                         "twice); abort it and assemble again", url=url)
+            os.fsync(fd)
+            self._place(dfd, tmp, os.path.basename(self._path(url)), url, if_absent=if_absent)
+        except StorageError:
+            raise
+        except OSError as e:
+            raise self._err(e, url, "complete assembly of") from e
+        finally:
+            os.close(fd)
+            os.close(dfd)
+        return ObjectInfo(url, total, st.st_mtime, version=self._version(st))
+
+    def abort_assembly(self, assembly: Assembly) -> None:
+        """Remove the temporary file (already gone: nothing to do)."""
+        self.delete(f"{assembly.url.rpartition('/')[0]}/{self._assembly_name(assembly)}")
 
     # ------------------------------------------------------------ reads
     def _open(self, url: str) -> BinaryIO:

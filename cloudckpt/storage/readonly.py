@@ -2,7 +2,7 @@
 
 A subclass implements the reads (``get_bytes``, ``stat``, ``download_fileobj``, and
 ``open_range`` where it streams) and :meth:`ReadOnlyStore.read_only_error`; every
-write, copy, delete, conditional replace and listing raises that
+write, copy, assembly, delete, conditional replace and listing raises that
 :class:`~cloudckpt.errors.ReadOnlyLocation` (the subclass says where to save instead).
 """
 
@@ -46,6 +46,9 @@ class ReadOnlyStore(ObjectStore):
 
     def put_bytes_if_match(self, url: str, data: bytes, version: str) -> None:
         raise self.read_only_error(url, "update")
+
+    def _no_assembly(self, url: str) -> ReadOnlyLocation:  # every assembly call raises it
+        return self.read_only_error(url, "assemble")
 
     def delete(self, url: str) -> None:
         raise self.read_only_error(url, "delete")

@@ -54,6 +54,7 @@ from ..errors import (
     Timeout,
     Transient,
 )
+from .assembly import Assembly, Piece
 from .base import (
     DeleteFailures,
     ListEntry,
@@ -185,6 +186,10 @@ class S3Store(ObjectStore):
     # S3 answers 503 SlowDown above about 3,500 PUT/COPY/POST/DELETE and 5,500 GET/HEAD
     # requests per second per partitioned prefix
     default_request_rates = (3500.0, 5500.0)
+    # an assembly is a multipart upload: parts of 5 MiB at least (but the last), 10,000 at most
+    assembles_objects = True
+    min_piece_size = 5 * MiB
+    max_pieces = 10_000
 
     def __init__(self, options=None):
         super().__init__(options)
@@ -573,6 +578,51 @@ class S3Store(ObjectStore):
             err = translate(e, upload.url, "abort multipart upload")
             if not isinstance(err, NotFound):
                 raise err from None
+
+
+    # ------------------------------------------------------------ assembly: a multipart upload
+    def begin_assembly(self, url: str) -> Assembly:
+        """CreateMultipartUpload; the token is its upload id."""
+        bucket, key = _split(url)
+        try:
+            r = self.client.create_multipart_upload(Bucket=bucket, Key=key)
+        except Exception as e:  # noqa: BLE001 - translated below
+            raise translate(e, url, "begin assembly of") from None
+        return Assembly(url, r["UploadId"])
+
+    def put_piece(self, assembly: Assembly, index: int, data: bytes, *, offset: int) -> Piece:
+        """UploadPart number ``index + 1`` of the shared upload id (any process may send
+        any part); the record's tag is the part's ETag."""
+        bucket, key = _split(assembly.url)
+        if not 0 <= index < self.max_pieces:
+            raise PreconditionFailed(f"put piece {index} of {assembly.url}: S3 numbers parts 1..{self.max_pieces}",
+                                     url=assembly.url)
+        try:
+            r = self.client.upload_part(Bucket=bucket, Key=key, UploadId=assembly.token, PartNumber=index + 1,
+                                        Body=data)
+        except Exception as e:  # noqa: BLE001 - translated below
+            raise translate(e, assembly.url, f"put piece {index} of") from None
+        return Piece(index, offset, len(data), r["ETag"])
+
+    def _complete_assembly(self, assembly: Assembly, pieces: list[Piece], *, if_absent: bool) -> ObjectInfo:
+        """CompleteMultipartUpload with every part's number and ETag (``If-None-Match:
+        *`` for ``if_absent``)."""
+        bucket, key = _split(assembly.url)
+        parts = [{"PartNumber": p.index + 1, "ETag": p.tag} for p in pieces]
+        extra = {"IfNoneMatch": "*"} if if_absent else {}
+        try:
+            r = self.client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=assembly.token,
+                                                      MultipartUpload={"Parts": parts}, **extra)
+        except Exception as e:  # noqa: BLE001 - translated below
+            err = translate(e, assembly.url, "complete assembly of")
+            if if_absent and isinstance(err, PreconditionFailed):
+                raise AlreadyExists(f"{assembly.url} already exists", url=assembly.url) from None
+            raise err from None
+        return ObjectInfo(assembly.url, sum(p.size for p in pieces), version=r.get("ETag"))
+
+    def abort_assembly(self, assembly: Assembly) -> None:
+        """AbortMultipartUpload (an upload already gone is not an error)."""
+        self.abort_multipart_upload(PendingUpload(assembly.url, assembly.token))
 
 
 class _Count(BaseSubscriber):

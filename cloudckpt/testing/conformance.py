@@ -24,6 +24,7 @@ Needs pytest (``pip install 'cloudckpt[test]'``). Call
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import pickle
@@ -43,6 +44,7 @@ from ..errors import (
     InvalidURL,
     NotFound,
     PreconditionFailed,
+    StorageError,
     Transient,
     UnsafeDelete,
 )
@@ -144,6 +146,9 @@ class ObjectStoreConformance:
     default_part_sizes: Optional[tuple[int, int]] = None
     #: Writing to a missing bucket creates it (SeaweedFS, for an admin identity).
     creates_buckets_on_write = False
+    #: Why the store under test does not enforce ``complete_assembly(if_absent=True)``
+    #: (an emulator that ignores the condition); None: it enforces it.
+    assembly_if_absent_ignored: Optional[str] = None
 
     # ------------------------------------------------------------ fixtures and hooks
     @pytest.fixture
@@ -660,6 +665,123 @@ class ObjectStoreConformance:
         assert backend.store.list_multipart_uploads(backend.url("mpu/")) == []
         remaining = backend.store.list_multipart_uploads(backend.url("elsewhere/"))
         assert [(x.url, x.upload_id) for x in remaining] == [(elsewhere, other)]
+
+    # ------------------------------------------------------------ assembly from pieces
+    # storage/assembly.py: pieces uploaded by several processes (here: threads, each
+    # with its own unpickled copy of the store and of the Assembly, as another rank
+    # would have), one completes; nothing is at the URL before the complete.
+    def _piece_sizes(self, store: ObjectStore, n: int, last: int = 1234) -> list[int]:
+        return [max(store.min_piece_size, 64 * 1024)] * (n - 1) + [last]
+
+    def _upload_pieces(self, store: ObjectStore, assembly, data: bytes, sizes: list[int]) -> list:
+        """Every piece uploaded, in a shuffled order, from 4 threads each with their own
+        copies of the store and the Assembly; their records."""
+        offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+        order = list(range(len(sizes)))
+        order = order[1::2] + order[::2]  # not in index order
+
+        def put(k: int):
+            mine = pickle.loads(pickle.dumps(store))
+            a = pickle.loads(pickle.dumps(assembly))
+            return mine.put_piece(a, k, data[offsets[k]:offsets[k] + sizes[k]], offset=offsets[k])
+
+        with ThreadPoolExecutor(4) as ex:
+            return list(ex.map(put, order))
+
+    @staticmethod
+    def _assembling(backend: StoreUnderTest) -> ObjectStore:
+        """The store, where it assembles objects (else the test is skipped, saying why)."""
+        if not backend.store.assembles_objects:
+            pytest.skip(f"{type(backend.store).__name__}.assembles_objects is False: assembly calls raise (tested "
+                        "below)")
+        return backend.store
+
+    def _assemble(self, backend: StoreUnderTest, name: str, n: int) -> tuple[str, bytes, list]:
+        store = self._assembling(backend)
+        sizes = self._piece_sizes(store, n)
+        data = payload(sum(sizes), seed=n)
+        u = backend.url(name)
+        assembly = store.begin_assembly(u)
+        pieces = self._upload_pieces(store, assembly, data, sizes)
+        assert [p.size for p in sorted(pieces, key=lambda p: p.index)] == sizes
+        with pytest.raises(NotFound):  # nothing at the URL before the complete
+            store.stat(u)
+        assert u not in [e.url for e in store.list(backend.root + "/", delimiter=None)]
+        info = store.complete_assembly(assembly, pieces)
+        assert info.size == len(data) == store.stat(u).size
+        return u, data, pieces
+
+    def test_assembly_from_pieces_of_several_writers_appears_whole_only_at_the_complete(self, backend):
+        u, data, _ = self._assemble(backend, "asm/obj.bin", 3)
+        assert backend.store.get_bytes(u) == data
+        # nothing else remains: no component, no temporary file, no incomplete upload
+        assert [e.url for e in backend.store.list(backend.root + "/", delimiter=None)] == [u]
+        assert backend.store.list_multipart_uploads(backend.url("asm/")) == []
+
+    def test_assembly_of_more_pieces_than_one_compose_takes_is_nested_and_cleaned_up(self, backend):
+        if backend.store.min_piece_size > MiB:
+            pytest.skip(f"pieces are {backend.store.min_piece_size} bytes at least here: 70 of them would be "
+                        "350 MiB; a multipart upload of 3 parts runs the same requests (the test above)")
+        u, data, _ = self._assemble(backend, "asm/many.bin", 70)  # GCS: 32 + 32 + 6, then one compose of 3
+        assert backend.store.get_bytes(u) == data
+        assert [e.url for e in backend.store.list(backend.root + "/", delimiter=None)] == [u]
+
+    def test_assembly_aborted_leaves_nothing_visible(self, backend):
+        store = self._assembling(backend)
+        u = backend.url("asm/aborted.bin")
+        assembly = store.begin_assembly(u)
+        sizes = self._piece_sizes(store, 2)
+        self._upload_pieces(store, assembly, payload(sum(sizes)), sizes)
+        pickle.loads(pickle.dumps(store)).abort_assembly(assembly)  # another process may abort
+        store.abort_assembly(assembly)  # twice: not an error
+        assert not store.exists(u)
+        assert list(store.list(backend.root + "/", delimiter=None)) == []
+        assert store.list_multipart_uploads(backend.url("asm/")) == []
+
+    def test_assembly_complete_refuses_pieces_that_do_not_follow_each_other_and_sends_nothing(self, backend):
+        store = self._assembling(backend)
+        u = backend.url("asm/gap.bin")
+        assembly = store.begin_assembly(u)
+        sizes = self._piece_sizes(store, 3)
+        pieces = sorted(self._upload_pieces(store, assembly, payload(sum(sizes)), sizes), key=lambda p: p.index)
+        for bad in (pieces[:1] + pieces[2:], pieces + [pieces[0]], []):
+            with pytest.raises(PreconditionFailed):
+                store.complete_assembly(assembly, bad)
+        if store.min_piece_size > 1:  # a piece under the store's minimum, not the last: refused here
+            small = [dataclasses.replace(pieces[0], size=store.min_piece_size - 1)]
+            with pytest.raises(PreconditionFailed, match="at least"):
+                store.complete_assembly(assembly, small + [dataclasses.replace(pieces[1], offset=small[0].size)])
+        assert not store.exists(u)
+        store.complete_assembly(assembly, pieces)  # the assembly is still whole
+        assert store.get_bytes(u) == payload(sum(sizes))
+
+    def test_assembly_complete_if_absent_over_an_existing_object_raises_already_exists_and_keeps_it(self, backend):
+        store = self._assembling(backend)
+        if self.assembly_if_absent_ignored:
+            pytest.skip(self.assembly_if_absent_ignored)
+        u = backend.url("asm/taken.bin")
+        store.put_bytes(u, b"first")
+        assembly = store.begin_assembly(u)
+        sizes = self._piece_sizes(store, 2)
+        pieces = self._upload_pieces(store, assembly, payload(sum(sizes)), sizes)
+        with pytest.raises(AlreadyExists):
+            store.complete_assembly(assembly, pieces, if_absent=True)
+        store.abort_assembly(assembly)
+        assert store.get_bytes(u) == b"first"
+        assert [e.url for e in store.list(backend.root + "/", delimiter=None)] == [u]
+
+    def test_a_store_that_cannot_assemble_says_so_on_every_assembly_call(self, backend):
+        from ..storage.assembly import Assembly, Piece
+
+        store = backend.store
+        if store.assembles_objects:
+            assert store.min_piece_size >= 0 and (store.max_pieces is None or store.max_pieces > 1)
+            return
+        a = Assembly(backend.url("asm/x"), "t")
+        for call in (lambda: store.begin_assembly(a.url), lambda: store.put_piece(a, 0, b"x", offset=0),
+                     lambda: store.complete_assembly(a, [Piece(0, 0, 1)]), lambda: store.abort_assembly(a)):
+            with pytest.raises(StorageError, match="assemble"):
+                call()
 
     # ------------------------------------------------------------ pickling
     def test_a_pickled_store_works_in_the_copy(self, backend):
