@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,9 +33,10 @@ import torch
 from cloudckpt import Checkpointer
 from cloudckpt.testing.servers import free_port
 
-from .venvs import REPO, venv_python
+from .venvs import REPO, diff, load, venv_python
 
 TOOL = Path(__file__).parent / "megatron" / "mcore_tool.py"
+TRAIN = Path(__file__).parent / "megatron" / "train_gpt.py"
 
 
 @pytest.fixture(scope="session")
@@ -41,12 +44,68 @@ def megatron_python() -> str:
     return venv_python("setup_megatron_venv.sh", ".venv-megatron", "megatron-core")
 
 
+def _env(**extra: str) -> dict:
+    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+                PYTHONWARNINGS="ignore", **extra)
+
+
+class Ranks:
+    """``train_gpt.py`` started as ``torchrun`` would: one process per rank (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT); rank 0's output is read line by line."""
+
+    def __init__(self, py: str, tmp: Path, name: str, *args: str, world: int = 2):
+        port = str(free_port())
+        self.logs = [tmp / f"{name}.rank{r}.log" for r in range(world)]
+        self.procs = [subprocess.Popen([py, str(TRAIN), *args], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                       env=_env(RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                                MASTER_PORT=port))
+                      for r, log in enumerate(self.logs)]
+
+    def output(self, rank: int = 0) -> str:
+        return self.logs[rank].read_text(errors="replace")
+
+    def _fail(self, why: str):
+        self.kill()
+        logs = "\n".join(f"--- rank {r} ---\n{self.output(r)[-4000:]}" for r in range(len(self.procs)))
+        pytest.fail(f"{why}\n{logs}")
+
+    def wait(self, timeout: float = 240) -> str:
+        """Every rank's exit (each must succeed); rank 0's output."""
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._fail(f"train_gpt.py did not finish within {timeout}s")
+        if any(p.returncode for p in self.procs):
+            self._fail(f"train_gpt.py failed: exit codes {[p.returncode for p in self.procs]}")
+        return self.output()
+
+    def kill_after(self, line: str, timeout: float = 240) -> str:
+        """SIGKILL every rank as soon as rank 0 has printed ``line``; rank 0's output."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if line in self.output().splitlines():
+                self.kill()
+                assert [p.returncode for p in self.procs] == [-signal.SIGKILL] * len(self.procs), \
+                    [p.returncode for p in self.procs]
+                return self.output()
+            if any(p.poll() is not None for p in self.procs):
+                self._fail(f"a rank exited before printing {line!r}")
+            time.sleep(0.05)
+        self._fail(f"no {line!r} within {timeout}s")
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        for p in self.procs:
+            p.wait(timeout=30)
+
+
 def mcore(py: str, tmp_path: Path, *args: str, saved_world: int | None = None, timeout: float = 240,
           fails: bool = False) -> str:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
-               PYTHONWARNINGS="ignore")
-    if saved_world is not None:
-        env["SAVED_WORLD"] = str(saved_world)
+    env = _env() if saved_world is None else _env(SAVED_WORLD=str(saved_world))
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
     p = subprocess.run([py, str(TOOL), *args, "--port", str(free_port()), "--work", str(work)], env=env,
@@ -112,3 +171,34 @@ def test_megatron_gpt_saved_at_tensor_parallel_2_loads_at_1_with_the_same_logits
     saved, loaded = (torch.load(tmp_path / f, weights_only=True) for f in ("tp2.pt", "tp1.pt"))
     assert saved.shape == loaded.shape == (2, 8, 64)
     assert torch.allclose(saved, loaded, atol=1e-5, rtol=0), (saved - loaded).abs().max()
+
+
+def test_megatron_gpt_training_killed_after_a_committed_save_resumes_from_s3_bit_exact(megatron_python, s3_bucket,
+                                                                                      tmp_path):
+    """train_gpt.py: a tiny GPTModel at tensor parallel 2 on 2 gloo ranks, Megatron's DDP and
+    optimizer, dropout drawing from Megatron's tensor-parallel RNG tracker, data from numpy's
+    and python's RNGs. One run is SIGKILLed right after its step 4 is committed to
+    SeaweedFS; the rerun of the same command resumes from the bucket and its losses of
+    steps 5 and 6, weights, optimizer state and every RNG state equal bit for bit those of
+    a run that was never interrupted (started beside the killed one)."""
+    folder, work = f"{s3_bucket}/gpt-run", str(tmp_path / "work")
+    common = ["--steps", "6", "--save-interval", "2", "--work", work]
+    whole = Ranks(megatron_python, tmp_path, "whole", "--save", f"{s3_bucket}/whole", "--save-interval", "100",
+                  "--steps", "6", "--work", work, "--out", str(tmp_path / "whole"))
+    killed = Ranks(megatron_python, tmp_path, "killed", "--save", folder, *common)
+    out = killed.kill_after("COMMITTED 4")
+    assert "rank 0 step 4 loss" in out and "step 5" not in out.split("COMMITTED 4")[0], out[-2000:]
+    assert [s for s, _ in Checkpointer.find_checkpoints(folder)] == [2, 4]
+    whole.wait()
+    out = Ranks(megatron_python, tmp_path, "resumed", "--save", folder, *common, "--out", str(tmp_path / "resumed")
+                ).wait()
+    assert "RESUMED 4" in out and "step 1 loss" not in out, out[-2000:]
+    for r in range(2):
+        a, b = load(tmp_path / "whole" / f"rank{r}.pt"), load(tmp_path / "resumed" / f"rank{r}.pt")
+        assert sorted(b["losses"]) == [5, 6] and [a["losses"][s] for s in (5, 6)] == [b["losses"][s] for s in (5, 6)], \
+            (a["losses"], b["losses"])
+        assert len(a["optimizer"]["state"]) >= 20, "no optimizer state to compare"
+        assert len(a["rng"]["tracker"]) >= 2, a["rng"]["tracker"].keys()
+        assert not diff({k: a[k] for k in ("model", "optimizer", "rng")},
+                        {k: b[k] for k in ("model", "optimizer", "rng")}), \
+            diff({k: a[k] for k in ("model", "optimizer", "rng")}, {k: b[k] for k in ("model", "optimizer", "rng")})
