@@ -203,13 +203,28 @@ class CommittedStep:
         writers = owners | index.writers_read(header, needs, wanted) | {train_state_rank}
         return Selection(wanted, needs, owners, writers)
 
-    def index_part(self, rank: int, files: dict[str, int] | None = None) -> dict | None:
+    def rank_objects(self, rank: int) -> dict[str, ObjectEntry]:
+        """``{path: entry}`` of every object rank ``rank`` wrote (its shard files, its
+        index part, its train state), from its manifest part read and checked now and not
+        kept (a caller visiting the ranks one at a time holds one part: ``export``); for a
+        step whose marker lists its objects itself, the marker's of that rank."""
+        m = self.marker
+        ref = m.part_of(layout.index_part_name(rank))
+        if ref is None:
+            return {o.path: o for o in m.objects if layout.owner_of(o.path) == rank}
+        part = discovery.StepManifest(self.step.loc, m, pace=self.pace).parts([rank])[rank]
+        return {o.path: o for o in part.objects}
+
+    def index_part(self, rank: int, files: dict[str, int] | None = None, *,
+                   objects: dict[str, ObjectEntry] | None = None) -> dict | None:
         """Rank ``rank``'s index part, read (checked against its manifest entry) and
         parsed, with every chunk the header gives that rank found in it inside ``files``
         (``{shard file: size}``; None: the files the marker lists); None when the step has
-        none and the rank wrote no chunk. Raises CorruptCheckpoint, UnsafeCheckpoint."""
+        none and the rank wrote no chunk. ``objects``: the rank's manifest entries
+        (``rank_objects``) instead of the parts this step keeps. Raises
+        CorruptCheckpoint, UnsafeCheckpoint."""
         rel, url = layout.index_part_name(rank), self.step.index_part_url(rank)
-        entry = self.entry(rel)
+        entry = self.entry(rel) if objects is None else objects.get(rel)
         part = None
         if entry is not None:
             if self.pace is not None:

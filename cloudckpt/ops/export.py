@@ -135,6 +135,123 @@ def _plan(metadata, key_prefix: str, dtype: torch.dtype | None, *, safetensors: 
     return entries, skipped
 
 
+Located = tuple  # (offsets, sizes, file under model_and_optim/, offset, length, CRC32C or None): one chunk's item
+
+
+def _metadata_chunks(metadata, checksums: dict):
+    """``locate(entry)`` for a DCP ``Metadata`` holding every chunk and item (a step
+    without the DCP index: its ``.metadata``): each chunk of the entry with its item."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    def locate(e: _Entry) -> list[Located]:
+        out = []
+        for ch in e.chunks:
+            info = metadata.storage_data[MetadataIndex(e.fqn, ch.offsets)]
+            if getattr(info, "transform_descriptors", None):
+                raise CorruptCheckpoint(f"the item of {e.fqn!r} in {info.relative_path} uses stream transforms, "
+                                        "which cloudckpt does not support")
+            out.append((tuple(ch.offsets), tuple(ch.sizes), info.relative_path, info.offset, info.length,
+                        checksums.get(info.relative_path, {}).get((info.offset, info.length))))
+        return out
+    return locate
+
+
+class _ChunkIndex:
+    """Every chunk of the exported tensors with its item and CRC32C, from a step's DCP
+    index, gathered one rank at a time (its manifest part and index part read, checked
+    against the header and dropped) into a SQLite file beside the export's output.
+    What the export holds is the header and one rank's parts during that pass, then one
+    tensor's chunk list at a time (:meth:`locate`): never the job's R x T chunks (3 M at
+    4,096 ranks of a 70B model with AdamW, every one a Python object in a ``Metadata``).
+    Which chunks a tensor has comes from the header's checked layouts (disjoint, covering
+    the tensor), so an extra or missing entry in a part cannot add or drop one."""
+
+    def __init__(self, c: CommittedStep, keys: list[str], path: str):
+        import sqlite3
+
+        from ..checkpoint.layout import shard_writer
+
+        self.path = path
+        self.db = sqlite3.connect(path)
+        self.db.execute("CREATE TABLE chunk (t INTEGER, offsets TEXT, sizes TEXT, rel TEXT, pos INTEGER, "
+                        "len INTEGER, crc TEXT)")
+        header = c.header()
+        self.ids = {k: i for i, k in enumerate(keys)}
+        held: dict[int, list] = {}  # rank -> the items the header itself gives (whole tensors, one-tensor layouts)
+        parted: dict[int, list[tuple[int, str]]] = {}  # layout -> the exported tensors whose chunks parts hold
+        for i, fqn in enumerate(keys):
+            t = header.tensors[fqn]
+            if t.layout < 0:
+                held.setdefault(shard_writer(t.item[0]), []).append(
+                    (i, (0,) * len(t.size), tuple(t.size), t.item))
+                continue
+            lay = header.layouts[t.layout]
+            if lay.items is None:
+                parted.setdefault(t.layout, []).append((i, fqn))
+                continue
+            ks = list(range(lay.n))
+            for k, owner, lo, sz in zip(ks, lay.owners_of(ks), *lay.boxes(ks), strict=True):
+                held.setdefault(owner, []).append((i, tuple(lo), tuple(sz), lay.items[k]))
+        ranks = set(held)
+        for lid in parted:
+            lay = header.layouts[lid]
+            ranks.update(lay.owners_of(list(range(lay.n))))
+        self.stored = 0
+        for rank in sorted(ranks):
+            self._add_rank(c, header, rank, held.pop(rank, ()), parted)
+        self.db.execute("CREATE INDEX chunk_t ON chunk (t)")
+        self.db.commit()
+
+    def _add_rank(self, c: CommittedStep, header, rank: int, held, parted: dict) -> None:
+        from ..checkpoint import layout as step_layout
+
+        objects = c.rank_objects(rank)
+        prefix = step_layout.MODEL_DIR + "/"
+        shards = {p[len(prefix):]: o for p, o in objects.items() if p.startswith(prefix)}
+        files = {rel: o.size for rel, o in shards.items()}
+        crcs = {(rel, x[0], x[1]): x[2] for rel, o in shards.items() for x in o.chunks}
+        rows = [(i, lo, sz, *item) for i, lo, sz, item in held]
+        if parted:
+            part = c.index_part(rank, files, objects=objects)  # every chunk the header gives the rank, checked
+            for lid, tensors in parted.items():
+                lay = header.layouts[lid]
+                ks = lay.chunks_of(rank)
+                if not ks:
+                    continue
+                boxes = list(zip(*lay.boxes(ks), strict=True))
+                for i, fqn in tensors:
+                    for lo, sz in boxes:
+                        got = part[(fqn, tuple(lo))]
+                        rows.append((i, tuple(lo), tuple(sz), *got[1:]))
+            del part
+        out = []
+        for i, lo, sz, rel, pos, n in rows:
+            size = files.get(rel)
+            if size is None or pos + n > size:
+                raise CorruptCheckpoint(f"{c.step.model.url}: the DCP index places an item of "
+                                        f"{list(self.ids)[i][:200]!r} at [{pos}, {pos + n}) of {rel!r}, which rank "
+                                        f"{rank}'s manifest does not list that far; the step is damaged")
+            crc = crcs.get((rel, pos, n))
+            if crc is None and (pos, n) == (0, size):
+                crc = shards[rel].crc32c or None
+            out.append((i, ",".join(map(str, lo)), ",".join(map(str, sz)), rel, pos, n, crc))
+            self.stored += n
+        self.db.executemany("INSERT INTO chunk VALUES (?, ?, ?, ?, ?, ?, ?)", out)
+
+    def locate(self, e: "_Entry") -> list[Located]:
+        def ints(text: str) -> tuple[int, ...]:
+            return tuple(int(x) for x in text.split(",")) if text else ()
+
+        rows = self.db.execute("SELECT offsets, sizes, rel, pos, len, crc FROM chunk WHERE t = ?",
+                               (self.ids[e.fqn],)).fetchall()
+        return [(ints(lo), ints(sz), rel, pos, n, crc) for lo, sz, rel, pos, n, crc in rows]
+
+    def close(self) -> None:
+        self.db.close()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
 class _TensorReader:
     """Reads one tensor at a time: the byte ranges of its chunks (split into
     ``piece_size`` pieces read concurrently), checked against the marker's CRC32C,
@@ -152,15 +269,14 @@ class _TensorReader:
     unwritten; each decoded item must be a dense CPU tensor of the chunk's dtype and
     element count (``dcp.items.check_item_tensor``)."""
 
-    def __init__(self, folder_url: str, store, metadata, pool: ThreadPoolExecutor, *, checksums: dict,
-                 verify: bool, piece_size: int, on_bytes=None):
+    def __init__(self, folder_url: str, store, locate, pool: ThreadPoolExecutor, *, verify: bool, piece_size: int,
+                 on_bytes=None):
         self.model_url = folder_url
         self.store = store
-        self.metadata = metadata
+        self.locate = locate  # entry -> its chunks' items (Located)
         self.pool = pool
         self.verify = verify
         self.piece_size = piece_size
-        self.checksums = checksums
         self.on_bytes = on_bytes
         self.bytes_read = 0
 
@@ -179,22 +295,16 @@ class _TensorReader:
         del parts
         return data
 
-    def read_item(self, fqn: str, offsets) -> tuple[bytes, str]:
-        """The checked bytes of the item of ``fqn`` at ``offsets`` (None: a byte item), and its URL."""
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
-        info = self.metadata.storage_data[MetadataIndex(fqn, offsets)]
-        url = urls.join(self.model_url, info.relative_path)
-        if getattr(info, "transform_descriptors", None):
-            raise CorruptCheckpoint(f"{url}: the item of {fqn!r} uses stream transforms, "
-                                    "which cloudckpt does not support")
-        data = self._read_range(url, info.offset, info.length)
-        if len(data) != info.length:
-            raise CorruptCheckpoint(f"{url}: expected {info.length} bytes at offset {info.offset}, "
+    def read_item(self, fqn: str, rel: str, offset: int, length: int, crc32c: str | None) -> tuple[bytes, str]:
+        """The checked bytes of the item of ``fqn`` at ``offset``/``length`` of the shard
+        file ``rel``, and its URL."""
+        url = urls.join(self.model_url, rel)
+        data = self._read_range(url, offset, length)
+        if len(data) != length:
+            raise CorruptCheckpoint(f"{url}: expected {length} bytes at offset {offset}, "
                                     f"got {len(data)}; it is truncated")
-        want = self.checksums.get(info.relative_path, {}).get((info.offset, info.length))
-        if self.verify and want is not None and crc32c_bytes(data) != want:
-            raise CorruptCheckpoint(f"{url}: CRC32C mismatch in bytes [{info.offset}, {info.offset + info.length}) of "
+        if self.verify and crc32c is not None and crc32c_bytes(data) != crc32c:
+            raise CorruptCheckpoint(f"{url}: CRC32C mismatch in bytes [{offset}, {offset + length}) of "
                                     f"{fqn!r}; the object is corrupt: restore it or export an older step")
         self.bytes_read += len(data)
         if self.on_bytes is not None:
@@ -203,19 +313,20 @@ class _TensorReader:
 
     def read(self, e: _Entry) -> torch.Tensor:
         full = None
-        for chunk in e.chunks:
-            data, url = self.read_item(e.fqn, chunk.offsets)
+        chunks = self.locate(e)
+        for offsets, sizes, rel, pos, length, crc in chunks:
+            data, url = self.read_item(e.fqn, rel, pos, length, crc)
             part = decode_item_tensor(data, url=url, fqn=repr(e.fqn))
             del data
-            if part.dtype != e.src_dtype or part.numel() != math.prod(chunk.sizes):
-                raise CorruptCheckpoint(f"{url}: the item of {e.fqn!r} at offsets {list(chunk.offsets)} "
-                                        f"does not hold a {e.src_dtype} tensor of {list(chunk.sizes)}")
-            if tuple(chunk.sizes) == e.shape and len(e.chunks) == 1:
+            if part.dtype != e.src_dtype or part.numel() != math.prod(sizes):
+                raise CorruptCheckpoint(f"{url}: the item of {e.fqn!r} at offsets {list(offsets)} "
+                                        f"does not hold a {e.src_dtype} tensor of {list(sizes)}")
+            if tuple(sizes) == e.shape and len(chunks) == 1:
                 return part
             if full is None:
                 full = torch.empty(e.shape, dtype=e.src_dtype)
-            index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
-            full[index].copy_(part.reshape(tuple(chunk.sizes)))
+            index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+            full[index].copy_(part.reshape(tuple(sizes)))
             del part
         if full is None:  # a tensor with no chunks has no elements
             full = torch.empty(e.shape, dtype=e.src_dtype)
@@ -229,20 +340,23 @@ def read_dcp_state(folder: Location, metadata, *, checksums: dict | None = None,
     them, byte items unpickled by ``untrusted.load_plain``. Holds the whole state in
     memory once; what it allocates is bounded by the items' bytes (see _TensorReader).
     Raises CorruptCheckpoint / UnsafeCheckpoint, storage errors."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     from ..untrusted import load_plain
 
+    checksums = checksums or {}
     out: dict[str, Any] = {}
     with ThreadPoolExecutor(max_workers=4, thread_name_prefix="cloudckpt-read") as pool:
-        reader = _TensorReader(folder.url, folder.store, metadata, pool, checksums=checksums or {}, verify=verify,
+        reader = _TensorReader(folder.url, folder.store, _metadata_chunks(metadata, checksums), pool, verify=verify,
                                piece_size=piece_size)
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
                 out[fqn] = reader.read(_Entry(fqn, fqn, tuple(md.size), md.properties.dtype, md.properties.dtype,
                                               tuple(md.chunks)))
             else:
-                data, url = reader.read_item(fqn, None)
+                info = metadata.storage_data[MetadataIndex(fqn)]
+                data, url = reader.read_item(fqn, info.relative_path, info.offset, info.length,
+                                             checksums.get(info.relative_path, {}).get((info.offset, info.length)))
                 out[fqn] = load_plain(data, url=url, what="DCP byte item")
     return out
 
@@ -296,16 +410,22 @@ def _write_torch(f: BinaryIO, entries: list[_Entry], reader: _TensorReader) -> N
 
 
 # ---------------------------------------------------------------- entry point
-def _read_metadata(c: CommittedStep, key_prefix: str):
-    """The DCP metadata export plans with: from the DCP index where the step has one,
-    with the chunks of the keys under ``key_prefix`` only (reading the index parts of the
-    ranks that wrote them; not ``.metadata``, 1.6 GB at 4,096 ranks of a 70B model, ~27 GB
-    of memory to unpickle), else ``.metadata``."""
-    header = c.header()
-    if header is None:
-        return c.metadata()
-    prefix = f"{key_prefix}." if key_prefix else ""
-    return c.index_metadata({k for k in header.keys() if k.startswith(prefix)})
+def _open(ref: StepRef, key_prefix: str, dtype: torch.dtype | None, *, verify: bool, safetensors: bool, spill: str):
+    """``(the step, its entries, the non-tensor keys skipped, locate, the bytes the export
+    reads, what to close)``. A step with the DCP index: every name, dtype and size from
+    its header and each tensor's chunks from a ``_ChunkIndex`` (never ``.metadata``, 1.6
+    GB at 4,096 ranks of a 70B model, ~27 GB of memory to unpickle, nor every rank's parts
+    at once); else ``.metadata`` with the marker read whole."""
+    c = CommittedStep.open(ref, verify=verify)
+    if c.header() is None:
+        c = CommittedStep.open(ref, whole=True, verify=verify)
+        metadata = c.metadata()
+        entries, skipped = _plan(metadata, key_prefix, dtype, safetensors=safetensors)
+        return c, entries, skipped, _metadata_chunks(metadata, c.item_checksums()), \
+            _stored_bytes(metadata, entries), None
+    entries, skipped = _plan(c.shapes(), key_prefix, dtype, safetensors=safetensors)
+    chunks = _ChunkIndex(c, [e.fqn for e in entries], spill)
+    return c, entries, skipped, chunks.locate, chunks.stored, chunks
 
 
 def export_weights(
@@ -356,15 +476,6 @@ def export_weights(
     if not overwrite and dest.store.exists(dest_url):
         raise AlreadyExists(f"{dest_url} already exists; pass overwrite=True (--force) to replace it", url=dest_url)
 
-    c = CommittedStep.open(StepRef.of(step_url, storage_options), whole=True, verify=verify_checksums)
-    step, marker = c.step.loc, c.marker
-    metadata = _read_metadata(c, key_prefix)
-    entries, skipped = _plan(metadata, key_prefix, out_dtype, safetensors=fmt == "safetensors")
-    if skipped:
-        log.warning("export skips %d non-tensor value(s) under %r: %s", len(skipped), key_prefix,
-                    ", ".join(skipped[:10]))
-    meta = {"format": "pt", "cloudckpt_step": str(marker.step)}
-
     local = urls.local_path(dest_url) is not None
     if local:
         final = urls.parse_url(dest_url).key
@@ -375,15 +486,22 @@ def export_weights(
     os.makedirs(tmp_dir, exist_ok=True)
     # open(..., "xb"): the umask applies, as for any file
     tmp = os.path.join(tmp_dir, f".export-{uuid.uuid4().hex}.part")
+    c, entries, skipped, locate, stored, chunks = _open(
+        StepRef.of(step_url, storage_options), key_prefix, out_dtype, verify=verify_checksums,
+        safetensors=fmt == "safetensors", spill=tmp[:-len(".part")] + ".chunks")
+    if skipped:
+        log.warning("export skips %d non-tensor value(s) under %r: %s", len(skipped), key_prefix,
+                    ", ".join(skipped[:10]))
+    marker = c.marker
+    meta = {"format": "pt", "cloudckpt_step": str(marker.step)}
     config = transfer or TransferConfig()
     engine = TransferEngine(config, storage_options=dest.options, progress=progress)
     pool = ThreadPoolExecutor(max_workers=max(1, min(config.max_concurrency, 16)),
                               thread_name_prefix="cloudckpt-export")
     try:
         if read_progress is not None:
-            read_progress.start(_stored_bytes(metadata, entries))
-        reader = _TensorReader(c.step.model.url, step.store, metadata, pool,
-                               checksums=c.item_checksums(), verify=verify_checksums,
+            read_progress.start(stored)
+        reader = _TensorReader(c.step.model.url, c.step.loc.store, locate, pool, verify=verify_checksums,
                                piece_size=piece_size,
                                on_bytes=read_progress.update if read_progress is not None else None)
         with open(tmp, "xb") as f:
@@ -399,6 +517,8 @@ def export_weights(
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         engine.close()
+        if chunks is not None:
+            chunks.close()
         if os.path.exists(tmp):
             os.unlink(tmp)
     result = {

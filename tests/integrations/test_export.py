@@ -231,3 +231,65 @@ def test_read_progress_is_told_the_total_and_every_byte_read(step_in_bucket, tmp
     p = Progress()
     info = export_weights(step_in_bucket, str(tmp_path / "m.safetensors"), read_progress=p)
     assert p.total == p.moved == info["bytes_read"] > 0
+
+
+def test_export_holds_one_ranks_parts_at_a_time_never_every_chunk(s3_bucket, tmp_path, monkeypatch):
+    """Streaming per tensor (4 ranks, 60 sharded tensors): the export reads each rank's
+    index part and manifest part once, drops them before the next rank's, and holds
+    none of them (nor any shard file's entry with its items' CRC32Cs) while it reads
+    the tensors: what it keeps is one tensor's chunk list, not the job's R x T chunks."""
+    from cloudckpt.checkpoint import parts as parts_mod
+    from cloudckpt.dcp import index
+    from tests.checkpoint import scale_workers as w
+    from tests.checkpoint.test_load_scale import _env
+
+    R = 4
+    step = s3_bucket + "/four/step5"
+    run_ranks(R, w.save, step, str(tmp_path / "w"), env=_env(), timeout=600)
+
+    class Part(dict):
+        pass
+
+    alive = {"index parts": 0, "shard entries": 0}
+    at_parse, at_read = [], []
+
+    def gone(kind):
+        alive[kind] -= 1
+
+    real_parse, real_from_bytes = index.parse_part, parts_mod.ManifestPart.from_bytes
+
+    def parse_part(data, **kw):
+        at_parse.append(alive["index parts"])
+        part = Part(real_parse(data, **kw))
+        alive["index parts"] += 1
+        weakref.finalize(part, gone, "index parts")
+        return part
+
+    def from_bytes(data, **kw):
+        part = real_from_bytes(data, **kw)
+        for o in part.objects:
+            if o.path.endswith(".distcp"):
+                alive["shard entries"] += 1
+                weakref.finalize(o, gone, "shard entries")
+        return part
+
+    real_read = export_mod._TensorReader.read
+
+    def read(self, e):
+        at_read.append(dict(alive))
+        return real_read(self, e)
+
+    monkeypatch.setattr(index, "parse_part", parse_part)
+    monkeypatch.setattr(parts_mod.ManifestPart, "from_bytes",
+                        classmethod(lambda cls, data, **kw: from_bytes(data, **kw)))
+    monkeypatch.setattr(export_mod._TensorReader, "read", read)
+    out = str(tmp_path / "m.safetensors")
+    info = export_weights(step, out)
+    assert info["tensors"] == w.TENSORS
+    assert at_parse == [0] * R, at_parse  # every rank's part read once, the one before it dropped
+    assert at_read == [{"index parts": 0, "shard entries": 0}] * w.TENSORS, at_read[:3]
+    got = safetensors_torch.load_file(out)
+    for t in range(w.TENSORS):
+        want = torch.arange(R * w.ROWS * w.COLS, dtype=torch.float32).reshape(-1, w.COLS) + t
+        assert torch.equal(got[f"layer{t}"], want), t
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".export-")], "the chunk index is removed"
