@@ -22,6 +22,14 @@ up, call or mutate something replaced by a checked version:
 - ``APPEND(S)``/``SETITEM(S)``/``ADDITEMS``: only on plain lists, dicts and sets.
 - ``INST``, ``OBJ``, ``NEWOBJ_EX``, ``EXT*``, persistent ids, out-of-band
   buffers: refused.
+- Megatron-core's save keeps its ranks' ``SavePlan`` objects in the metadata
+  (``Metadata.all_local_plans``): the four plan classes of
+  ``torch.distributed.checkpoint.planner`` it needs (``SavePlan``, ``WriteItem``,
+  ``TensorWriteData``, ``BytesIOWriteData``) and ``WriteItemType`` (a small int) are
+  read as inert stand-ins (``_PlanPart``: NEWOBJ and one BUILD with the class's own
+  fields, never hashed or called), admitted only in that attribute, which is dropped
+  once the pickle is read: DCP's own plan classes are never built and nothing of a
+  plan is used.
 
 Bounds while unpickling, before the value is used (a pickle is a program: 2 MB
 can describe 16 GB by calling a constructor 2,000 times on one memoised list):
@@ -80,6 +88,39 @@ _DATACLASSES = (
 )
 _SETSTATE = {dcp_md.TensorProperties: 5}  # classes whose own __setstate__ takes a tuple of this length
 _FIELDS = {cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls in _DATACLASSES}
+# Megatron-core's save (dist_checkpointing, torch_dist) keeps every rank's SavePlan in the
+# metadata, as the attribute ``all_local_plans`` (its cached-plan reuse): admitted there only
+_FIELDS[dcp_md.Metadata] |= {"all_local_plans"}
+_PLAN_MODULE = "torch.distributed.checkpoint.planner"
+
+
+class _PlanPart:
+    """What one of DCP's save-plan dataclasses (``SavePlan``, ``WriteItem``, …) in
+    Megatron's ``all_local_plans`` becomes: an inert stand-in, built by NEWOBJ and one
+    BUILD with the class's own fields, never hashed (``__hash__`` is None: it cannot be a
+    dict key or a set member), never called, and dropped with ``all_local_plans`` once
+    the metadata is unpickled (``loads_metadata``): nothing of a plan is ever used."""
+
+    __slots__ = ("state",)
+    __hash__ = None  # type: ignore[assignment]
+    FIELDS: frozenset = frozenset()
+
+
+def _plan_parts() -> dict[str, type]:
+    from torch.distributed.checkpoint import planner
+
+    return {name: type(name, (_PlanPart,), {"__slots__": (), "FIELDS": frozenset(
+        f.name for f in dataclasses.fields(getattr(planner, name)))})
+        for name in ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData")}
+
+
+_PLAN_PARTS = _plan_parts()
+_PLAN_PART_IDS = frozenset(map(id, _PLAN_PARTS.values()))
+
+
+def _write_item_type(value: int) -> int:
+    """``WriteItemType(value)`` of a stand-in WriteItem: the number itself (checked by _enum_args)."""
+    return value
 _PATHS = (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath)
 
 
@@ -89,6 +130,9 @@ def _globals() -> dict[tuple[str, str], Any]:
         g[(cls.__module__, cls.__qualname__)] = cls
     # OLMo-core writes its own copy of DCP's _StorageInfo (same fields): read it as DCP's
     g[("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+    for name, part in _PLAN_PARTS.items():  # Megatron's all_local_plans: stand-ins, never DCP's classes
+        g[(_PLAN_MODULE, name)] = part
+    g[(_PLAN_MODULE, "WriteItemType")] = _write_item_type
     g[("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")] = MEM_FORMAT_ENCODING
     for name in dir(torch):
         v = getattr(torch, name, None)
@@ -147,6 +191,8 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
             return 1, 0
         if t is torch.Size:
             return 1 + len(obj), 1
+        if id(t) in _PLAN_PART_IDS:
+            raise _Refused(f"a {t.__name__} is used as a dict key or set member")
         if depth >= MAX_KEY_DEPTH:
             raise _Refused(f"a dict key or set member is nested more than {MAX_KEY_DEPTH} deep")
         if t is tuple:
@@ -221,7 +267,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def load_newobj(self) -> None:
         args = self.stack.pop()
         cls = self.stack.pop()
-        if id(cls) not in _DATACLASS_IDS or type(args) is not tuple or args:
+        if id(cls) not in _DATACLASS_IDS and id(cls) not in _PLAN_PART_IDS or type(args) is not tuple or args:
             raise _Refused(f"creating {_what(cls)} is not allowed in DCP metadata")
         self.append(cls.__new__(cls))
 
@@ -229,6 +275,13 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         state = self.stack.pop()
         inst = self.stack[-1]
         cls = type(inst)
+        if id(cls) in _PLAN_PART_IDS:
+            if hasattr(inst, "state"):
+                raise _Refused(f"the state of a {cls.__name__} is set twice")
+            if type(state) is not dict or not cls.FIELDS.issuperset(state):
+                raise _Refused(f"bad state for {cls.__name__}: only its fields {sorted(cls.FIELDS)} may be set")
+            inst.state = state
+            return
         if id(cls) not in _DATACLASS_IDS:
             raise _Refused(f"setting the state of {_what(inst)} is not allowed in DCP metadata")
         if inst.__dict__:  # a second BUILD would change an object already hashed into a dict
@@ -315,7 +368,7 @@ def _name_args(u: _MetadataUnpickler, args: tuple) -> None:  # torch.device("cpu
 
 def _enum_args(u: _MetadataUnpickler, args: tuple) -> None:
     if len(args) != 1 or type(args[0]) is not int or not 0 <= args[0] < 256:
-        raise _Refused("a memory format is not given by a small int")
+        raise _Refused("a memory format or a write item type is not given by a small int")
 
 
 def _no_args(u: _MetadataUnpickler, args: tuple) -> None:
@@ -339,7 +392,7 @@ def _path_args(u: _MetadataUnpickler, args: tuple) -> None:
 
 _REDUCE = {id(f): check for f, check in (
     (torch.Size, _size_args), (torch.device, _name_args), (get_layout, _name_args), (MEM_FORMAT_ENCODING, _enum_args),
-    (collections.OrderedDict, _no_args), (set, _set_args), (frozenset, _set_args),
+    (collections.OrderedDict, _no_args), (set, _set_args), (frozenset, _set_args), (_write_item_type, _enum_args),
     *((cls, _path_args) for cls in _PATHS))}
 
 
@@ -376,6 +429,7 @@ def loads_metadata(data: bytes, *, url: str, files: dict[str, int] | None = None
     gc.disable()  # millions of new objects and no garbage: collections would only cost (a third of the time)
     try:
         md = _MetadataUnpickler(io.BytesIO(data), work=budget).load()
+        _drop_plans(md)
         validate_metadata(md, url=url, files=files, budget=budget)
     except _Refused as e:
         raise UnsafeCheckpoint(f"DCP metadata {url} refused: {e}; nothing of it was run. It was tampered with or "
@@ -391,6 +445,16 @@ def loads_metadata(data: bytes, *, url: str, files: dict[str, int] | None = None
         if gc_was_on:
             gc.enable()
     return md
+
+
+def _drop_plans(md: Any) -> None:
+    """Remove Megatron's ``all_local_plans`` from ``md``: a list of stand-in SavePlans
+    (or None), never used. Raises _Refused (anything else there)."""
+    if type(md) is not dcp_md.Metadata:
+        return  # validate_metadata refuses it
+    plans = md.__dict__.pop("all_local_plans", None)
+    if plans is not None and (type(plans) is not list or not all(type(p) is _PLAN_PARTS["SavePlan"] for p in plans)):
+        raise _Refused("all_local_plans is not a list of SavePlans")
 
 
 def _error_text(e: BaseException) -> str:
