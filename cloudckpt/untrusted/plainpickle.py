@@ -6,7 +6,9 @@ stack, whatever the nesting. What it builds: ``None``, bools, ints (at most
 ``MAX_INT_BYTES``), floats, complex, strings, bytes, ``bytearray`` of given bytes,
 lists, tuples, dicts, sets, frozensets, ``OrderedDict`` (with string attributes such
 as ``_metadata``), ``Counter``, ``torch.Size``, ``torch.device`` and torch's dtypes,
-layouts and memory formats. Globals are looked up in an exact table of
+layouts and memory formats, and ``io.BytesIO`` of given bytes (Megatron's
+``ShardedObject`` data may be one: ``NEWOBJ`` then one ``BUILD`` of ``(bytes, position,
+None)``, done by hand, never by its ``__setstate__``). Globals are looked up in an exact table of
 ``(module, name)`` pairs whose values are our own markers, never the named objects:
 ``REDUCE`` calls only our constructors for them, each checking its arguments' exact
 types (``bytearray(n)``, for one, is refused: it would allocate from a number).
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import io
 import pickletools
 import struct
 from typing import Any
@@ -79,6 +82,7 @@ def plain_globals() -> dict[tuple[str, str], Any]:
     g[("_codecs", "encode")] = Global("encode")
     g[("collections", "OrderedDict")] = Global("OrderedDict")
     g[("collections", "Counter")] = Global("Counter")
+    g[("_io", "BytesIO")] = Global("BytesIO")
     g[("torch", "Size")] = Global("Size")
     g[("torch", "device")] = Global("device")
     for name in dir(torch):
@@ -118,6 +122,7 @@ class PlainUnpickler:
         self.stack: list = []
         self.metastack: list = []
         self.memo: dict = {}
+        self.unbuilt: set[int] = set()  # ids of the io.BytesIO made by NEWOBJ whose BUILD has not come
         self.info: dict[int, list] = {id(()): [1, 1, True, False, True, ()]}
         self.cells = MAX_CELLS
         self.tuple_keys = MAX_TUPLE_KEYS
@@ -485,10 +490,36 @@ class PlainUnpickler:
         self._meta(args)
         self.stack[-1] = getattr(self, "r_" + func.name)(args)
 
+    def op_newobj(self):
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if type(cls) is not Global or cls.name != "BytesIO" or args != ():
+            raise Refused(f"the pickle opcode NEWOBJ on a {type(cls).__name__} (only for io.BytesIO(), whose bytes "
+                          "BUILD gives)")
+        buf = self._track(io.BytesIO(), 0, 1)
+        self.unbuilt.add(id(buf))
+        self.stack.append(buf)
+
+    def _build_bytesio(self, buf: io.BytesIO, state: Any) -> None:
+        """``io.BytesIO.__setstate__`` done by hand: ``(bytes, position, None or {})``, once."""
+        if id(buf) not in self.unbuilt:
+            raise Refused("the state of an io.BytesIO is set twice")
+        if not (type(state) is tuple and len(state) == 3 and type(state[0]) is bytes and type(state[1]) is int
+                and 0 <= state[1] <= len(state[0]) and (state[2] is None or state[2] == {})):
+            raise Refused("BUILD of an io.BytesIO with a state other than (bytes, position, None)")
+        self.unbuilt.discard(id(buf))
+        self.cells -= len(state[0]) // 4  # copied
+        if self.cells < 0:
+            raise Refused(_TOO_MANY)
+        buf.write(state[0])
+        buf.seek(state[1])
+
     def op_build(self):
         state = self.stack.pop()
         inst = self.stack[-1]
-        if type(inst) is collections.OrderedDict:
+        if type(inst) is io.BytesIO:
+            self._build_bytesio(inst, state)
+        elif type(inst) is collections.OrderedDict:
             if type(state) is not dict or not all(type(k) is str and not k.startswith("__") for k in state):
                 raise Refused("BUILD of an OrderedDict with a state other than a dict of attribute names")
             self._fill(inst, (state,), (collections.OrderedDict,), "BUILD")
@@ -546,6 +577,16 @@ class PlainUnpickler:
         if len(args) != 2 or not all(type(a) is float for a in args):
             raise Refused("complex() of something other than two floats")
         return complex(*args)
+
+    def r_BytesIO(self, args):
+        if args == ():
+            return self._track(io.BytesIO(), 0, 1)
+        if len(args) != 1 or type(args[0]) is not bytes:
+            raise Refused("io.BytesIO() of something other than bytes")
+        self.cells -= len(args[0]) // 4  # copied
+        if self.cells < 0:
+            raise Refused(_TOO_MANY)
+        return self._track(io.BytesIO(args[0]), 0, 1)
 
     def r_OrderedDict(self, args):
         if args != ():
@@ -610,6 +651,7 @@ for _name, _fn in {
     "MEMOIZE": PlainUnpickler.op_memoize,
     "GLOBAL": PlainUnpickler.op_global, "STACK_GLOBAL": PlainUnpickler.op_stack_global,
     "BINPERSID": PlainUnpickler.op_binpersid, "REDUCE": PlainUnpickler.op_reduce, "BUILD": PlainUnpickler.op_build,
+    "NEWOBJ": PlainUnpickler.op_newobj,
     **{name: functools.partial(PlainUnpickler._sized, width=width, make=make) for name, width, make in (
         ("SHORT_BINUNICODE", 1, _utf8), ("BINUNICODE", 4, _utf8), ("BINUNICODE8", 8, _utf8),
         ("SHORT_BINBYTES", 1, bytes), ("BINBYTES", 4, bytes), ("BINBYTES8", 8, bytes),

@@ -13,7 +13,8 @@ What this module builds, and nothing else:
 
 - plain data (``plainpickle``): ``None``, bools, ints, floats, complex, strings,
   bytes, ``bytearray`` *of given bytes*, lists, tuples, dicts, sets, frozensets,
-  ``OrderedDict``, ``Counter``, ``torch.Size``, ``torch.device``, dtypes;
+  ``OrderedDict``, ``Counter``, ``torch.Size``, ``torch.device``, dtypes, ``io.BytesIO``
+  of given bytes;
 - tensors and parameters (``torch._utils._rebuild_tensor_v2``/``_v3``,
   ``_rebuild_parameter``): each storage is a copy of its zip record, whose size
   must be exactly what the pickle declares; the dtype is one of ``_DTYPES``; sizes,
