@@ -368,6 +368,58 @@ class Coordinator:
                                    input_split_sizes=list(send_counts), group=self.group)
         return out
 
+    def all_gather_ints(self, values: "list[int]", step: str | None = None) -> "list[list[int]]":
+        """Every rank's ``values`` (the same count on every rank), in rank order: one
+        all_gather of ``len(values)`` int64 per rank (no pickling). ``step``: its name in a
+        PeerLost (default: the caller's function)."""
+        mine = torch.tensor(list(values), dtype=torch.int64)
+        if self.group is None:
+            return [mine.tolist()]
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        with self._step(step or f"all_gather in {_caller()}"):
+            dist.all_gather(out, mine, group=self.group)
+        return [t.tolist() for t in out]
+
+    def all_to_all_objects(self, objs: list, step: str, *, limit: int) -> list:
+        """``objs[r]`` (picklable) goes to rank ``r``; returns what each rank sent here, in
+        rank order. Pickled here, then two all_to_all_single: one int64 length per pair of
+        ranks, then the bytes, so a rank handles its own payloads and ``world_size``
+        lengths, nothing other ranks send each other. A payload of more than ``limit``
+        bytes is refused on the rank that would send it, and a length above ``limit`` on
+        the rank that would receive it, before anything is allocated for it: every rank
+        raises CollectiveError naming the ranks (the exchange of lengths is itself the
+        agreement). Bounded in time by the group's timeout (PeerLost), as every step."""
+        if len(objs) != self.world_size:
+            raise ValueError(f"{step}: {len(objs)} payloads for {self.world_size} ranks")
+        blobs = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
+        if self.group is None:
+            return [pickle.loads(blobs[0])]
+        too_big = [r for r, b in enumerate(blobs) if len(b) > limit]
+        # a rank with a payload over the limit announces -1 to every rank: all refuse together
+        lengths = torch.tensor([-1 if too_big else len(b) for b in blobs], dtype=torch.int64)
+        got = torch.empty(self.world_size, dtype=torch.int64)
+        with self._step(step):
+            dist.all_to_all_single(got, lengths, group=self.group)
+        bad = {r: (f"a payload of more than {limit} bytes" if n < 0 else f"announced {n} bytes, more than the "
+                   f"{limit} allowed") for r, n in enumerate(got.tolist()) if n < 0 or n > limit}
+        flag = torch.tensor([1 if bad else 0], dtype=torch.int64)
+        with self._step(step):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if int(flag.item()):
+            raise CollectiveError(step, bad or {self.rank: "another rank refused a payload over the limit"})
+        counts = got.tolist()
+        send = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8) if any(blobs) else \
+            torch.empty(0, dtype=torch.uint8)
+        recv = torch.empty(sum(counts), dtype=torch.uint8)
+        with self._step(step):
+            dist.all_to_all_single(recv, send, output_split_sizes=counts, input_split_sizes=[len(b) for b in blobs],
+                                   group=self.group)
+        data, out, at = recv.numpy().tobytes(), [], 0
+        for n in counts:
+            out.append(pickle.loads(data[at:at + n]))
+            at += n
+        return out
+
     def isend(self, tensor, dst: int, tag: int = 0):
         """Start sending ``tensor`` to rank ``dst`` of this group (a Work, for ``wait``)."""
         self._usable()

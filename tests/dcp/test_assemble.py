@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from cloudckpt.dcp.assemble import SLOTS, fragment, header, metadata_bytes
+from cloudckpt.dcp.assemble import SHARED, SLOTS, fragment, header, metadata_bytes
 from cloudckpt.testing.multiprocess import run_ranks
 
 LAYOUTS = ("ddp", "fsdp", "hsdp", "tp2d", "uneven")
@@ -131,9 +131,9 @@ def test_stock_dcp_reads_a_folder_whose_metadata_was_assembled_as_it_reads_its_o
                 assert (torch.equal(v, b[key][k]) if isinstance(v, torch.Tensor) else v == b[key][k]), (layout, k)
 
 
-def test_a_fragment_shares_no_memo_with_another_but_the_headers_three_dicts():
-    """Every fragment memoises from slot 3 up and reads back only what it wrote (the C
-    pickler's own indices); the header's BINPUTs are slots 0-2."""
+def test_a_fragment_memoises_nothing_and_reads_only_the_headers_slots():
+    """A fragment writes no memo slot and reads only the header's: the three dicts and
+    the shared names (SHARED), each of which the header puts exactly once."""
     import pickletools
 
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
@@ -142,14 +142,11 @@ def test_a_fragment_shares_no_memo_with_another_but_the_headers_three_dicts():
     entry = TensorStorageMetadata(TensorProperties(dtype=torch.float32), size,
                                   [ChunkStorageMetadata(torch.Size([0, 0]), size)])
     frag = fragment(state_dict_metadata={"a": entry, "b": entry}, planner_data={"a": ("a",)})
-    puts: set = set()
-    for op, arg, _ in pickletools.genops(frag + b"."):  # the STOP ends the opcodes genops reads
-        if op.name in ("BINPUT", "LONG_BINPUT"):
-            assert arg >= 3  # never one of the header's slots
-            puts.add(arg)
-        elif op.name in ("BINGET", "LONG_BINGET"):
-            assert arg in puts or arg in (SLOTS["state_dict_metadata"], SLOTS["planner_data"]), arg
-    assert len(puts) > 10  # it memoises (from slot 4: slot 3 was the dict, whose EMPTY_DICT it leaves out)
-    header_puts = {arg for op, arg, _ in pickletools.genops(header() + b"b.") if op.name == "BINPUT"}
-    assert header_puts & {0, 1, 2} == set(SLOTS.values())  # its own strings memoise from 3 up, as a fragment's
+    ops = [(op.name, arg) for op, arg, _ in pickletools.genops(frag + b".")]  # the STOP ends what genops reads
+    assert not [arg for name, arg in ops if "PUT" in name or name == "MEMOIZE"]
+    gets = {arg for name, arg in ops if "GET" in name}
+    assert gets <= set(range(len(SLOTS) + len(SHARED))) and {0, 1} <= gets and len(gets) > 5
+    puts = [arg for op, arg, _ in pickletools.genops(header() + b"b.") if op.name == "BINPUT"]
+    assert sorted(puts) == list(range(len(SLOTS) + len(SHARED)))
     assert fragment() == b""
+

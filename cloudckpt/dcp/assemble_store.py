@@ -1,0 +1,114 @@
+"""DCP's ``.metadata`` joined in the store from every rank's fragment (dcp/assemble.py):
+no rank holds more than its run of fragments, the coordinator only begins and completes.
+
+The call order (every rank calls :func:`assemble_in_store`; roles inside):
+
+1. (coordinator) ``store.begin_assembly(url)``, broadcast (one small value).
+2. (all ranks) one all_gather of each rank's fragment size (one int64 a rank).
+3. (all ranks, the same answer) :func:`runs`: consecutive ranks grouped so that
+   every run's bytes (the header counted with rank 0's fragment, the trailer with the
+   last rank's) reach the store's least piece (S3: 5 MiB) but the last run's, and the
+   runs number no more than the store takes (S3: 10,000). A store without a least
+   piece (GCS, local folders) has one run per rank with bytes.
+4. (ranks of a run) each sends its fragment to the run's first rank (point to point);
+   that rank joins them in rank order and uploads the run as piece ``k``.
+5. (all ranks -> coordinator) the pieces' records (a few dozen bytes each) are
+   gathered; the coordinator completes the object, or, if any rank failed, every rank
+   raises one error naming each failure and the coordinator aborts the assembly
+   (nothing appears at the URL; its pieces are removed).
+
+What a reader sees meanwhile: nothing at the URL until the complete; and a step's
+``.metadata`` is read only once its marker exists, which the save writes after this.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ..dist import Coordinator
+from ..storage import ObjectStore
+from ..storage.assembly import Piece
+from ..storage.base import ObjectInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Ranks ``[first, end)`` whose fragments make piece ``index``: bytes ``[offset,
+    offset + size)`` of the object, uploaded by rank ``first``."""
+
+    index: int
+    first: int
+    end: int
+    offset: int
+    size: int
+
+
+def runs(sizes: list[int], *, min_piece: int, max_pieces: Optional[int]) -> list[Run]:
+    """The runs of ranks whose joined fragments (``sizes``, in rank order, the header and
+    trailer counted in) make the pieces: each at least ``target`` bytes but the last,
+    where ``target`` is the store's least piece, raised so that at most ``max_pieces``
+    runs are made (and at least 1 byte: a rank without bytes joins the next run)."""
+    total = sum(sizes)
+    target = max(min_piece, 1, math.ceil(total / max_pieces) if max_pieces else 0)
+    out: list[Run] = []
+    first, acc, offset = 0, 0, 0
+    for r, n in enumerate(sizes):
+        acc += n
+        if acc >= target:
+            out.append(Run(len(out), first, r + 1, offset, acc))
+            first, offset, acc = r + 1, offset + acc, 0
+    if first < len(sizes) and (acc or not out):
+        out.append(Run(len(out), first, len(sizes), offset, acc))
+    elif first < len(sizes):  # ranks without bytes at the end: part of the last run
+        last = out[-1]
+        out[-1] = Run(last.index, last.first, len(sizes), last.offset, last.size)
+    return out
+
+
+def assemble_in_store(coord: Coordinator, store: ObjectStore, url: str, fragment: bytes, *, header: bytes,
+                      trailer: bytes, if_absent: bool = False) -> ObjectInfo:
+    """Every rank: the object ``url`` made of ``header``, every rank's ``fragment`` in
+    rank order and ``trailer`` (the same header and trailer on every rank), assembled in
+    ``store``; returns its ObjectInfo on every rank. Raises on every rank if any failed
+    (CollectiveError naming each failing rank, or PeerLost); nothing is at ``url`` then."""
+    assembly = coord.on_coordinator("begin the assembly of " + url, lambda: store.begin_assembly(url))
+    try:
+        mine = len(fragment) + (len(header) if coord.rank == 0 else 0) \
+            + (len(trailer) if coord.rank == coord.world_size - 1 else 0)
+        sizes = [s[0] for s in coord.all_gather_ints([mine], "sizes of the fragments of " + url)]
+        plan = runs(sizes, min_piece=store.min_piece_size, max_pieces=store.max_pieces)
+        run = next(x for x in plan if x.first <= coord.rank < x.end)
+
+        def upload() -> Optional[Piece]:
+            if coord.rank != run.first:
+                if sizes[coord.rank]:
+                    coord.send_bytes(fragment, run.first)
+                return None
+            parts = [header] if coord.rank == 0 else []
+            parts.append(fragment)
+            for r in range(run.first + 1, run.end):
+                if sizes[r]:
+                    parts.append(coord.recv_bytes(r, limit=sizes[r]))
+            if run.end == coord.world_size:
+                parts.append(trailer)
+            data = b"".join(parts)
+            if len(data) != run.size:
+                raise RuntimeError(f"assemble {url}: run {run.index} holds {len(data)} bytes, not the {run.size} "
+                                   "its ranks announced")
+            return store.put_piece(assembly, run.index, data, offset=run.offset)
+
+        pieces = coord.to_coordinator("upload the pieces of " + url, upload)
+        return coord.on_coordinator("complete the assembly of " + url, lambda: store.complete_assembly(
+            assembly, [p for p in pieces if p is not None], if_absent=if_absent))
+    except BaseException:
+        if coord.is_coordinator:
+            try:
+                store.abort_assembly(assembly)
+            except Exception as e:  # noqa: BLE001 - the error raised below says more; this one is logged
+                log.warning("assemble %s failed, and aborting it failed too: %s", url, e)
+        raise
