@@ -3,7 +3,7 @@ and for the coordinator (rank 0) of an R-rank job whose R - 1 peers are simulate
 
     .venv/bin/python -m bench.scale                       # R = 64 ... 16,384, the 70B shape
     .venv/bin/python -m bench.scale --quick               # a smoke run: tiny shape, R = 4, 16
-    .venv/bin/python -m bench.scale --confirm             # + real gloo ranks (R = 2, 4) on the T-tensor shape
+    .venv/bin/python -m bench.scale --confirm             # + real gloo ranks (R = 2, 4, 8) on the T-tensor shape
 
 The shape: Llama-3-70B with AdamW, fp32 (80 layers, 723 parameters; weights,
 ``exp_avg`` and ``exp_avg_sq`` sharded on dim 0 over every rank: 2,169 sharded tensors,
@@ -374,11 +374,9 @@ def entries_of(shape: Shape, R: int, r: int, extra=()):
         chunks = tuple(sorted((off, n, f"{(r * 7919 + k * 104729 + off) & 0xffffffff:08x}") for _, off, n in f))
         out.append(ObjectEntry(f"model_and_optim/__{r}_{k}.distcp", size, f"{(r * 31 + k) & 0xffffffff:08x}", chunks))
     out.append(ObjectEntry(f"train/rank{r}.pt", 1234, f"{r & 0xffffffff:08x}"))
-    part = index_part(shape, R, r) if r < 2 else None  # the ranks the phases load; peers' parts are never read
+    part = index_part(shape, R, r)  # written beside the manifest part (_publish_peer_parts): export reads them all
     if part is not None:
         out.append(ObjectEntry(f"index/rank{r}.json", len(part), _crc(part)))
-    elif any(i[1] for i in items):
-        out.append(ObjectEntry(f"index/rank{r}.json", 200 * len(items), f"{(r * 13) & 0xffffffff:08x}"))
     return out + list(extra)
 
 
@@ -398,6 +396,9 @@ def index_part(shape: Shape, R: int, r: int) -> bytes | None:
 
     key = (shape.name, R, r)
     if key not in _PARTS:
+        peer = next((k for k in _PARTS if k[2] > 1), None)
+        if peer is not None:  # the parts of ranks 0 and 1 are asked again; a peer's once (R of them)
+            del _PARTS[peer]
         items = rank_items(shape, R, r)
         out = []
         for k, f in enumerate(rank_files(items)):
@@ -636,8 +637,13 @@ def _publish_peer_parts(sim: SimCoordinator, shape: Shape, R: int, step: str, sa
         from cloudckpt.checkpoint.parts import ManifestPart, PartRef
     except ImportError:
         return  # one manifest in the marker: nothing per peer to upload
+    from cloudckpt.checkpoint import layout
+
     for r in range(1, R):
         part = ManifestPart(step=STEP, rank=r, save_id=save_id, objects=tuple(entries_of(shape, R, r)))
+        index = index_part(shape, R, r)
+        if index is not None:
+            Path(step, layout.index_part_name(r)).write_bytes(index)
         data = part.to_bytes()
         ref = PartRef.of(r, data, part)
         path = Path(step) / ref.path
@@ -688,7 +694,8 @@ def _time_metadata_parse() -> dict:
     in the returned ``{"s": ...}``: ``CommittedStep.metadata`` (a step without the DCP
     index: the whole ``.metadata``), ``CommittedStep.select`` (the header parsed and
     checked, this rank's chunks selected) and ``CommittedStep.plan_metadata`` (its index
-    parts read, its Metadata built)."""
+    parts read, its Metadata built) and ``CommittedStep.shapes`` (``load_with``: every
+    key's size and dtype handed to ``build``)."""
     from cloudckpt.checkpoint.committed import CommittedStep
 
     parse = {"s": 0.0}
@@ -702,14 +709,29 @@ def _time_metadata_parse() -> dict:
                 parse["s"] += time.process_time() - t
         return run
 
-    for name in ("metadata", "select", "plan_metadata"):
+    for name in ("metadata", "select", "plan_metadata", "shapes"):
         setattr(CommittedStep, name, timed(getattr(CommittedStep, name)))
     return parse
 
 
-def _load_prologue(args, rank: int) -> dict:
+def _build_from(target: dict, seen: list):
+    """``load_with``'s ``build``: the caller's targets (made before the phase, as the
+    integrations make them from what they are handed) checked against the metadata
+    handed over: every key, its size."""
+    def build(md) -> dict:
+        sdm = md.state_dict_metadata
+        seen.append(len(sdm))
+        for k, v in target.items():
+            if tuple(sdm[k].size) != tuple(v.shape):
+                raise RuntimeError(f"{k}: handed {tuple(sdm[k].size)}, target {tuple(v.shape)}")
+        return target
+    return build
+
+
+def _load_prologue(args, rank: int, *, with_build: bool = False) -> dict:
     shape = shape_named(args.shape)
     target = _sharded_target(shape, args.ranks, rank)
+    seen: list = []
     ck = _checkpointer(args.work)
     sim = ck.coord = SimCoordinator(rank, args.ranks, _payloads(args))
     step = str(Path(args.work) / "run" / f"step{STEP}")
@@ -721,14 +743,20 @@ def _load_prologue(args, rank: int) -> dict:
             found = mgr.step_to_resume()
             assert found is not None and found.endswith(f"step{STEP}"), found
         try:
-            ck.load(step, target, load_trainer_state=False, before_read=_stop)
+            if with_build:
+                ck.load_with(step, _build_from(target, seen), load_trainer_state=False, before_read=_stop)
+            else:
+                ck.load(step, target, load_trainer_state=False, before_read=_stop)
         except _FirstByte as e:
             reads = e.args[0]
     ck.close()
     if reads is None:
         raise RuntimeError("the load read data without calling before_read first")
     return {"received_bytes": sum(sim.received.values()), "broadcast_sent_bytes": sum(sim.sent.values()),
-            "items_to_read": reads, "metadata_parse_cpu_s": round(parse["s"], 3), **m.report(sim.synth_cpu)}
+            "items_to_read": reads, "metadata_parse_cpu_s": round(parse["s"], 3),
+            "collectives": {k: [sim.sent.get(k, 0), sim.received.get(k, 0)]
+                            for k in sorted({*sim.sent, *sim.received})},
+            **({"keys_handed": seen[0]} if with_build else {}), **m.report(sim.synth_cpu)}
 
 
 def _manager(args, ck):
@@ -751,6 +779,12 @@ def phase_resume(args) -> dict:
 
 def phase_load(args) -> dict:
     return _load_prologue(args, 1)
+
+
+def phase_load_with(args) -> dict:
+    """An ordinary rank's ``Checkpointer.load_with`` (the Lightning and OLMo-core
+    integrations) to its first data byte: the targets built from the metadata handed over."""
+    return _load_prologue(args, 1, with_build=True)
 
 
 def phase_stock(args) -> dict:
@@ -814,6 +848,35 @@ def phase_finish(args) -> dict:
         (work / "repeated" / "model_and_optim" / ".metadata").read_bytes()
     shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def phase_export(args) -> dict:
+    """``cloudckpt export`` of the model's weights, all but the bytes of the tensors:
+    ``ops.export``'s own opening of the step (the index header, every rank's manifest
+    part and index part read, checked and spilled to its chunk index) and each tensor's
+    chunk list fetched in turn as the safetensors writer fetches it, with its items and
+    CRC32Cs. Reading, casting and writing the weights (bounded by the largest tensor,
+    the same at every R) is not run: 280 GB here."""
+    from cloudckpt.checkpoint.step import StepRef
+    from cloudckpt.ops import export
+
+    step = StepRef.of(str(Path(args.work) / "run" / f"step{STEP}"))
+    spill = os.path.join(args.work, "export.chunks")
+    with Meter() as m:
+        c, entries, skipped, locate, stored, chunks = export._open(step, "model", None, verify=True,
+                                                                   safetensors=True, spill=spill)
+        longest = located = 0
+        try:
+            for e in entries:
+                got = locate(e)
+                located += len(got)
+                longest = max(longest, len(got))
+                del got
+        finally:
+            if chunks is not None:
+                chunks.close()
+    return {"tensors": len(entries), "chunks": located, "largest_chunk_list": longest, "stored_bytes": stored,
+            "non_tensors": len(skipped), **m.report()}
 
 
 class _Counting:
@@ -894,7 +957,8 @@ def phase_maintain(args) -> dict:
     return out
 
 
-PHASES = {"save": phase_save, "resume": phase_resume, "load": phase_load, "stock": phase_stock,
+PHASES = {"save": phase_save, "resume": phase_resume, "load": phase_load, "load_with": phase_load_with,
+          "export": phase_export, "stock": phase_stock,
           "finish": phase_finish,
           "maintain": phase_maintain}
 
@@ -974,11 +1038,19 @@ def gloo_worker(rank, world_size, folder, work, tensors):
         ck.save(f"{folder}/step{s}", sd)
     parse = _time_metadata_parse()
     target = {k: torch.zeros_like(v) for k, v in sd.items()}
-    ck.load(path, target)
+    from bench.real_load import Collectives
+
+    col = Collectives().install()  # each torch.distributed call's bytes, by the named step it runs in
+    try:
+        ck.load(path, target)
+    finally:
+        col.uninstall()
     ck.close()
+    load_steps = {step: [sum(v[1] for v in ops.values()), sum(v[2] for v in ops.values())]
+                  for step, ops in col.calls.items()}
     marker = os.path.getsize(os.path.join(path, ".metadata.json"))
     return {"agree_received_bytes": got["agree"], "marker_bytes": marker, "metadata_parse_cpu_s": round(parse["s"], 3),
-            "dcp_gather_sent_bytes": sent}
+            "dcp_gather_sent_bytes": sent, "load_collectives": load_steps}
 
 
 def confirm(tensors: int, ranks: list[int], tmp: str) -> list[dict]:
@@ -999,10 +1071,23 @@ def confirm(tensors: int, ranks: list[int], tmp: str) -> list[dict]:
                                            "marker_bytes": sim.get("marker_bytes"),
                                            "load_cpu_s": sim_load.get("cpu_s"),
                                            "metadata_parse_cpu_s": sim_load.get("metadata_parse_cpu_s"),
+                                           "load_collectives": sim_load.get("collectives"),
                                            "error": sim.get("error") or sim_load.get("error")}})
+        rows[-1]["load_payloads_agree"] = payloads_agree(real[1]["load_collectives"] if R > 1 else {},
+                                                         sim_load.get("collectives") or {})
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(swork, ignore_errors=True)
     return rows
+
+
+def payloads_agree(real: dict, sim: dict) -> bool:
+    """An ordinary rank's load: every named step the simulation runs (its prologue, up
+    to the first data byte: not ``load read``), bytes out and in, real (each
+    ``torch.distributed`` call counted) against the simulation's model of the same
+    collective, within 5 % and 16 bytes (pickled payloads differ by a few bytes of ids)."""
+    if not sim or not set(sim) <= set(real):
+        return False
+    return all(abs(a - b) <= 0.05 * max(a, b) + 16 for k in sim for a, b in zip(real[k], sim[k], strict=True))
 
 
 # ---------------------------------------------------------------------- driver
@@ -1022,7 +1107,7 @@ def main() -> None:
     ap.add_argument("--max-ranks", type=int, default=RANKS[-1])
     ap.add_argument("--quick", action="store_true", help="smoke run: the small shape at R = 4, 16")
     ap.add_argument("--mem-gib", type=float, default=10.0, help="skip a phase whose estimate is above this")
-    ap.add_argument("--confirm", action="store_true", help="also real gloo ranks (R = 2, 4) with --tensors")
+    ap.add_argument("--confirm", action="store_true", help="also real gloo ranks (R = 2, 4, 8) with --tensors")
     ap.add_argument("--tensors", type=int, default=4000)
     ap.add_argument("--only", default=None, help="comma-separated R to run (default: every R up to --max-ranks)")
     ap.add_argument("--load-reps", type=int, default=1,
@@ -1041,7 +1126,7 @@ def main() -> None:
         res = json.loads((out / "scale.json").read_text())
         tmp = tempfile.mkdtemp(prefix="cloudckpt-scale-")
         try:
-            res["confirm"] = confirm(args.tensors, [2, 4], tmp)
+            res["confirm"] = confirm(args.tensors, [2, 4, 8], tmp)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         res["confirm_command"] = ".venv/bin/python -m bench.scale " + " ".join(sys.argv[1:])
@@ -1063,7 +1148,7 @@ def main() -> None:
         work = tempfile.mkdtemp(dir=tmp, prefix=f"R{R}-")
         row["inputs"] = run_phase("inputs", shape.name, R, work, mem_gib=args.mem_gib)
         if "error" not in row["inputs"]:
-            for phase in ("save", "resume", "load", "stock", "finish"):
+            for phase in ("save", "resume", "load", "load_with", "export", "stock", "finish"):
                 row[phase] = run_phase(phase, shape.name, R, work, mem_gib=args.mem_gib)
             if args.load_reps > 1 and "error" not in row["load"]:
                 # the load prologue again (its inputs stay): CPU seconds vary by run on a shared machine
@@ -1078,7 +1163,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    confirmed = confirm(args.tensors if not args.quick else 300, [2] if args.quick else [2, 4], tmp) \
+    confirmed = confirm(args.tensors if not args.quick else 300, [2] if args.quick else [2, 4, 8], tmp) \
         if args.confirm else []
     if not args.tmp:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1134,10 +1219,12 @@ def report(res: dict) -> str:
              "", f"Command: `{res['command']}`  ", f"Measured {res['when']} on {res['machine']['cpus']} CPUs.", "",
              "| R | DCP items | AGREE in, rank 0 / other rank (MB) | rank 0 save CPU-s / peak MB | marker (MB) | "
              "DCP index header (MB); its build on rank 0, CPU-s: first save / repeated | "
-             "resume on rank 0 CPU-s / peak MB | load prologue CPU-s / peak MB / MB in | stock DCP .metadata "
+             "resume on rank 0 CPU-s / peak MB | load prologue CPU-s / peak MB / MB in | "
+             "load_with prologue CPU-s / peak MB | export (all but the weights' bytes): CPU-s / peak MB | "
+             "stock DCP .metadata "
              "pickle.loads CPU-s / peak MB | DCP's save finish on rank 0 (.metadata, index header): results "
              "gathered (MB), CPU-s / peak MB, first save; repeated save | maintenance: store calls, CPU-s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in res["rows"]:
         save, load, inputs = row.get("save") or {}, row.get("load") or {}, row.get("inputs") or {}
         lines.append(
@@ -1148,6 +1235,8 @@ def report(res: dict) -> str:
             f"{_cell(row, 'inputs', 'index_header_build_cpu_s', 'index_header_rebuild_cpu_s')} | "
             f"{_cell(row, 'resume', 'cpu_s', 'peak_rss_above_base_mb')} | "
             f"{_cell(row, 'load', 'cpu_s', 'peak_rss_above_base_mb')} / {_mb(load.get('received_bytes'))} | "
+            f"{_cell(row, 'load_with', 'cpu_s', 'peak_rss_above_base_mb')} | "
+            f"{_cell(row, 'export', 'cpu_s', 'peak_rss_above_base_mb')} | "
             f"{_cell(row, 'stock', 'cpu_s', 'peak_rss_above_base_mb')} | "
             f"{_finish(row)} | "
             + "; ".join(f"N={n}: {_maint(row, n)}" for n in _kept(row)) + " |")
@@ -1172,6 +1261,17 @@ def report(res: dict) -> str:
                          f"{sim.get('metadata_parse_cpu_s', '-')} | "
                          + ", ".join(" / ".join(f"{x:,}" for x in r.get("dcp_gather_sent_bytes", [])) for r in real)
                          + " |")
+        lines += ["", "An ordinary rank's load (rank 1), bytes out / in of each named collective step: real "
+                  "(every torch.distributed call counted) against the simulation's model of it:", "",
+                  "| R | step | real | simulated |", "|---|---|---|---|"]
+        for c in res["confirm"]:
+            real = c["real"][1].get("load_collectives", {}) if len(c["real"]) > 1 else {}
+            sim = c["sim"].get("load_collectives") or {}
+            for step in sorted({*real, *sim}):
+                a, b = real.get(step), sim.get(step)
+                lines.append(f"| {c['ranks']} | {step} | {' / '.join(f'{x:,}' for x in a) if a else '-'} | "
+                             f"{' / '.join(f'{x:,}' for x in b) if b else '-'} |")
+            lines.append(f"| {c['ranks']} | agree (5 % + 16 B) | {c.get('load_payloads_agree')} | |")
     return "\n".join(lines) + "\n"
 
 

@@ -179,8 +179,12 @@ def test_smoke_scale_runs_every_phase_and_agrees_with_real_ranks(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads((tmp_path / "scale_quick.json").read_text())
     (row,) = res["rows"]
-    for phase in ("inputs", "save", "resume", "load", "stock", "maintain_N3"):
+    for phase in ("inputs", "save", "resume", "load", "load_with", "export", "stock", "maintain_N3"):
         assert "error" not in row[phase], (phase, row[phase])
+    assert row["load_with"]["keys_handed"] == res["sharded_tensors"] + res["scalars"], row["load_with"]
+    assert row["load_with"]["items_to_read"] == row["load"]["items_to_read"] > 0
+    # export: every chunk of the model's tensors located, one tensor's list at a time (R chunks at most)
+    assert row["export"]["chunks"] == res["sharded_tensors"] // 3 * 4 and row["export"]["largest_chunk_list"] == 4
     assert row["save"]["marker_bytes"] > 0 and row["load"]["items_to_read"] > 0
     assert row["stock"]["items"] == row["inputs"]["items"] == row["items"]
     m = row["maintain_N3"]
@@ -191,6 +195,8 @@ def test_smoke_scale_runs_every_phase_and_agrees_with_real_ranks(tmp_path):
     assert abs(real[0] - sim) <= 0.05 * max(real[0], 1) + 16, (real, sim)
     assert abs(c["real"][0]["marker_bytes"] - c["sim"]["marker_bytes"]) <= 0.05 * c["sim"]["marker_bytes"], c
     assert c["sim"]["error"] is None and c["sim"]["metadata_parse_cpu_s"] is not None, c["sim"]
+    # the simulated collectives carry what the real ones carry: an ordinary rank's load, step by step
+    assert c["load_payloads_agree"], (c["real"][1]["load_collectives"], c["sim"]["load_collectives"])
     # a repeated save of the same structure sends less in DCP's gathers (the plan cache answers)
     assert all(r["dcp_gather_sent_bytes"][1] < r["dcp_gather_sent_bytes"][0] for r in c["real"]), c["real"]
     assert "| 4 |" in (tmp_path / "scale_quick.md").read_text()

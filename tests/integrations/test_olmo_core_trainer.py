@@ -113,6 +113,8 @@ def test_olmo_core_trainer_killed_after_a_committed_save_resumes_weights_optimiz
     assert 2 in committed and max(committed) < 6, committed
     out = train(olmo_server, folder, tmp_path, "b", *extra)
     resumed_at = int(next(line.split()[1] for line in out.splitlines() if line.startswith("RESUMED")))
+    # the resume (Checkpointer.load_with) built its targets from the DCP index header, read no .metadata
+    assert "DCP METADATA READ" not in out, out[-3000:]
     assert resumed_at == max(committed)
     resumed = load(tmp_path / "b" / "resumed.pt")
     assert resumed["global_step"] == resumed_at

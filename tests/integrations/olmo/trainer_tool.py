@@ -31,7 +31,16 @@ def main() -> None:
     from olmo_core.train.callbacks import Callback, CheckpointerCallback
     from olmo_core.train.train_module import TransformerTrainModuleConfig
 
+    from cloudckpt.checkpoint.committed import CommittedStep
     from cloudckpt.integrations.olmo_core import CloudCheckpointer, CloudCheckpointerConfig
+
+    read_metadata = CommittedStep.metadata_bytes
+
+    def metadata_bytes(self):  # the test asserts a resume never reads DCP's whole .metadata
+        print("DCP METADATA READ", self.step.metadata_url, flush=True)
+        return read_metadata(self)
+
+    CommittedStep.metadata_bytes = metadata_bytes
 
     ap = argparse.ArgumentParser()
     ap.add_argument("cmd", choices=["train"])
