@@ -116,6 +116,7 @@ class Coordinator:
     """
 
     lost: PeerLost | None = None  # the first step that lost a peer: the group is spent
+    exchanged: tuple[int, int] = (0, 0)  # bytes sent and received by the last all_to_all_objects
 
     def __init__(self, *, timeout: float = 600.0, group=None, local: bool = False):
         """``local=True``: this process acts alone even in a distributed job (e.g. a
@@ -388,11 +389,13 @@ class Coordinator:
         bytes is refused on the rank that would send it, and a length above ``limit`` on
         the rank that would receive it, before anything is allocated for it: every rank
         raises CollectiveError naming the ranks (the exchange of lengths is itself the
-        agreement). Bounded in time by the group's timeout (PeerLost), as every step."""
+        agreement). Bounded in time by the group's timeout (PeerLost), as every step.
+        :attr:`exchanged` is then ``(bytes sent, bytes received)``, this rank's own included."""
         if len(objs) != self.world_size:
             raise ValueError(f"{step}: {len(objs)} payloads for {self.world_size} ranks")
         blobs = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
         if self.group is None:
+            self.exchanged = (len(blobs[0]), len(blobs[0]))
             return [pickle.loads(blobs[0])]
         too_big = [r for r, b in enumerate(blobs) if len(b) > limit]
         # a rank with a payload over the limit announces -1 to every rank: all refuse together
@@ -414,6 +417,7 @@ class Coordinator:
         with self._step(step):
             dist.all_to_all_single(recv, send, output_split_sizes=counts, input_split_sizes=[len(b) for b in blobs],
                                    group=self.group)
+        self.exchanged = (len(send), len(recv))
         data, out, at = recv.numpy().tobytes(), [], 0
         for n in counts:
             out.append(pickle.loads(data[at:at + n]))

@@ -1,0 +1,211 @@
+"""A save's global planning done by owners of the keys, not by one rank: no rank
+receives every rank's plan.
+
+The call order (every rank calls :func:`plan_by_owners` with its own local plan,
+``DefaultSavePlanner.create_local_plan()``'s):
+
+1. (all ranks) each item of the local plan becomes a small record (key, chunk offsets
+   and sizes, properties, the tensor's size, its position in the plan, its flattened
+   path), sent to the owner of its key (:func:`owner_of`: a CRC32 of the key modulo the
+   world size): one all-to-all (``Coordinator.all_to_all_objects``).
+2. (owners) for each key it owns an owner checks what DCP's global planner checks:
+   the same properties and size on every rank, every chunk inside the tensor, no two
+   chunks overlapping (a replicated chunk is the same chunk, held by several ranks),
+   the chunks covering the tensor; it chooses one writer for each chunk held by several
+   ranks, deterministically from its holders (``writer="lowest"``: the lowest rank, as
+   ``DefaultSavePlanner(dedup_save_to_lowest_rank=True)``; ``"spread"``: a holder
+   picked by a hash of the key and offsets, so replicated items spread over the ranks
+   with no exchange of loads), and makes the key's ``Metadata`` entries (chunks in
+   DCP's order: writer rank, then position in its plan). Any owner's failure is
+   raised on every rank (``Coordinator.agree``).
+3. (all ranks) the owners tell each writer which of its items it writes and each
+   one's index hint (the chunk's position, as DCP's global plan rewrites it): one more
+   all-to-all of small records.
+
+A rank receives the records of the keys it owns and the decisions about its own items:
+about ``1/R`` of the job's records, never the whole. Its result, :class:`OwnedPlan`,
+holds what it writes and the Metadata entries it owns: with its own write results they
+make its ``.metadata`` fragment (:func:`fragment_of`, dcp/assemble.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from bisect import bisect_right, insort
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+
+from ..dist import Coordinator
+from ..errors import ShapeMismatch
+from .assemble import fragment
+
+WRITERS = ("lowest", "spread")
+#: Largest pickled payload one rank sends another in one exchange (the records of a share of the keys).
+PAYLOAD_LIMIT = 1 << 30
+
+
+def owner_of(fqn: str, world_size: int) -> int:
+    """The rank that owns key ``fqn`` (the same in every process: not Python's ``hash``)."""
+    return zlib.crc32(fqn.encode()) % world_size
+
+
+@dataclass
+class OwnedPlan:
+    """One rank's result: ``plan`` holds the items it writes (each tensor item's index
+    hint set as DCP's global plan sets it); ``state_dict_metadata`` and ``planner_data``
+    the Metadata entries of the keys it owns; ``sent`` / ``received`` the bytes of
+    records it sent and received in the two exchanges."""
+
+    plan: SavePlan
+    state_dict_metadata: dict
+    planner_data: dict
+    sent: int = 0
+    received: int = 0
+
+
+# a record: (fqn, is_bytes, chunk offsets, chunk sizes, properties, tensor size, position, flattened path)
+def _records(plan: SavePlan, world: int) -> list[list[tuple]]:
+    paths = plan.planner_data if isinstance(plan.planner_data, dict) else {}
+    out: list[list[tuple]] = [[] for _ in range(world)]
+    for pos, item in enumerate(plan.items):
+        fqn = item.index.fqn
+        td = item.tensor_data
+        if item.type == WriteItemType.BYTE_IO:
+            rec = (fqn, True, None, None, None, None, pos, paths.get(fqn))
+        else:
+            rec = (fqn, False, tuple(td.chunk.offsets), tuple(td.chunk.sizes), td.properties, tuple(td.size), pos,
+                   paths.get(fqn))
+        out[owner_of(fqn, world)].append(rec)
+    return out
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    (ao, asz), (bo, bsz) = a, b
+    return all(x < y + m and y < x + n for x, n, y, m in zip(ao, asz, bo, bsz, strict=True))
+
+
+def _check_chunks(fqn: str, size: tuple, chunks: list[tuple], world: int) -> None:
+    """Raise ShapeMismatch unless every chunk (offsets, sizes) is inside ``size``, no two
+    overlap (a sweep along the longest dimension, DCP's own) and, with more than one
+    rank, they cover it."""
+    volume = 0
+    for offsets, sizes in chunks:
+        if len(offsets) != len(size) or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, sizes, size,
+                                                                                            strict=True)):
+            raise ShapeMismatch(f"save: {fqn!r}: a chunk at {list(offsets)} of {list(sizes)} is outside the tensor "
+                                f"of {list(size)}; a tensor under one key must have the same shape on every rank")
+        volume += math.prod(sizes)
+    if len(chunks) > 1 and size:
+        d = max(range(len(size)), key=lambda k: size[k])
+        active: list[tuple[int, int]] = []
+        for k in sorted(range(len(chunks)), key=lambda k: (chunks[k][0][d], chunks[k][0])):
+            start = chunks[k][0][d]
+            del active[:bisect_right(active, (start, math.inf))]
+            for _, j in active:
+                if _overlap(chunks[k], chunks[j]) and math.prod(chunks[k][1]) and math.prod(chunks[j][1]):
+                    raise ShapeMismatch(f"save: {fqn!r}: the chunks at {list(chunks[k][0])} and {list(chunks[j][0])} "
+                                        "overlap; ranks must hold disjoint shards of a tensor (or the same one)")
+            insort(active, (start + chunks[k][1][d], k))
+    if world > 1 and size and volume != math.prod(size):
+        raise ShapeMismatch(f"save: {fqn!r}: its chunks hold {volume} elements of the {math.prod(size)} of the "
+                            f"tensor of {list(size)}; every element must be held by some rank")
+
+
+def _writer(fqn: str, offsets: Any, holders: list[int], how: str) -> int:
+    if how == "lowest" or len(holders) == 1:
+        return holders[0]
+    return holders[zlib.crc32(f"{fqn}|{offsets}".encode()) % len(holders)]
+
+
+def _decide(received: list[list[tuple]], world: int, how: str) -> tuple[dict, dict, list[list[tuple]]]:
+    """The owner's work on every record sent to it: (its Metadata entries, its
+    planner_data entries, for each rank the (position, index hint) of the items it writes)."""
+    by_key: dict[str, list[tuple[int, tuple]]] = {}
+    for rank, recs in enumerate(received):
+        for rec in recs:
+            by_key.setdefault(rec[0], []).append((rank, rec))
+    sdm: dict = {}
+    paths: dict = {}
+    writes: list[list[tuple]] = [[] for _ in range(world)]
+    for fqn, held in by_key.items():
+        path = next((rec[7] for _, rec in held if rec[7] is not None), None)
+        if path is not None:
+            paths[fqn] = path
+        kinds = {rec[1] for _, rec in held}
+        if len(kinds) != 1:
+            raise ShapeMismatch(f"save: {fqn!r} is a tensor on some ranks and another value on others "
+                                f"(ranks {sorted(r for r, _ in held)})")
+        if True in kinds:  # a value pickled to bytes, the same on every holder: one writer
+            holders = sorted({r for r, _ in held})
+            w = _writer(fqn, None, holders, how)
+            writes[w].append((next(rec[6] for r, rec in held if r == w), None))
+            sdm[fqn] = BytesStorageMetadata()
+            continue
+        _, first = held[0]
+        for r, rec in held:
+            if rec[4] != first[4] or rec[5] != first[5]:
+                raise ShapeMismatch(f"save: {fqn!r} is {list(first[5])} {first[4].dtype} on rank {held[0][0]} but "
+                                    f"{list(rec[5])} {rec[4].dtype} on rank {r}; a tensor under one key must have the "
+                                    "same shape, dtype and layout on every rank")
+        chunks: dict[tuple, list[tuple[int, tuple]]] = {}
+        for r, rec in held:
+            same = chunks.setdefault(rec[2], [])
+            if same and same[0][1][3] != rec[3]:
+                raise ShapeMismatch(f"save: {fqn!r}: ranks {same[0][0]} and {r} hold chunks at {list(rec[2])} of "
+                                    f"different sizes ({list(same[0][1][3])}, {list(rec[3])})")
+            same.append((r, rec))
+        _check_chunks(fqn, first[5], [(o, hs[0][1][3]) for o, hs in chunks.items()], world)
+        chosen = []  # (writer, position in its plan, offsets, sizes)
+        for offsets, hs in chunks.items():
+            w = _writer(fqn, offsets, sorted({r for r, _ in hs}), how)
+            chosen.append((w, next(rec[6] for r, rec in hs if r == w), offsets, hs[0][1][3]))
+        chosen.sort(key=lambda c: (c[0], c[1]))  # DCP's order: the writers' plans, rank by rank
+        for hint, (w, pos, _, _) in enumerate(chosen):
+            writes[w].append((pos, hint))
+        sdm[fqn] = TensorStorageMetadata(first[4], torch.Size(first[5]), [
+            ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for _, _, o, s in chosen])
+    return sdm, paths, writes
+
+
+def plan_by_owners(coord: Coordinator, local_plan: SavePlan, *, writer: str = "spread",
+                   limit: int = PAYLOAD_LIMIT) -> OwnedPlan:
+    """Every rank: the global planning of a save by owners (the module docstring), from
+    this rank's ``local_plan``. Raises on every rank what any owner found
+    (ShapeMismatch naming the key), CollectiveError or PeerLost."""
+    if writer not in WRITERS:
+        raise ValueError(f"writer={writer!r}: use one of {WRITERS}")
+    world = coord.world_size
+    received = coord.all_to_all_objects(_records(local_plan, world), "send the save plan's records to their owners",
+                                        limit=limit)
+    sent, got = coord.exchanged
+    sdm, paths, writes = coord.agree("owners check the save plan", lambda: _decide(received, world, writer))
+    mine = coord.all_to_all_objects(writes, "tell each rank what it writes", limit=limit)
+    sent2, got2 = coord.exchanged
+    hints = dict(p for per_owner in mine for p in per_owner)
+    items = []
+    for pos, item in enumerate(local_plan.items):
+        if pos not in hints:
+            continue
+        if hints[pos] is not None:
+            item = dataclasses.replace(item, index=MetadataIndex(item.index.fqn, item.index.offset, hints[pos]))
+        items.append(item)
+    plan = dataclasses.replace(local_plan, items=items)
+    return OwnedPlan(plan, sdm, paths, sent + sent2, got + got2)
+
+
+def fragment_of(owned: OwnedPlan, write_results: list) -> bytes:
+    """This rank's ``.metadata`` fragment (dcp/assemble.py): the entries of the keys it
+    owns and the storage entries of the items it wrote (DCP's WriteResults)."""
+    return fragment(state_dict_metadata=owned.state_dict_metadata, planner_data=owned.planner_data,
+                    storage_data=[(wr.index, wr.storage_data) for wr in write_results])
