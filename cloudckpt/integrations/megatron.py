@@ -17,8 +17,9 @@ Megatron's ``dist_checkpointing.serialization.save`` (factories, non-persistent
 values, the sharding check, common state as the ``ShardedObject`` ``common_state``)
 and then :class:`CloudSaveStrategy`, a ``TorchDistSaveShardedStrategy`` whose ``save``
 runs Megatron's own state-dict translation (``mcore_to_pyt_state_dict``) and
-``torch.distributed.checkpoint.save`` with Megatron's ``MCoreSavePlanner`` and
-cloudckpt's uploading writer, inside cloudckpt's commit protocol: every rank writes to
+``torch.distributed.checkpoint.save`` with Megatron's ``MCoreSavePlanner`` (its global
+Metadata kept on rank 0, as cloudckpt's own planners keep it) and cloudckpt's uploading
+writer, inside cloudckpt's commit protocol: every rank writes to
 its own work dir, uploads are throttled and retried, rank 0 adds Megatron's
 ``metadata.json`` (an object of the step, in its manifest) and cloudckpt's marker is
 written last, so that neither Megatron nor cloudckpt ever sees the step before it is
@@ -177,6 +178,12 @@ def _save_pyt(ckpt: Checkpointer, url: str, number: int, pyt_state_dict: dict, p
 def _save_strategy_class():
     mtorch = _strategy_bases()
     core = _megatron()[0]
+    from .._torch_compat import _CoordinatorPlanner
+
+    class CoordinatorMCorePlanner(_CoordinatorPlanner, mtorch.MCoreSavePlanner):
+        """Megatron's save planner whose global Metadata stays on rank 0: DCP broadcasts
+        it to every rank at the end of a save, an empty Metadata is what they receive
+        (``_torch_compat.CoordinatorMetadata``)."""
 
     class CloudSaveStrategy(mtorch.TorchDistSaveShardedStrategy):
         """Megatron's ``torch_dist`` save strategy writing through cloudckpt (module docstring).
@@ -216,7 +223,7 @@ def _save_strategy_class():
 
             pyt_state_dict = _every_rank(ckpt, "megatron translate", translate)
             config = core.CheckpointingConfig(self.backend, self.version)
-            planner = mtorch.MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+            planner = CoordinatorMCorePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
                                               flatten_state_dict=False, flatten_sharded_tensors=False)
             _save_pyt(ckpt, url, number, pyt_state_dict, planner, dict(config.__dict__), ephemeral=self.ephemeral)
 

@@ -12,16 +12,23 @@ from the source tree (PYTHONPATH). Every command starts ``--world`` ranks itself
         (--stock: Megatron's own dist_checkpointing.load, its default strategy) and
         compared bit for bit with what any world size saved; prints "LOADED OK"
     import SRC URL                      import_folder(SRC, URL)
-    gpt-save URL --world W --out F      a tiny GPTModel (local layer spec) at tensor
-        parallel W: its logits on a fixed batch to F, its weights saved to URL
+    fail BUCKET MISSING --world W --dead-port P   saves and loads through a bucket that
+        does not exist, a store that does not answer (port P), on one rank only, a step that
+        does not exist, an unknown scheme, a folder without a step number: each rank
+        prints each case's error type
+    gpt-save URL --world W [--pp P] --out F   a tiny GPTModel (local layer spec) at
+        pipeline parallel P, tensor parallel W / P: its logits on a fixed batch to F, each
+        rank's local weights to F.rank{R}, its weights saved to URL
     gpt-load URL --world W --out F      the same model at tensor parallel W loaded from
-        URL: its logits to F
+        URL: its logits to F (its weights to F.rank0)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import pickle
+import sys
 
 import torch
 import torch.distributed as dist
@@ -83,17 +90,34 @@ def check_loaded(state: dict, world: int, rank: int) -> None:
 
 def cmd_save(a, rank, world):
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     sd = sharded_sd(world, rank, fill=True)
+    for i in range(a.extra):  # more tensors: a larger global Metadata
+        sd[f"extra{i}"] = ShardedTensor.from_rank_offsets(f"extra{i}", torch.full((2,), float(i)), (0, rank, world))
     if a.stock:  # Megatron's own save calls torch.cuda.synchronize() and current_device(): CPU stand-ins
         torch.cuda.synchronize = lambda *args, **kwargs: None
         torch.cuda.current_device = lambda: torch.device("cpu")
         os.makedirs(a.url, exist_ok=True)
         dist_checkpointing.save(sd, a.url)
-    else:
-        from cloudckpt.integrations import megatron as cm
+        return
+    from cloudckpt.integrations import megatron as cm
 
+    received, real = [0], dist.broadcast_object_list
+
+    def spy(object_list, src=0, group=None, device=None, **kw):  # what a rank other than src receives
+        out = real(object_list, src=src, group=group, device=device, **kw)
+        if dist.get_rank() != src:
+            received[0] = max(received[0], len(pickle.dumps(object_list)))
+        return out
+
+    dist.broadcast_object_list = spy
+    try:
         cm.save(sd, a.url, work_dir=a.work)
+    finally:
+        dist.broadcast_object_list = real
+    if rank == 1:
+        print(f"RANK 1 LARGEST BROADCAST {received[0]}", flush=True)
 
 
 def cmd_load(a, rank, world):
@@ -111,7 +135,7 @@ def cmd_load(a, rank, world):
         print("LOADED OK", flush=True)
 
 
-def gpt(tp: int):
+def gpt(tp: int, pp: int = 1):
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -120,19 +144,25 @@ def gpt(tp: int):
 
     # Megatron's attention takes a scratch buffer on torch.cuda.current_device(): on the CPU here
     torch.cuda.current_device = lambda: torch.device("cpu")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             create_gloo_process_groups=False)
     # no CUDA RNG to track: Megatron's inference tracker forks nothing
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    torch.manual_seed(1234 + tp)  # the TP-1 model starts from other weights than the one saved
+    torch.manual_seed(1234 + tp + 10 * pp)  # a model of another size starts from other weights than the one saved
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                               tensor_model_parallel_size=tp)
+                               tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                               pipeline_dtype=torch.float32)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
-                     max_sequence_length=8)
+                     max_sequence_length=8, pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
     model.eval()
     return model
 
 
-def logits(model) -> torch.Tensor:
+def logits(model, pp: int = 1) -> torch.Tensor | None:
+    """The logits of a fixed batch, gathered over tensor parallel ranks; with ``pp`` 2 the
+    first stage sends its hidden states to the second (which alone returns the logits)."""
+    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     g = torch.Generator().manual_seed(5)
@@ -140,18 +170,30 @@ def logits(model) -> torch.Tensor:
     pos = torch.arange(8).unsqueeze(0).expand(2, 8)
     mask = torch.tril(torch.ones(1, 1, 8, 8)) < 0.5
     with torch.no_grad():
+        if pp > 1 and not parallel_state.is_pipeline_first_stage():
+            hidden = torch.empty(8, 2, 32)
+            dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
         out = model(tokens, pos, mask)
+        if pp > 1 and not parallel_state.is_pipeline_last_stage():
+            dist.send(out, dst=parallel_state.get_pipeline_model_parallel_next_rank())
+            return None
     return gather_from_tensor_model_parallel_region(out)
 
 
 def cmd_gpt_save(a, rank, world):
+    """Save the model at pipeline parallel ``--pp`` (tensor parallel world / pp); the last
+    stage's rank 0 writes the logits, every rank its weights (``{out}.rank{R}``)."""
+    from megatron.core import parallel_state
+
     from cloudckpt.integrations import megatron as cm
 
-    model = gpt(world)
-    out = logits(model)
+    model = gpt(world // a.pp, a.pp)
+    out = logits(model, a.pp)
     cm.save(model.sharded_state_dict(), a.url, work_dir=a.work)
-    if rank == 0:
+    if out is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
         torch.save(out, a.out)
+    torch.save(model.state_dict(), f"{a.out}.rank{rank}")
 
 
 def cmd_gpt_load(a, rank, world):
@@ -165,6 +207,43 @@ def cmd_gpt_load(a, rank, world):
     assert not torch.allclose(before, out), "the model's logits did not change on load"
     if rank == 0:
         torch.save(out, a.out)
+        torch.save(model.state_dict(), f"{a.out}.rank{rank}")
+
+
+def cmd_fail(a, rank, world):
+    """Each way a save or load through a bad URL or an unusable store fails, on every rank:
+    prints ``CASE {name} rank {R} {error type} {seconds}`` per case (``no error`` if none)."""
+    import time
+
+    from cloudckpt.integrations import megatron as cm
+    from cloudckpt.storage import StorageOptions
+
+    bucket, missing = a.url, a.dest  # a bucket of the test's store, a bucket that does not exist
+    dead = StorageOptions(endpoint_url=f"http://127.0.0.1:{a.dead_port}", max_attempts=1, connect_timeout=1,
+                          read_timeout=2, operation_timeout=4)
+    cases = {
+        "missing-bucket": lambda: cm.save(sharded_sd(world, rank, fill=True), f"{missing}/run/step1", work_dir=a.work),
+        "unreachable-store": lambda: cm.save(sharded_sd(world, rank, fill=True), f"{bucket}/run/step2",
+                                             work_dir=a.work, storage_options=dead),
+        "one-rank-store-unreachable": lambda: cm.save(sharded_sd(world, rank, fill=True), f"{bucket}/run/step3",
+                                                      work_dir=a.work, storage_options=dead if rank == 1 else None),
+        "no-such-step": lambda: cm.load(sharded_sd(world, rank, fill=False), f"{bucket}/run/step4", work_dir=a.work),
+        "unknown-scheme": lambda: cm.save(sharded_sd(world, rank, fill=True), "ftp://host/run/step5", work_dir=a.work),
+        "no-step-number": lambda: cm.save(sharded_sd(world, rank, fill=True), f"{bucket}/run/latest", work_dir=a.work),
+    }
+    from cloudckpt import Checkpointer
+
+    cm._megatron()  # imports and a first request before the clock starts
+    Checkpointer.contains_checkpoint(f"{bucket}/warm-up")
+    for name, run in cases.items():
+        t0 = time.monotonic()
+        try:
+            run()
+            what = "no error"
+        except Exception as e:  # noqa: BLE001 - what this command reports
+            what = f"{type(e).__name__} {' '.join(str(e).split())[:400]!r}"
+        sys.stdout.write(f"CASE {name} rank {rank} {time.monotonic() - t0:.1f}s {what}\n")  # one write a line
+        sys.stdout.flush()
 
 
 def cmd_import(a, rank, world):
@@ -174,7 +253,7 @@ def cmd_import(a, rank, world):
 
 
 COMMANDS = {"save": cmd_save, "load": cmd_load, "gpt-save": cmd_gpt_save, "gpt-load": cmd_gpt_load,
-            "import": cmd_import}
+            "import": cmd_import, "fail": cmd_fail}
 
 
 def _rank(rank: int, a) -> None:
@@ -190,6 +269,9 @@ def main() -> None:
     ap.add_argument("url", nargs="?")
     ap.add_argument("dest", nargs="?")
     ap.add_argument("--world", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--dead-port", type=int)
+    ap.add_argument("--extra", type=int, default=0)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--stock", action="store_true")
     ap.add_argument("--out")
