@@ -1114,6 +1114,8 @@ def main() -> None:
                     help="run the load prologue this many times per R and report the run of median CPU")
     ap.add_argument("--confirm-only", action="store_true",
                     help="run only the real-rank confirmation and put it into the existing results/scale.json")
+    ap.add_argument("--phases", default="load,load_with,export,stock,finish,maintain",
+                    help="comma-separated phases besides save and resume (always run)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--tmp", default=None)
     args = ap.parse_args()
@@ -1139,6 +1141,7 @@ def main() -> None:
     if args.only:
         ranks = [int(x) for x in args.only.split(",")]
     kept = [3] if args.quick else [10, 100]
+    wanted = set(args.phases.split(",")) | {"save", "resume"}  # the load phases read what these leave
     tmp = args.tmp or tempfile.mkdtemp(prefix="cloudckpt-scale-")
     rows = []
     for R in ranks:
@@ -1149,15 +1152,16 @@ def main() -> None:
         row["inputs"] = run_phase("inputs", shape.name, R, work, mem_gib=args.mem_gib)
         if "error" not in row["inputs"]:
             for phase in ("save", "resume", "load", "load_with", "export", "stock", "finish"):
-                row[phase] = run_phase(phase, shape.name, R, work, mem_gib=args.mem_gib)
-            if args.load_reps > 1 and "error" not in row["load"]:
+                if phase in wanted:
+                    row[phase] = run_phase(phase, shape.name, R, work, mem_gib=args.mem_gib)
+            if args.load_reps > 1 and "error" not in row.get("load", {"error": "not run"}):
                 # the load prologue again (its inputs stay): CPU seconds vary by run on a shared machine
                 runs = [row["load"]] + [run_phase("load", shape.name, R, work, mem_gib=args.mem_gib)
                                         for _ in range(args.load_reps - 1)]
                 ok = [r for r in runs if "error" not in r]
                 row["load"] = dict(min(ok, key=lambda r: abs(r["cpu_s"] - statistics.median(x["cpu_s"] for x in ok))))
                 row["load"]["cpu_s_runs"] = [r["cpu_s"] for r in ok]
-            if "error" not in row["save"]:
+            if "error" not in row["save"] and "maintain" in wanted:
                 for n in kept:
                     row[f"maintain_N{n}"] = run_phase("maintain", shape.name, R, work, kept=n)
         shutil.rmtree(work, ignore_errors=True)
@@ -1175,6 +1179,8 @@ def main() -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "scale_quick" if args.quick else "scale" if not args.only else "scale_" + "_".join(map(str, ranks))
+    if not args.quick and wanted != set(ap.get_default("phases").split(",")) | {"save", "resume"}:
+        stem += "_" + "_".join(sorted(wanted - {"save", "resume"}))
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     (out / f"{stem}.md").write_text(report(result))
     print(report(result))

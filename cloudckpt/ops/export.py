@@ -204,10 +204,14 @@ class _ChunkIndex:
             lay = header.layouts[lid]
             ranks.update(lay.owners_of(list(range(lay.n))))
         self.stored = 0
-        for rank in sorted(ranks):
-            self._add_rank(c, header, rank, held.pop(rank, ()), parted)
-        self.db.execute("CREATE INDEX chunk_t ON chunk (t)")
-        self.db.commit()
+        try:
+            for rank in sorted(ranks):
+                self._add_rank(c, header, rank, held.pop(rank, ()), parted)
+            self.db.execute("CREATE INDEX chunk_t ON chunk (t)")
+            self.db.commit()
+        except BaseException:
+            self.close()  # a damaged step: no chunk index left behind
+            raise
 
     def _add_rank(self, c: CommittedStep, header, rank: int, held, parted: dict) -> None:
         from ..checkpoint import layout as step_layout

@@ -293,3 +293,10 @@ def test_export_holds_one_ranks_parts_at_a_time_never_every_chunk(s3_bucket, tmp
         want = torch.arange(R * w.ROWS * w.COLS, dtype=torch.float32).reshape(-1, w.COLS) + t
         assert torch.equal(got[f"layer{t}"], want), t
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".export-")], "the chunk index is removed"
+    # a rank's index part replaced by other bytes: refused by its CRC32C, and nothing is left behind
+    open_store(step).put_bytes(f"{step}/index/rank2.json", b'{"format": "cloudckpt-dcp-index"}')
+    out_dir = tmp_path / "damaged"
+    out_dir.mkdir()
+    with pytest.raises(CorruptCheckpoint):
+        export_weights(step, str(out_dir / "m.safetensors"))
+    assert os.listdir(out_dir) == [], os.listdir(out_dir)
