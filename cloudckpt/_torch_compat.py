@@ -251,6 +251,66 @@ class _BalancedSavePlanner(_CoordinatorPlanner, DefaultSavePlanner):
                             "a tensor under one key must have the same shape on every rank that holds it")
 
 
+class ResumeMismatch(Exception):
+    """A rank's state does not have the structure of the step it loaded (or the
+    coordinator cannot place that step's ``.metadata``): raised by
+    :class:`ResumedSavePlanner` on the coordinator, in DCP's plan step, so every rank
+    gets it and saves again with the full planning.
+
+    checked: 2.13. An exception of the coordinator's ``create_global_plan`` reaches every
+    rank from ``_DistWrapper.reduce_scatter`` as a ``CheckpointException`` whose
+    ``failures`` hold it (rank_writer's ``_unwrap_dcp`` finds it there)."""
+
+
+_RESUMED = "cloudckpt: planned from the loaded step"
+
+
+class ResumedSavePlanner(_BalancedSavePlanner):
+    """A save planned from the step this job loaded (checkpoint/structure.py): no rank
+    sends its plan. ``final_plan(items)``: this rank's final write items and where each
+    lay in the loaded step, or why its state differs.
+
+    checked: 2.13. ``create_local_plan`` returns an empty, unusable ``SavePlan`` whose
+    ``planner_data`` is a small tag (ok, or the reason it is not), so DCP's plan gather
+    carries a few bytes a rank; the coordinator's ``create_global_plan`` raises
+    ResumeMismatch unless every tag is ok, else hands every rank an empty plan (the
+    storage writer's ``prepare_global_plan`` gives each its file prefix) and an empty
+    CoordinatorMetadata (the writer's ``finish`` places the loaded step's ``.metadata``);
+    ``finish_plan`` returns the rank's own final plan with that prefix."""
+
+    def __init__(self, final_plan):
+        super().__init__(enable_plan_caching=False)
+        self._final_plan = final_plan
+        self.expected: dict | None = None  # {MetadataIndex: (file, offset, length)} in the loaded step
+        self._items: list = []
+
+    def create_local_plan(self):
+        from torch.distributed.checkpoint.planner import SavePlan
+
+        plan = super().create_local_plan()
+        got = self._final_plan(plan.items)
+        if isinstance(got, str):
+            return SavePlan([], planner_data=(_RESUMED, got[:300]), usable=False)
+        self._items, self.expected = got
+        return SavePlan([], planner_data=(_RESUMED, None), usable=False)
+
+    def create_global_plan(self, all_plans):
+        from torch.distributed.checkpoint.planner import SavePlan
+
+        bad = {r: p.planner_data[1] if isinstance(p.planner_data, tuple) else "no tag"
+               for r, p in enumerate(all_plans) if not (isinstance(p.planner_data, tuple)
+                                                         and p.planner_data == (_RESUMED, None))}
+        if bad:
+            shown = "; ".join(f"rank {r}: {why}" for r, why in sorted(bad.items())[:4])
+            raise ResumeMismatch(f"the state differs from the loaded step on {len(bad)} rank(s) ({shown})")
+        self.metadata = CoordinatorMetadata(state_dict_metadata={})
+        return [SavePlan([], usable=False) for _ in all_plans], self.metadata
+
+    def finish_plan(self, new_plan):
+        self.plan = dataclasses.replace(new_plan, items=list(self._items), planner_data=None, usable=True)
+        return self.plan
+
+
 def caching_save_planner(key: str, balanced: bool = True):
     """A ``DefaultSavePlanner(enable_plan_caching=True)`` whose cached plans are kept
     under ``key``: a save whose local plans match the previous save's with the same key
@@ -275,6 +335,8 @@ def caching_save_planner(key: str, balanced: bool = True):
 __all__ = [
     "CoordinatorMetadata",
     "MEM_FORMAT_ENCODING",
+    "ResumeMismatch",
+    "ResumedSavePlanner",
     "StorageInfo",
     "caching_save_planner",
     "chunk_list",

@@ -11,16 +11,24 @@ The writer keeps what a repeated save reuses, across saves: the DCP index's layo
 rank 0's last ``.metadata`` (64 MiB or more, in a private folder of ``work_dir``),
 and where rank 0 sent it, so that a repeated save copies an unchanged ``.metadata``
 inside the store instead of sending it again (``TransferEngine.submit_copy_or_upload``).
+
+After a load (``loaded``), the writer keeps the loaded step's structure
+(checkpoint/structure.py): the saves that follow are planned from it while the state
+keeps it (``_torch_compat.ResumedSavePlanner``: DCP's plan step carries a tag a rank, no
+plan), and rank 0 copies the loaded ``.metadata`` inside the store when every rank's
+write results are where the loaded step had them. A rank whose state changed makes
+every rank's save, and those after it, plan as a first save does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import time
 import warnings
-from concurrent.futures import Future, wait
+from concurrent.futures import CancelledError, Future, wait
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -28,15 +36,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .._torch_compat import caching_save_planner
+from .._torch_compat import ResumedSavePlanner, ResumeMismatch, caching_save_planner
 from ..dcp import UploadingWriter
-from ..errors import CloudCkptError, CorruptCheckpoint
+from ..errors import CloudCkptError, CorruptCheckpoint, NotFound, PreconditionFailed
 from ..options import CheckpointerOptions
 from ..storage.nofollow import private_dir
 from ..transfer import TransferEngine, TransferResult, crc32c_file
 from . import layout
 from .entries import ObjectEntry
 from .step import StepRef
+from .structure import LoadedStructure
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,6 +81,14 @@ class RankWriter:
         self._metadata_dir: str | None = None  # rank 0: its last DCP .metadata, for a repeated save (dcp/writer.py)
         # rank 0: (URL, CRC32C, file identity, the object's version as written) of the .metadata last sent
         self._metadata_sent: tuple[str, str, tuple, str] | None = None
+        self._loaded: LoadedStructure | None = None  # the step this job loaded, while its structure holds
+
+    def loaded(self, committed: Any) -> None:
+        """After a load of ``committed`` (a CommittedStep) on this rank: the saves that
+        follow are planned from its structure while the state keeps it (module
+        docstring of checkpoint/structure.py); a step of another world size, or without
+        the DCP index, is not used."""
+        self._loaded = LoadedStructure.of(committed, self.coord.rank, self.coord.world_size)
 
     def write(self, step: StepRef | None, work: str, state_dict: dict, train_state: Any, *,
               planner: Any = None) -> RankResult:
@@ -80,29 +99,33 @@ class RankWriter:
         t0 = time.monotonic()
         uploads: list = []  # (rel, future)
 
-        def on_file(path: str, sums=None, same_as_last: bool = False) -> None:
+        def on_file(path: str, sums=None, same_as_last: bool = False, copy_of: LoadedStructure | None = None) -> None:
             rel = os.path.relpath(path, work).replace(os.sep, "/")
             own = sums.crc32c if sums is not None else None
-            if step is None:
+            if copy_of is not None:  # the loaded step's .metadata, byte for byte: copied in the store
+                uploads.append((rel, self._copy_loaded(copy_of, step.url_of(rel))))
+            elif step is None:
                 uploads.append((rel, _kept(path, own)))
             else:
                 crc = own if self.engine.config.checksum else None
                 uploads.append((rel, self._send(path, step, rel, crc, own, same_as_last=same_as_last)))
 
-        writer = UploadingWriter(os.path.join(work, layout.MODEL_DIR), on_file, thread_count=self.options.thread_count,
-                                 index_cache=self._index_cache, cache_dir=self._metadata_cache_dir)
+        loaded = self._loaded if planner is None and step is not None else None
+        writer = self._writer(work, on_file, loaded)
         error: BaseException | None = None
         try:
             with quiet_dcp():
-                if planner is None:
-                    planner = caching_save_planner(f"{self.coord.world_size}:{self.coord.rank}")
                 try:
-                    dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=self.coord.group,
-                             no_dist=self.coord.local)
-                except BaseException:
-                    writer.abandoned()
-                    raise
-                writer.completed()
+                    self._dcp_save(writer, state_dict, planner if loaded is None else ResumedSavePlanner(
+                        loaded.final_plan))
+                except BaseException as e:
+                    if loaded is None or not isinstance(_unwrap_dcp(e), ResumeMismatch):
+                        raise
+                    # every rank got the coordinator's ResumeMismatch: every rank saves whole, from now on
+                    log.info("%s: %s; planning this save from every rank's plan", step, _unwrap_dcp(e))
+                    self._loaded = None
+                    writer = self._writer(work, on_file, None)
+                    self._dcp_save(writer, state_dict, planner)
             index_part = writer.write_index_part(self.coord.rank)
             if index_part is not None:
                 on_file(index_part)
@@ -127,6 +150,56 @@ class RankWriter:
             _cancel(futures)
             error = error or e
         return RankResult(entries, t0, error)
+
+    def _writer(self, work: str, on_file: Any, loaded: LoadedStructure | None) -> UploadingWriter:
+        return UploadingWriter(os.path.join(work, layout.MODEL_DIR), on_file, thread_count=self.options.thread_count,
+                               index_cache=self._index_cache, cache_dir=self._metadata_cache_dir, loaded=loaded)
+
+    def _dcp_save(self, writer: UploadingWriter, state_dict: dict, planner: Any) -> None:
+        """DCP's save through ``writer`` (``planner`` None: ours, with DCP's plan cache). Collective."""
+        if planner is None:
+            planner = caching_save_planner(f"{self.coord.world_size}:{self.coord.rank}")
+        try:
+            dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=self.coord.group,
+                     no_dist=self.coord.local)
+        except BaseException:
+            writer.abandoned()
+            raise
+        writer.completed()
+
+    def _copy_loaded(self, loaded: LoadedStructure, url: str) -> Future:
+        """Rank 0: the loaded step's ``.metadata`` put at ``url`` by a copy inside the store,
+        from the newest copy this writer placed (its version as the store gave it), else
+        from the loaded step itself; the size and CRC32C are the loaded step's manifest's.
+        A copy that cannot be made fails the save, and the next save of every rank is
+        planned whole (``loaded.usable``: the coordinator's plan step says so)."""
+        entry, sources = loaded.metadata_entry, list(loaded.metadata_sources)
+        out: Future = Future()
+        out.set_running_or_notify_cancel()
+
+        def attempt(i: int) -> None:
+            src, version = sources[i]
+
+            def done(f: Future) -> None:
+                exc = CancelledError(f"{url}: cancelled") if f.cancelled() else f.exception()
+                if exc is None:
+                    loaded.placed(url, getattr(f.result(), "version", None))
+                    out.set_result(f.result())
+                elif i + 1 < len(sources) and isinstance(exc, (NotFound, PreconditionFailed)):
+                    attempt(i + 1)  # that copy is gone or replaced (a step aborted after it): an older one
+                else:
+                    loaded.usable = False
+                    out.set_exception(exc)
+
+            try:
+                self.engine.submit_copy(src, url, size=entry.size, crc32c=entry.crc32c, src_version=version,
+                                        must_crc32c=entry.crc32c).add_done_callback(done)
+            except BaseException as e:  # noqa: BLE001 - the engine closed meanwhile: handed to the future
+                loaded.usable = False
+                out.set_exception(e)
+
+        attempt(0)
+        return out
 
     def upload(self, step: StepRef, files: Sequence[tuple[str, ObjectEntry]]) -> RankResult:
         """Upload files written earlier (a local step's), each checked against its entry's

@@ -13,7 +13,9 @@ CAPITALS, each carrying every rank's error to every rank: ``dist.Coordinator``):
     produce(step, work)                                 R  write + upload this rank's files
                                                            (RankWriter.write: DCP's own
                                                            collectives plan the save and
-                                                           write .metadata on C)
+                                                           write .metadata on C; after a
+                                                           load, planned from the loaded
+                                                           step: checkpoint/structure.py)
     AGREE     attempt.publish_part(rank, own)           R  its manifest part, then its
                                                            reference (or error) to C
               attempt.marker(parts, shared)             C  the marker, listing the parts

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSys
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.futures import Future
 
-from .._torch_compat import element_size, split_by_size_and_type, stock_metadata, write_files
+from .._torch_compat import ResumedSavePlanner, element_size, split_by_size_and_type, stock_metadata, write_files
 from ..checkpoint import layout
 from ..errors import SaveFailed
 from ..transfer.checksum import bytes_pieces
@@ -193,7 +193,11 @@ class UploadingWriter(FileSystemWriter):
     the last save, byte for byte (the caller may copy it server-side). After the save, :meth:`manifest`
     gives the CRC32C of every item of every shard file it wrote (what the step's
     manifest records); ``ranges`` holds the item byte ranges of every shard file:
-    ``{file_name: [(offset, length), ...]}``."""
+    ``{file_name: [(offset, length), ...]}``. ``loaded``: the coordinator's
+    LoadedStructure (checkpoint/structure.py) for a save planned from the loaded step
+    (``ResumedSavePlanner``): its ``.metadata`` comes as ``on_file(local_path, None,
+    copy_of=loaded)`` when every rank's results are where the loaded step had them
+    (no file is written; the caller copies it in the store)."""
 
     def __init__(
         self,
@@ -205,6 +209,7 @@ class UploadingWriter(FileSystemWriter):
         max_files_per_rank: int = 64,
         index_cache: dict | None = None,
         cache_dir: Callable[[], str] | None = None,
+        loaded: Any = None,
     ):
         super().__init__(local_dir, single_file_per_rank=True, sync_files=False, thread_count=thread_count,
                          overwrite=True)
@@ -218,6 +223,8 @@ class UploadingWriter(FileSystemWriter):
         self.index_cache = {} if index_cache is None else index_cache  # kept across saves by the caller
         self._cache_dir = cache_dir  # the coordinator keeps its last .metadata there (None: not kept)
         self._digest: bytes | None = None
+        self._loaded = loaded  # the coordinator: the step this job loaded (checkpoint/structure.py), for finish
+        self._resumed = False  # this save was planned from the loaded step (ResumedSavePlanner)
         self._lock = threading.Lock()
 
     def write_data(self, plan, planner):
@@ -239,6 +246,14 @@ class UploadingWriter(FileSystemWriter):
                 self.ranges.setdefault(sd.relative_path, []).append((sd.offset, sd.length))
         self.index_items = index.part_items(items, results)
         self._digest = results_digest(results)
+        if isinstance(planner, ResumedSavePlanner):  # None: every result where the loaded step had it
+            self._resumed = True
+            same = planner.expected is not None and len(results) == len(planner.expected) and all(
+                planner.expected.get(wr.index) == (wr.storage_data.relative_path, wr.storage_data.offset,
+                                                   wr.storage_data.length) for wr in results)
+            out = Future()
+            out.set_result(RankResults(self._digest, None if same else results))
+            return out
         same = self._cache_dir is not None and self.index_cache.get(_SENT) == self._digest
         out: Future = Future()
         out.set_result(RankResults(self._digest, None if same else results))
@@ -247,7 +262,10 @@ class UploadingWriter(FileSystemWriter):
     def completed(self) -> None:
         """DCP's save returned on this rank (the coordinator's finish merged what this
         rank sent): the next save may send only the digest if its results are the same."""
-        if self._digest is not None:
+        if self._resumed:  # nothing merged on the coordinator: the next plain save sends its results whole
+            self.index_cache.pop(_SENT, None)
+            self.index_cache.pop(_MERGED, None)
+        elif self._digest is not None:
             self.index_cache[_SENT] = self._digest
 
     def abandoned(self) -> None:
@@ -268,6 +286,9 @@ class UploadingWriter(FileSystemWriter):
         costs the coordinator O(R) here instead of O(R x T). ``Metadata.storage_meta``
         is not written (stock readers supply one), so the bytes are the same from save
         to save."""
+        if self._resumed:
+            self._finish_resumed(results)
+            return
         prev = self.index_cache.pop(_MERGED, None)
         for r, got in enumerate(results):
             if got.results is None and (prev is None or len(prev.digests) != len(results)
@@ -316,6 +337,37 @@ class UploadingWriter(FileSystemWriter):
         with open(path, "wb") as f:
             f.write(index.header_bytes(metadata, self.index_cache))
         self._on_file(path, None)
+
+    def _finish_resumed(self, results) -> None:
+        """``finish`` of a save planned from the loaded step. Every rank's results where
+        the loaded step had them: its ``.metadata`` is copied inside the store
+        (``on_file(path, None, copy_of=loaded)``) and its index header's bytes written
+        again. Else the loaded ``.metadata`` (read once) with the moved ranks' results
+        put in is written, and its header built, as a first save does."""
+        self.index_cache.pop(_MERGED, None)
+        meta_path = os.path.join(str(self.path), ".metadata")
+        header = os.path.join(os.path.dirname(str(self.path)), layout.INDEX_HEADER)
+        os.makedirs(os.path.dirname(header), exist_ok=True)
+        moved = [got.results for got in results if got.results is not None]
+        if not moved:
+            self._on_file(meta_path, None, copy_of=self._loaded)
+            with open(header, "wb") as f:
+                f.write(self._loaded.header_bytes)
+            self._on_file(header, None)
+            return
+        loaded = self._loaded.metadata()
+        storage = dict(loaded.storage_data)
+        for res in moved:
+            storage.update((wr.index, wr.storage_data) for wr in res)
+        md = stock_metadata(loaded)
+        md.version, md.storage_data, md.storage_meta = CURRENT_DCP_VERSION, storage, None
+        tmp = os.path.join(str(self.path), ".metadata.tmp")
+        with self.fs.create_stream(tmp, "wb") as f:
+            pickle.dump(md, f)
+        self.fs.rename(tmp, meta_path)
+        with open(header, "wb") as f:
+            f.write(index.header_bytes(md, self.index_cache))
+        self._on_file(header, None)
 
     def write_index_part(self, rank: int) -> str | None:
         """After the save: this rank's part of the DCP index (its chunks of sharded
