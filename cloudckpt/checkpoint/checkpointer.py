@@ -254,6 +254,7 @@ class Checkpointer:
 
     def _load(self, committed: CommittedStep, state_dict: dict, req: LoadRequest) -> Any:
         ts, self.last_load_info = loading.load(self.coord, self.engine, self.options, committed, state_dict, req)
+        self._writer.loaded(committed)  # the next saves are planned from its structure while the state keeps it
         return ts
 
     def read_train_state(self, dir: str) -> Any:
