@@ -65,7 +65,8 @@ TESTED_FILES = {"examples/quickstart.py", "examples/manager.py", "examples/manag
                 "tests/storage/test_conformance_local.py",
                 "examples/hf_trainer.py", "examples/hf_accelerate.py",  # run by tests/integrations/test_hf.py
                 "tests/integrations/titan/titan_tool.py", "tests/integrations/olmo/trainer_tool.py",
-                "tests/integrations/megatron/mcore_tool.py"}  # run by tests/integrations/test_megatron.py
+                "tests/integrations/megatron/mcore_tool.py",  # run by tests/integrations/test_megatron.py
+                "tests/integrations/megatron/train_gpt.py"}
 INLINE_SAMPLES_RUN = {"storage.md"}
 
 

@@ -33,16 +33,19 @@ Layout: ``{url}/model_and_optim/`` is a stock ``torch_dist`` folder (DCP's files
 Megatron's ``metadata.json``), ``{url}/.metadata.json`` is cloudckpt's marker. After
 ``cloudckpt download {url} DEST``, Megatron's own ``dist_checkpointing.load(…,
 "DEST/model_and_optim")`` reads it; :func:`import_folder` commits a folder Megatron's
-own ``dist_checkpointing.save`` wrote as a step.
+own ``dist_checkpointing.save`` wrote as a step (``megatron_folders`` reads Megatron's
+``iter_N`` folders and tracker file).
 
 Every failure fails every rank together: each step that could raise on one rank only
 (the sharding check raises on rank 0) runs inside one of cloudckpt's named collective
 steps, which carry each rank's error to every rank.
 
-Not done yet: async saves (``async_sharded_save``), Megatron-Bridge's checkpoint
-manager, the fully-parallel wrappers, ``load_sharded_metadata``, pipeline-parallel
-resharding tests. The step folder's number is ``step`` or comes from its name
-(``step{N}`` or Megatron's ``iter_{N:07d}``).
+Tested on CPU with gloo (docs/integrations.md): tensor parallel 2 -> 1 and 1 -> 2,
+pipeline parallel 2 -> 1, a GPT training run killed and resumed bit-exact with
+Megatron's optimizer and RNG states. Not done: async saves (``async_sharded_save``),
+the fully-parallel wrappers, ``load_sharded_metadata``, Megatron's distributed optimizer
+(it refuses CPU parameters, so it is untested here). The step folder's number is
+``step`` or comes from its name (``step{N}`` or Megatron's ``iter_{N:07d}``).
 """
 
 from __future__ import annotations
@@ -409,46 +412,17 @@ def load(sharded_state_dict: dict, url: str, *, checkpointer: Checkpointer | Non
 
 
 def import_folder(src: str, url: str, *, step: int | None = None, **settings: Any) -> str:
-    """Commit the local ``torch_dist`` folder ``src`` that Megatron's own
-    ``dist_checkpointing.save`` wrote (DCP's files and ``metadata.json``) as the
-    cloudckpt step ``url`` (a URL or a folder), as one process: ``.metadata`` is
-    unpickled with cloudckpt's allowlist, every item read as untrusted input (tensors
-    whole, Megatron's objects as plain data only), the whole state held in memory once.
-    The step keeps Megatron's ``metadata.json``, so Megatron's loader reads a download of
-    it. Not collective. Returns the step's URL. Raises ConfigError (not a local Megatron
-    ``torch_dist`` folder, no step number), UnsafeCheckpoint, CorruptCheckpoint,
-    CheckpointExists, storage errors."""
-    from ..ops.export import read_dcp_state
-    from ..storage import Location
-    from ..storage import url as urls
-    from ..untrusted import loads_metadata
-    from ..untrusted.limits import read_metadata
+    """Commit the ``torch_dist`` folder ``src`` that Megatron's own
+    ``dist_checkpointing.save`` wrote as the cloudckpt step ``url``: one process, every
+    byte read as untrusted input, Megatron's ``metadata.json`` kept (so Megatron's loader
+    reads a download of it). The importer is
+    :func:`cloudckpt.integrations.megatron_folders.import_iteration`; this is it with the
+    step number of :func:`step_number`. Not collective. Returns the step's URL. Raises as
+    ``import_iteration`` (ConfigError, NotACheckpoint, UnsafeCheckpoint, CorruptCheckpoint,
+    CheckpointExists, storage errors)."""
+    from .megatron_folders import import_iteration
 
-    number = step_number(url, step)
-    local = urls.local_path(src)
-    if local is None:
-        raise ConfigError(f"import_folder reads a local folder; download {src} first")
-    folder = Location.of(urls.resolve_local(local))
-    prefix = folder.url.rstrip("/") + "/"
-    files = {e.url[len(prefix):]: e.size for e in folder.store.list(prefix) if not e.is_prefix}
-    listed, config = files.pop(".metadata", None), files.pop(CONFIG_NAME, None)
-    if listed is None or config is None:
-        raise ConfigError(f"{src}: no DCP .metadata or no {CONFIG_NAME}; not a folder Megatron's torch_dist save "
-                          "committed")
-    if config > 65536:
-        raise ConfigError(f"{src}/{CONFIG_NAME}: {config} bytes; Megatron's is a few dozen")
-    with open(os.path.join(local, CONFIG_NAME), "rb") as f:
-        raw = json.loads(f.read(65537))
-    if type(raw) is not dict or raw.get("sharded_backend") != "torch_dist":
-        raise ConfigError(f"{src}/{CONFIG_NAME}: not a torch_dist checkpoint ({raw!r:.200})")
-    config = {k: v for k, v in raw.items() if k in ("sharded_backend", "sharded_backend_version")
-              and type(v) in (str, int)}
-    md = loads_metadata(read_metadata(folder.store, prefix + ".metadata", size=listed,
-                                      described=sum(files.values())), url=prefix + ".metadata", files=files)
-    sd = read_dcp_state(folder, md)  # flat keys: Megatron saves with flatten_state_dict=False
-    with Checkpointer(distributed=False, **settings) as ckpt:
-        _save_pyt(ckpt, url, number, sd, None, config, ephemeral=False)
-    return url
+    return import_iteration(src, url, iteration=step_number(url, step), **settings).url
 
 
 __all__ = ["SUPPORTED", "import_folder", "load", "save", "step_number"]

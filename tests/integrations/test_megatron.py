@@ -6,13 +6,18 @@
   lists Megatron's ``metadata.json``, and loads back bit for bit at 2 ranks, at 1 (2 -> 1)
   and saved at 1, at 2 (1 -> 2);
 - Megatron's own ``dist_checkpointing.load`` (its default strategy) reads our step after
-  ``cloudckpt download``; a folder Megatron's own ``dist_checkpointing.save`` wrote is NOT
-  imported yet: its ``.metadata`` holds pickled SavePlans that cloudckpt's allowlist refuses
-  (the test pins that refusal);
+  ``cloudckpt download``; a folder Megatron's own ``dist_checkpointing.save`` wrote is
+  imported by ``import_folder`` as a step that verifies;
 - a tiny GPTModel (local layer spec) saved at tensor parallel 2 and loaded at 1 gives the
-  same logits (slow).
+  same logits, saved at pipeline parallel 2 and loaded at 1 the same weights and logits
+  (slow);
+- a GPT training run (train_gpt.py: Megatron's DDP, optimizer and RNG tracker) SIGKILLed
+  after a committed save resumes from SeaweedFS bit-exact;
+- bad URLs and unusable stores fail both ranks together with one typed error; rank 1
+  receives no global Metadata at the end of a save.
 
-tests/integrations/megatron/mcore_tool.py runs each side (it starts the ranks). The venv is
+tests/integrations/megatron/mcore_tool.py runs each side (it starts the ranks);
+train_gpt.py is started one process per rank, as torchrun does. The venv is
 built by scripts/setup_megatron_venv.sh (idempotent, ~2 min on a fresh machine); a failed
 install FAILS these tests with pip's log.
 """
@@ -151,19 +156,17 @@ def test_megatron_own_loader_reads_our_step_after_download(megatron_python, s3_b
                                 saved_world=2)
 
 
-def test_megatron_own_save_is_refused_by_import_without_running_its_pickled_save_plans(megatron_python, s3_bucket,
-                                                                                      tmp_path):
-    """Megatron's own save stores its ranks' SavePlans in DCP's .metadata (``all_local_plans``,
-    for its cached-plan reuse): cloudckpt's metadata allowlist refuses them, so a folder
-    Megatron wrote is not imported yet (issue 43, phase 2). What this proves: the refusal
-    is a clear UnsafeCheckpoint, and nothing is committed."""
+def test_megatron_own_save_is_imported_by_import_folder_as_a_verified_step(megatron_python, s3_bucket, tmp_path):
+    """A folder Megatron's own ``dist_checkpointing.save`` wrote (2 gloo ranks) becomes a
+    committed step whose checksums verify (``import_folder`` is megatron_folders'
+    ``import_iteration``, whose tests load such a step bit for bit)."""
     src = tmp_path / "stock"
     mcore(megatron_python, tmp_path, "save", str(src), "--stock", "--world", "2")
     assert (src / "metadata.json").is_file() and (src / ".metadata").is_file()
     url = f"{s3_bucket}/imported/iter_0000005"
-    out = mcore(megatron_python, tmp_path, "import", str(src), url, fails=True)
-    assert "UnsafeCheckpoint" in out and "SavePlan is not in the allowlist" in out, out[-3000:]
-    assert not Checkpointer.dir_is_checkpoint(url)
+    assert f"IMPORTED {url}" in mcore(megatron_python, tmp_path, "import", str(src), url)
+    r = subprocess.run([sys.executable, "-m", "cloudckpt", "verify", url], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("OK:"), r.stdout + r.stderr
 
 
 @pytest.mark.slow  # ~40 s on 2 cores: Megatron's model code imports and builds twice
@@ -189,7 +192,7 @@ def test_megatron_gpt_training_killed_after_a_committed_save_resumes_from_s3_bit
     common = ["--steps", "6", "--save-interval", "2", "--work", work]
     whole = Ranks(megatron_python, tmp_path, "whole", "--save", f"{s3_bucket}/whole", "--save-interval", "100",
                   "--steps", "6", "--work", work, "--out", str(tmp_path / "whole"))
-    killed = Ranks(megatron_python, tmp_path, "killed", "--save", folder, *common)
+    killed = Ranks(megatron_python, tmp_path, "killed", "--save", folder, *common, "--step-seconds", "1")
     out = killed.kill_after("COMMITTED 4")
     assert "rank 0 step 4 loss" in out and "step 5" not in out.split("COMMITTED 4")[0], out[-2000:]
     assert [s for s, _ in Checkpointer.find_checkpoints(folder)] == [2, 4]

@@ -12,8 +12,10 @@ MASTER_PORT)::
     torchrun --nproc-per-node 2 train_gpt.py --save s3://bucket/run-7 --steps 6 --save-interval 2
 
 Each rank prints ``step N loss L`` and, after each committed save, rank 0 prints
-``COMMITTED N``. With ``--out DIR`` each rank writes its losses, weights, optimizer
-state and RNG states at the end to ``DIR/rank{R}.pt`` (the tests compare them).
+``COMMITTED N``. ``--step-seconds S``: each step lasts at least S seconds, as a real
+model's would (a kill then lands inside a step, not after the last one). With ``--out
+DIR`` each rank writes its losses, weights, optimizer state and RNG states at the end
+to ``DIR/rank{R}.pt`` (the tests compare them).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import logging
 import os
 import random
+import time
 
 import numpy as np
 import torch
@@ -132,6 +135,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--work", default=None)
     ap.add_argument("--out")
+    ap.add_argument("--step-seconds", type=float, default=0.0)  # a real model's step time, at least
     a = ap.parse_args()
     cpu_stand_ins()
     dist.init_process_group("gloo")
@@ -158,7 +162,9 @@ def main() -> None:
     losses = {}
     while iteration < a.steps:
         iteration += 1
+        start = time.monotonic()
         losses[iteration] = train_step(model, optimizer)
+        time.sleep(max(0.0, a.step_seconds - (time.monotonic() - start)))
         print(f"rank {rank} step {iteration} loss {losses[iteration]:.6f}", flush=True)
         if iteration % a.save_interval == 0:
             cm.save(sharded_state_dict(model, optimizer, iteration, is_loading=False),
