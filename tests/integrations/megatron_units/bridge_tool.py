@@ -49,29 +49,27 @@ class CheckpointManager(Protocol):  # Bridge's protocol (checkpointing.py), the 
     def finalize_async_saves(self, state, blocking: bool = False, terminate: bool = False) -> None: ...
 
 
-@dataclass
-class CheckpointSaveContext:  # Bridge's fields
+@dataclass(kw_only=True)
+class _Context:  # the fields Bridge's CheckpointSaveContext and CheckpointLoadContext share
     state: object
     model: list
     optimizer: object
     opt_param_scheduler: object
+    pg_collection: object = None
+    module_name: str | None = None
+
+
+@dataclass(kw_only=True)
+class CheckpointSaveContext(_Context):
     num_floating_point_operations_so_far: int
     train_data_iterator: object = None
     non_persistent_ckpt: bool = False
-    pg_collection: object = None
-    module_name: str | None = None
 
 
-@dataclass
-class CheckpointLoadContext:
-    state: object
-    model: list
-    optimizer: object
-    opt_param_scheduler: object
+@dataclass(kw_only=True)
+class CheckpointLoadContext(_Context):
     strict: bool = True
     skip_load_to_model_and_opt: bool = False
-    pg_collection: object = None
-    module_name: str | None = None
 
 
 @dataclass
