@@ -15,11 +15,13 @@ VENV=.venv-olmo
 LOG=$VENV/setup.log
 PKGS=("ai2-olmo-core==3.0.0" "boto3" "torch==2.13.0")
 stamp=$VENV/.olmo-installed
-if [ ! -f "$stamp" ] || [ scripts/setup_olmo_venv.sh -nt "$stamp" ] || [ ! -x "$VENV/bin/python" ]; then
+if [ ! -f "$stamp" ] || [ scripts/setup_olmo_venv.sh -nt "$stamp" ] || [ ! -x "$VENV/bin/python" ] \
+   || { [ -L "$VENV/shared-torch/torch" ] && [ ! -e "$VENV/shared-torch/torch" ]; }; then
   mkdir -p "$VENV"
   : >"$LOG"
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV" >>"$LOG" 2>&1
   "$VENV/bin/python" -m pip install --upgrade pip >>"$LOG" 2>&1
+  bash scripts/share_torch.sh "$VENV" >>"$LOG" 2>&1
   "$VENV/bin/python" -m pip install "${PKGS[@]}" >>"$LOG" 2>&1
   "$VENV/bin/python" -c "import torch, olmo_core.train.checkpoint; print('torch', torch.__version__)" >>"$LOG" 2>&1
   touch "$stamp"

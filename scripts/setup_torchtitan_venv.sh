@@ -16,11 +16,13 @@ VENV=.venv-titan
 LOG=$VENV/setup.log
 PKGS=("torchtitan==0.3.0" "torch==2.13.0" "boto3>=1.36" "google-cloud-storage>=2.18" "google-crc32c>=1.5" "tqdm" "pyyaml")
 stamp=$VENV/.titan-installed
-if [ ! -f "$stamp" ] || [ scripts/setup_torchtitan_venv.sh -nt "$stamp" ] || [ ! -x "$VENV/bin/python" ]; then
+if [ ! -f "$stamp" ] || [ scripts/setup_torchtitan_venv.sh -nt "$stamp" ] || [ ! -x "$VENV/bin/python" ] \
+   || { [ -L "$VENV/shared-torch/torch" ] && [ ! -e "$VENV/shared-torch/torch" ]; }; then
   mkdir -p "$VENV"
   : >"$LOG"
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV" >>"$LOG" 2>&1
   "$VENV/bin/python" -m pip install --upgrade pip >>"$LOG" 2>&1
+  bash scripts/share_torch.sh "$VENV" >>"$LOG" 2>&1
   "$VENV/bin/python" -m pip install "${PKGS[@]}" >>"$LOG" 2>&1
   PYTHONPATH="$PWD" "$VENV/bin/python" -c "import torch, torchtitan.components.checkpoint, cloudckpt.integrations.torchtitan; print('torch', torch.__version__)" >>"$LOG" 2>&1
   touch "$stamp"
