@@ -19,8 +19,8 @@ from the source tree (PYTHONPATH). Every command starts ``--world`` ranks itself
     gpt-save URL --world W [--pp P] --out F   a tiny GPTModel (local layer spec) at
         pipeline parallel P, tensor parallel W / P: its logits on a fixed batch to F, each
         rank's local weights to F.rank{R}, its weights saved to URL
-    gpt-load URL --world W --out F      the same model at tensor parallel W loaded from
-        URL: its logits to F (its weights to F.rank0)
+    gpt-load URL [URL2] --world W --out F   the same model at tensor parallel W loaded
+        from URL: its logits to F (its weights to F.rank0); then from URL2 (F.2, F.2.rank0)
 """
 
 from __future__ import annotations
@@ -197,17 +197,21 @@ def cmd_gpt_save(a, rank, world):
 
 
 def cmd_gpt_load(a, rank, world):
+    """Load URL (then DEST, when given, into the same model): the logits after each load
+    to F (F.2 for DEST), rank 0's weights to F.rank0 (F.2.rank0)."""
     from cloudckpt.integrations import megatron as cm
 
     model = gpt(world)
-    before = logits(model)
-    state = cm.load(model.sharded_state_dict(), a.url, work_dir=a.work)
-    model.load_state_dict(state)
-    out = logits(model)
-    assert not torch.allclose(before, out), "the model's logits did not change on load"
-    if rank == 0:
-        torch.save(out, a.out)
-        torch.save(model.state_dict(), f"{a.out}.rank{rank}")
+    for url, out_file in ((a.url, a.out), (a.dest, f"{a.out}.2")):
+        if url is None:
+            break
+        before = logits(model)
+        model.load_state_dict(cm.load(model.sharded_state_dict(), url, work_dir=a.work))
+        out = logits(model)
+        assert not torch.allclose(before, out), "the model's logits did not change on load"
+        if rank == 0:
+            torch.save(out, out_file)
+            torch.save(model.state_dict(), f"{out_file}.rank{rank}")
 
 
 def cmd_fail(a, rank, world):
