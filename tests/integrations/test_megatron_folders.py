@@ -149,3 +149,19 @@ def test_a_common_pt_that_is_not_plain_data_is_refused_and_nothing_is_committed(
     with pytest.raises(UnsafeCheckpoint, match="posix.system|os.system"):
         mf.import_iteration(src, str(tmp_path / "dest" / "iter_0000004"), work_dir=str(tmp_path / "work"))
     assert not (tmp_path / "dest" / "iter_0000004" / ".metadata.json").exists()
+
+
+def test_a_megatron_run_in_a_bucket_is_found_and_imported_from_there(stock_run, s3_bucket, tmp_path):
+    from cloudckpt.storage import Location
+
+    src = f"{s3_bucket}/megatron-run"
+    store = Location.of(src).store
+    for f in sorted((stock_run / ITER).iterdir()):
+        store.put_bytes(f"{src}/{ITER}/{f.name}", f.read_bytes())
+    store.put_bytes(f"{src}/{mf.TRACKER}", b"10")
+    assert mf.read_tracker(src) == 10 and [(i.iteration, i.kind) for i in mf.find_iterations(src)] == [(10, "megatron")]
+    done = mf.import_run(src, f"{s3_bucket}/imported-from-bucket", work_dir=str(tmp_path / "work"))
+    assert [i.iteration for i in done] == [10]
+    back = mf.read_iteration(f"{s3_bucket}/imported-from-bucket/{ITER}/model_and_optim")
+    for k, t in _expected_tensors().items():
+        assert torch.equal(back[k], t), k
