@@ -1,0 +1,122 @@
+"""The pieces of a save without a gather of plans, put together as a save would call
+them, on 4 real gloo ranks: each rank plans locally, ``owners.plan_by_owners`` (the
+replicated items spread over their holders), writes its items with stock DCP's
+``FileSystemWriter`` under its own prefix (``__{rank}_``, no global step), makes its
+fragment (``owners.fragment_of``), and ``assemble_store.assemble_in_store`` joins
+``.metadata`` in the folder. Stock ``dcp.load`` on the same ranks and stock
+``dcp_to_torch_save`` in one process read it back bit for bit; its Metadata has the keys,
+properties and chunks stock ``dcp.save`` writes for the same state."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from cloudckpt.testing.multiprocess import run_ranks
+
+from .test_assemble import build_state
+
+LAYOUTS = ("ddp", "fsdp", "hsdp", "tp2d", "uneven")
+
+
+def _locals(value):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, dict):
+        return {k: _locals(v) for k, v in value.items()}
+    if isinstance(value, DTensor):
+        return value.to_local().clone()
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _zeroed(value):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, dict):
+        return {k: _zeroed(v) for k, v in value.items()}
+    if isinstance(value, (DTensor, torch.Tensor)):
+        return torch.zeros_like(value)
+    return value
+
+
+def _save_and_load(rank: int, world: int, root: str) -> dict:
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import _StoragePrefix
+
+    from cloudckpt.dcp.assemble import TRAILER, header
+    from cloudckpt.dcp.assemble_store import assemble_in_store
+    from cloudckpt.dcp.owners import fragment_of, plan_by_owners
+    from cloudckpt.dist import Coordinator
+    from cloudckpt.storage import open_store
+
+    coord = Coordinator(timeout=120)
+    out = {}
+    for layout in LAYOUTS:
+        folder = os.path.join(root, layout, "ours")
+        state = build_state(layout, world)
+        dcp.save(state, checkpoint_id=os.path.join(root, layout, "stock"))  # for the comparison
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state, None, rank == 0)
+        owned = plan_by_owners(coord, planner.create_local_plan(), writer="spread")
+        writer = FileSystemWriter(folder)
+        writer.set_up_storage_writer(rank == 0, rank=rank)
+        plan = writer.prepare_local_plan(dataclasses.replace(owned.plan, storage_data=_StoragePrefix(f"__{rank}_")))
+        plan = planner.finish_plan(plan)
+        results = writer.write_data(plan, planner).wait()
+        url = os.path.join(folder, ".metadata")
+        assemble_in_store(coord, open_store(url), url, fragment_of(owned, results), header=header(),
+                          trailer=TRAILER)
+        target = _zeroed(build_state(layout, world))
+        dcp.load(target, checkpoint_id=folder)
+        out[layout] = (_locals(state), _locals(target), sum(1 for _ in plan.items))
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("owned"))
+    return root, run_ranks(4, _save_and_load, root)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_save_planned_by_owners_and_assembled_in_the_folder_loads_with_stock_dcp(saved, layout, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    root, ranks = saved
+    for state, loaded, _ in (r[layout] for r in ranks):  # on the same ranks: bit for bit
+        assert _same(state, loaded)
+    assert sum(r[layout][2] for r in ranks) > 0
+    if layout == "ddp":  # the replicated tensors are written by more than one rank
+        assert sum(1 for r in ranks if r[layout][2]) > 1
+    dcp_to_torch_save(os.path.join(root, layout, "ours"), tmp_path / "ours.pt")
+    dcp_to_torch_save(os.path.join(root, layout, "stock"), tmp_path / "stock.pt")
+    assert _same(torch.load(tmp_path / "stock.pt", weights_only=True), torch.load(tmp_path / "ours.pt",
+                                                                                 weights_only=True))
+    with open(os.path.join(root, layout, "ours", ".metadata"), "rb") as f:
+        ours = pickle.load(f)
+    with open(os.path.join(root, layout, "stock", ".metadata"), "rb") as f:
+        stock = pickle.load(f)
+    assert ours.planner_data == stock.planner_data
+    assert ours.state_dict_metadata.keys() == stock.state_dict_metadata.keys()
+    for fqn, entry in stock.state_dict_metadata.items():
+        mine = ours.state_dict_metadata[fqn]
+        assert type(mine) is type(entry)
+        if hasattr(entry, "chunks"):
+            assert (mine.properties, mine.size) == (entry.properties, entry.size)
+            assert sorted(map(str, mine.chunks)) == sorted(map(str, entry.chunks))
+    assert {(i.fqn, tuple(i.offset or ())) for i in ours.storage_data} == \
+        {(i.fqn, tuple(i.offset or ())) for i in stock.storage_data}
