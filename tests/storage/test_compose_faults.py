@@ -1,8 +1,9 @@
 """An assembly's complete whose answer is lost (storage/assembly.py), against SeaweedFS
 behind the fault proxy: the store applied it and the client's retry (botocore's) is
-answered as a success (S3 and SeaweedFS answer a repeated CompleteMultipartUpload of a
-completed upload with the object), so the complete returns the object; a complete of an
-upload that someone aborted is NotFound and changes nothing."""
+answered as a success (SeaweedFS answers a repeated CompleteMultipartUpload of a
+completed upload with the object; a store that answered NoSuchUpload instead would make
+it NotFound, as below), so the complete returns the object; a complete of an upload that
+someone aborted is NotFound and changes nothing."""
 
 from __future__ import annotations
 
