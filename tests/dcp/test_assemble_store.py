@@ -131,3 +131,24 @@ def test_fragments_of_a_large_metadata_are_about_the_size_of_stock_dcps_pickle()
     ours = len(header()) + sum(len(share(md, r, 4)) for r in range(4)) + len(TRAILER)
     stock = len(pickle.dumps(md))
     assert 1.0 < ours / stock < 1.25
+
+
+def test_one_process_joins_the_metadata_alone_and_a_cut_one_is_refused_as_corrupt(tmp_path, expected):
+    """Without a process group every step is local: one piece, the whole Metadata. The
+    same bytes cut short (what a half-assembled object would hold, were it visible) are
+    refused by the untrusted reader as corrupt, never half-read."""
+    from cloudckpt.dcp.assemble_store import assemble_in_store
+    from cloudckpt.dist import Coordinator
+    from cloudckpt.errors import CorruptCheckpoint
+    from cloudckpt.storage import open_store
+    from cloudckpt.untrusted import loads_metadata
+
+    md = synthetic(300)
+    url = str(tmp_path / ".metadata")
+    info = assemble_in_store(Coordinator(local=True), open_store(url), url, share(md, 0, 1), header=header(),
+                             trailer=TRAILER)
+    data = open_store(url).get_bytes(url)
+    assert info.size == len(data) and pickle.loads(data) == md and os.listdir(tmp_path) == [".metadata"]
+    for cut in (len(header()), len(data) // 2, len(data) - len(TRAILER)):
+        with pytest.raises(CorruptCheckpoint):
+            loads_metadata(data[:cut], url=url)

@@ -144,3 +144,19 @@ def test_owners_refuse_what_dcps_planner_refuses_on_every_rank(case, why):
         run_ranks(2, _refused, case)
     assert set(ei.value.failures) == {0, 1}
     assert all("ShapeMismatch" in tb and why in tb for tb in ei.value.failures.values())
+
+
+def test_one_process_plans_what_stock_dcp_plans_alone():
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from cloudckpt.dcp.owners import plan_by_owners
+    from cloudckpt.dist import Coordinator
+
+    state = {"model": {"w": torch.ones(4, 3), "b": torch.zeros(2)}, "step": 3}
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, None, True)
+    local = planner.create_local_plan()
+    plans, md = planner.create_global_plan([local])
+    owned = plan_by_owners(Coordinator(local=True), local)
+    assert [_key(i) for i in owned.plan.items] == [_key(i) for i in plans[0].items]
+    assert owned.state_dict_metadata == md.state_dict_metadata and owned.planner_data == md.planner_data
