@@ -12,10 +12,12 @@ The call order (every rank calls :func:`assemble_in_store`; roles inside):
    piece (GCS, local folders) has one run per rank with bytes.
 4. (ranks of a run) each sends its fragment to the run's first rank (point to point);
    that rank joins them in rank order and uploads the run as piece ``k``.
-5. (all ranks -> coordinator) the pieces' records (a few dozen bytes each) are
-   gathered; the coordinator completes the object, or, if any rank failed, every rank
-   raises one error naming each failure and the coordinator aborts the assembly
-   (nothing appears at the URL; its pieces are removed).
+5. (all ranks -> coordinator) the pieces' records and each piece's CRC32C (a few
+   dozen bytes each) are gathered; the coordinator completes the object, or, if any
+   rank failed, every rank raises one error naming each failure and the coordinator
+   aborts the assembly (nothing appears at the URL; its pieces are removed). The
+   object's CRC32C (what a step's manifest records) is the pieces' CRC32Cs combined
+   (:func:`crc32c_combine`): no rank reads the object back.
 
 What a reader sees meanwhile: nothing at the URL until the complete; and a step's
 ``.metadata`` is read only once its marker exists, which the save writes after this.
@@ -23,10 +25,13 @@ What a reader sees meanwhile: nothing at the URL until the complete; and a step'
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
 from typing import Optional
+
+import google_crc32c
 
 from ..dist import Coordinator
 from ..storage import ObjectStore
@@ -70,12 +75,54 @@ def runs(sizes: list[int], *, min_piece: int, max_pieces: Optional[int]) -> list
     return out
 
 
+_CASTAGNOLI = 0x82F63B78  # CRC32C's polynomial, reflected
+
+
+def _gf2_times(mat: list[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat: list[int]) -> list[int]:
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC32C of ``a + b`` from ``crc1`` of ``a``, ``crc2`` of ``b`` and ``len(b)``
+    (zlib's ``crc32_combine``, with CRC32C's polynomial): ``crc1`` advanced over
+    ``len2`` zero bytes by squaring the one-zero-bit operator, then xor ``crc2``."""
+    if len2 <= 0:
+        return crc1
+    odd = [_CASTAGNOLI] + [1 << n for n in range(31)]  # one zero bit
+    odd = _gf2_square(_gf2_square(odd))  # four zero bits
+    while True:
+        even = _gf2_square(odd)  # first round: one zero byte
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = _gf2_square(even)
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
 def assemble_in_store(coord: Coordinator, store: ObjectStore, url: str, fragment: bytes, *, header: bytes,
                       trailer: bytes, if_absent: bool = False) -> ObjectInfo:
     """Every rank: the object ``url`` made of ``header``, every rank's ``fragment`` in
     rank order and ``trailer`` (the same header and trailer on every rank), assembled in
     ``store``; returns its ObjectInfo on every rank. Raises on every rank if any failed
-    (CollectiveError naming each failing rank, or PeerLost); nothing is at ``url`` then."""
+    (CollectiveError naming each failing rank, or PeerLost); nothing is at ``url`` then.
+    The ObjectInfo's ``crc32c`` is the object's (8 hex digits), combined from the pieces'."""
     assembly = coord.on_coordinator("begin the assembly of " + url, lambda: store.begin_assembly(url))
     try:
         mine = len(fragment) + (len(header) if coord.rank == 0 else 0) \
@@ -84,7 +131,7 @@ def assemble_in_store(coord: Coordinator, store: ObjectStore, url: str, fragment
         plan = runs(sizes, min_piece=store.min_piece_size, max_pieces=store.max_pieces)
         run = next(x for x in plan if x.first <= coord.rank < x.end)
 
-        def upload() -> Optional[Piece]:
+        def upload() -> Optional[tuple[Piece, int]]:
             if coord.rank != run.first:
                 if sizes[coord.rank]:
                     coord.send_bytes(fragment, run.first)
@@ -100,11 +147,19 @@ def assemble_in_store(coord: Coordinator, store: ObjectStore, url: str, fragment
             if len(data) != run.size:
                 raise RuntimeError(f"assemble {url}: run {run.index} holds {len(data)} bytes, not the {run.size} "
                                    "its ranks announced")
-            return store.put_piece(assembly, run.index, data, offset=run.offset)
+            return store.put_piece(assembly, run.index, data, offset=run.offset), google_crc32c.value(data)
 
-        pieces = coord.to_coordinator("upload the pieces of " + url, upload)
-        return coord.on_coordinator("complete the assembly of " + url, lambda: store.complete_assembly(
-            assembly, [p for p in pieces if p is not None], if_absent=if_absent))
+        uploaded = coord.to_coordinator("upload the pieces of " + url, upload)
+
+        def complete() -> ObjectInfo:
+            done = sorted((x for x in uploaded if x is not None), key=lambda x: x[0].index)
+            info = store.complete_assembly(assembly, [p for p, _ in done], if_absent=if_absent)
+            crc = 0
+            for p, c in done:
+                crc = crc32c_combine(crc, c, p.size)
+            return dataclasses.replace(info, crc32c=f"{crc:08x}")
+
+        return coord.on_coordinator("complete the assembly of " + url, complete)
     except BaseException:
         if coord.is_coordinator:
             try:

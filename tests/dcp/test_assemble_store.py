@@ -11,6 +11,7 @@ import os
 import pickle
 import zlib
 
+import google_crc32c
 import pytest
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from cloudckpt.dcp.assemble import TRAILER, fragment, header
-from cloudckpt.dcp.assemble_store import Run, runs
+from cloudckpt.dcp.assemble_store import Run, crc32c_combine, runs
 from cloudckpt.storage.url import parse_url
 from cloudckpt.testing.multiprocess import RankFailed, run_ranks
 
@@ -65,7 +66,7 @@ def _assemble(rank: int, world: int, urls: list[str], if_absent: bool) -> list:
     for url in urls:
         info = assemble_in_store(coord, open_store(url), url, frag, header=header(), trailer=TRAILER,
                                  if_absent=if_absent)
-        out.append((info.size, len(frag)))
+        out.append((info.size, len(frag), info.crc32c))
     return out
 
 
@@ -85,7 +86,8 @@ def test_metadata_joined_in_three_stores_by_four_ranks_unpickles_to_the_whole(tm
     assert min(frag_sizes) > 2 * 2**20 and max(frag_sizes) < 5 * 2**20  # S3 needs two ranks per part
     for k, url in enumerate(urls):
         data = open_store(url).get_bytes(url)
-        assert {r[k][0] for r in got} == {len(data)}  # every rank was told the object's size
+        # every rank was told the object's size and CRC32C (combined from the pieces': nobody read it back)
+        assert {(r[k][0], r[k][2]) for r in got} == {(len(data), f"{google_crc32c.value(data):08x}")}
         md = pickle.loads(data)
         assert md == expected and md.storage_data == expected.storage_data
         assert loads_metadata(data, url=url) == expected
@@ -152,3 +154,9 @@ def test_one_process_joins_the_metadata_alone_and_a_cut_one_is_refused_as_corrup
     for cut in (len(header()), len(data) // 2, len(data) - len(TRAILER)):
         with pytest.raises(CorruptCheckpoint):
             loads_metadata(data[:cut], url=url)
+
+
+@pytest.mark.parametrize("n1, n2", [(0, 0), (0, 5), (5, 0), (1, 1), (100, 1000), (7, 3_000_001)])
+def test_crc32c_combined_from_two_parts_is_the_crc32c_of_the_whole(n1, n2):
+    a, b = os.urandom(n1), os.urandom(n2)
+    assert crc32c_combine(google_crc32c.value(a), google_crc32c.value(b), n2) == google_crc32c.value(a + b)
