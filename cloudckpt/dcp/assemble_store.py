@@ -92,13 +92,14 @@ def _gf2_square(mat: list[int]) -> list[int]:
     return [_gf2_times(mat, mat[n]) for n in range(32)]
 
 
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+def crc32c_combine(crc1: int, crc2: int, len2: int, *, poly: int = _CASTAGNOLI) -> int:
     """The CRC32C of ``a + b`` from ``crc1`` of ``a``, ``crc2`` of ``b`` and ``len(b)``
-    (zlib's ``crc32_combine``, with CRC32C's polynomial): ``crc1`` advanced over
-    ``len2`` zero bytes by squaring the one-zero-bit operator, then xor ``crc2``."""
+    (zlib's ``crc32_combine``; ``poly``: another reflected polynomial, zlib's CRC-32 is
+    0xEDB88320): ``crc1`` advanced over ``len2`` zero bytes by squaring the
+    one-zero-bit operator, then xor ``crc2``."""
     if len2 <= 0:
         return crc1
-    odd = [_CASTAGNOLI] + [1 << n for n in range(31)]  # one zero bit
+    odd = [poly] + [1 << n for n in range(31)]  # one zero bit
     odd = _gf2_square(_gf2_square(odd))  # four zero bits
     while True:
         even = _gf2_square(odd)  # first round: one zero byte

@@ -160,3 +160,4 @@ def test_one_process_joins_the_metadata_alone_and_a_cut_one_is_refused_as_corrup
 def test_crc32c_combined_from_two_parts_is_the_crc32c_of_the_whole(n1, n2):
     a, b = os.urandom(n1), os.urandom(n2)
     assert crc32c_combine(google_crc32c.value(a), google_crc32c.value(b), n2) == google_crc32c.value(a + b)
+    assert crc32c_combine(zlib.crc32(a), zlib.crc32(b), n2, poly=0xEDB88320) == zlib.crc32(a + b)  # zlib's CRC-32
