@@ -26,6 +26,13 @@ A rank receives the records of the keys it owns and the decisions about its own 
 about ``1/R`` of the job's records, never the whole. Its result, :class:`OwnedPlan`,
 holds what it writes and the Metadata entries it owns: with its own write results they
 make its ``.metadata`` fragment (:func:`fragment_of`, dcp/assemble.py).
+
+Inside ``dcp.save``: :class:`OwnersSavePlanner` runs the above in DCP's local plan
+step, so DCP's own gather of plans carries an empty plan a rank and its coordinator
+makes no Metadata; its storage writer must then keep its write results (return an
+empty list to DCP's gather) and write no ``.metadata`` in ``finish``: after the save
+every rank passes ``fragment_of(planner.owned, its results)`` to
+``assemble_store.assemble_in_store``.
 """
 
 from __future__ import annotations
@@ -38,9 +45,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
+    Metadata,
     MetadataIndex,
     TensorStorageMetadata,
 )
@@ -209,3 +218,36 @@ def fragment_of(owned: OwnedPlan, write_results: list) -> bytes:
     owns and the storage entries of the items it wrote (DCP's WriteResults)."""
     return fragment(state_dict_metadata=owned.state_dict_metadata, planner_data=owned.planner_data,
                     storage_data=[(wr.index, wr.storage_data) for wr in write_results])
+
+
+class OwnersSavePlanner(DefaultSavePlanner):
+    """DCP's DefaultSavePlanner with the global planning done by owners, inside
+    ``dcp.save(..., planner=OwnersSavePlanner(coord), process_group=coord.group)``:
+    ``create_local_plan`` runs :func:`plan_by_owners` (its collectives on ``coord``'s
+    group, on every rank in DCP's local step) and hands DCP an empty plan;
+    ``create_global_plan`` (the coordinator) returns the plans as they are with an empty
+    Metadata; ``finish_plan`` gives each rank its owned plan under the storage prefix
+    DCP's writer chose. ``owned`` (an :class:`OwnedPlan`) then holds this rank's
+    Metadata entries for :func:`fragment_of`; ``gathered`` on the coordinator, the bytes
+    of the plans DCP gathered (pickled)."""
+
+    def __init__(self, coord: Coordinator, *, writer: str = "spread", **kwargs: Any):
+        super().__init__(**kwargs)
+        self.coord, self.writer = coord, writer
+        self.owned: OwnedPlan | None = None
+        self.gathered = 0
+
+    def create_local_plan(self) -> SavePlan:
+        self.owned = plan_by_owners(self.coord, super().create_local_plan(), writer=self.writer)
+        return SavePlan([])
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        import pickle
+
+        self.gathered = len(pickle.dumps(all_plans))
+        return all_plans, Metadata(state_dict_metadata={})
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        if self.owned is None:
+            raise RuntimeError("OwnersSavePlanner.finish_plan before create_local_plan")
+        return super().finish_plan(dataclasses.replace(self.owned.plan, storage_data=new_plan.storage_data))

@@ -5,7 +5,9 @@ replicated items spread over their holders), writes its items with stock DCP's
 fragment (``owners.fragment_of``), and ``assemble_store.assemble_in_store`` joins
 ``.metadata`` in the folder. Stock ``dcp.load`` on the same ranks and stock
 ``dcp_to_torch_save`` in one process read it back bit for bit; its Metadata has the keys,
-properties and chunks stock ``dcp.save`` writes for the same state."""
+properties and chunks stock ``dcp.save`` writes for the same state. The same inside
+stock ``dcp.save`` (``owners.OwnersSavePlanner`` and a writer that keeps its results):
+DCP's own gathers then carry a few bytes a rank."""
 
 from __future__ import annotations
 
@@ -40,6 +42,63 @@ def _zeroed(value):
     if isinstance(value, (DTensor, torch.Tensor)):
         return torch.zeros_like(value)
     return value
+
+
+def _keeping_writer(folder: str):
+    """Stock FileSystemWriter that keeps its write results (DCP's gather gets none) and
+    writes no .metadata (the ranks assemble it after the save)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.futures import Future
+
+    class Keeping(FileSystemWriter):
+        results: list = []
+
+        def write_data(self, plan, planner):
+            done = super().write_data(plan, planner)
+            done.wait()
+            self.results = done.value()
+            out: Future = Future()
+            out.set_result([])
+            return out
+
+        def finish(self, metadata, results) -> None:
+            pass
+
+    return Keeping(folder)
+
+
+def _dcp_save_with_owners(rank: int, world: int, root: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from cloudckpt.dcp.assemble import TRAILER, header
+    from cloudckpt.dcp.assemble_store import assemble_in_store
+    from cloudckpt.dcp.owners import OwnersSavePlanner, fragment_of
+    from cloudckpt.dist import Coordinator
+    from cloudckpt.storage import open_store
+
+    coord = Coordinator(timeout=120)
+    out = {}
+    for layout in LAYOUTS:
+        folder = os.path.join(root, layout)
+        state = build_state(layout, world)
+        planner, writer = OwnersSavePlanner(coord), _keeping_writer(folder)
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=coord.group)
+        url = os.path.join(folder, ".metadata")
+        assemble_in_store(coord, open_store(url), url, fragment_of(planner.owned, writer.results), header=header(),
+                          trailer=TRAILER)
+        target = _zeroed(build_state(layout, world))
+        dcp.load(target, checkpoint_id=folder)
+        out[layout] = (_same(_locals(state), _locals(target)), planner.gathered, len(writer.results))
+    return out
+
+
+def test_inside_stock_dcp_save_the_owners_planner_gathers_a_few_bytes_a_rank_and_the_step_loads(tmp_path):
+    ranks = run_ranks(4, _dcp_save_with_owners, str(tmp_path))
+    for layout in LAYOUTS:
+        assert all(r[layout][0] for r in ranks), layout  # loaded back bit for bit on every rank
+        assert sum(r[layout][2] for r in ranks) > 0
+        gathered = ranks[0][layout][1]
+        assert 0 < gathered < 100 * 4, (layout, gathered)  # DCP's gather of plans: empty plans only
 
 
 def _save_and_load(rank: int, world: int, root: str) -> dict:
