@@ -146,8 +146,11 @@ def balanced_dedup(all_plans: list, min_piece: int = MIN_PIECE_BYTES) -> list:
     for rank, plan in enumerate(all_plans):
         for item in plan.items:
             holders.setdefault(item.index, []).append(rank)
-            same = first.setdefault(item.index, item).tensor_data == item.tensor_data
-            uniform[item.index] = uniform.get(item.index, True) and same
+            was = first.setdefault(item.index, item)
+            if was is not item:  # a second holder
+                uniform[item.index] = uniform.get(item.index, True) and was.tensor_data == item.tensor_data
+    if len(holders) == sum(len(p.items) for p in all_plans):
+        return list(all_plans)  # no item held twice: every rank writes its own
     world = max(len(all_plans), 1)
     cap = max(min_piece, sum(_item_bytes(i) for i in first.values()) // (8 * world))
     load = [0] * len(all_plans)
@@ -159,7 +162,7 @@ def balanced_dedup(all_plans: list, min_piece: int = MIN_PIECE_BYTES) -> list:
             writer[index] = ranks[0]
             load[ranks[0]] += _item_bytes(first[index])
             continue
-        pieces = _pieces(first[index], cap if uniform[index] else None)
+        pieces = _pieces(first[index], cap if uniform.get(index, True) else None)
         if len(pieces) > 1:
             cut[index] = pieces
         shared += [(piece, ranks) for piece in pieces]
@@ -201,13 +204,54 @@ def stock_metadata(md: Metadata) -> Metadata:
     return Metadata(**{f.name: getattr(md, f.name) for f in dataclasses.fields(Metadata)})
 
 
+_HINTS = "cloudckpt: the plan this rank sent, with DCP's index hints"
+_RESUMED = "cloudckpt: planned from the loaded step"
+
+
 class _CoordinatorPlanner:
-    """A save planner whose global Metadata stays on the coordinator (CoordinatorMetadata)."""
+    """A save planner whose global Metadata stays on the coordinator (CoordinatorMetadata),
+    and whose global plan goes back to a rank as index hints where it is the rank's own
+    local plan (part of ``caching_save_planner``'s entry: DCP 2.13's
+    ``create_default_global_save_plan`` returns each rank's items as
+    ``dataclasses.replace(item, index=<index with its hint>)`` (the same ``tensor_data``
+    object), in the order of the rank's plan: a final plan holding exactly the rank's
+    items (no dedup removed or cut one: FSDP's, tensor parallel's shards) is sent back as
+    its hints (an int an item) instead of every item pickled again, and ``finish_plan``
+    puts the hints on the plan the rank sent; DCP's plan cache on the coordinator keeps
+    the whole global plan, made inside ``create_global_plan``)."""
 
     def create_global_plan(self, all_plans):
+        tagged = [r for r, p in enumerate(all_plans) if isinstance(p.planner_data, tuple) and p.planner_data
+                  and p.planner_data[0] == _RESUMED]
+        if tagged:  # they plan from a loaded step, this coordinator does not: every rank saves again, whole
+            raise ResumeMismatch(f"rank(s) {tagged[:8]} planned from the loaded step, the coordinator did not")
         plans, md = super().create_global_plan(all_plans)
         md.__class__ = CoordinatorMetadata  # the same object (DCP's plan cache compares it by identity)
-        return plans, md
+        return [_as_hints(sent, plan) for sent, plan in zip(all_plans, plans, strict=True)], md
+
+    def finish_plan(self, new_plan):
+        data = new_plan.planner_data
+        if isinstance(data, tuple) and len(data) == 2 and data[0] == _HINTS:
+            sent = self.plan  # DefaultSavePlanner.create_local_plan's
+            if len(data[1]) != len(sent.items):
+                raise RuntimeError(f"the coordinator sent {len(data[1])} index hints for {len(sent.items)} items")
+            items = [dataclasses.replace(it, index=dataclasses.replace(it.index, index=h))
+                     for it, h in zip(sent.items, data[1], strict=True)]
+            new_plan = dataclasses.replace(sent, items=items, storage_data=new_plan.storage_data)
+        return super().finish_plan(new_plan)
+
+
+def _as_hints(sent, plan):
+    """``plan`` as the index hints of its items, if it holds exactly the items ``sent``
+    (the plan the rank sent, with its planner data); else ``plan`` itself."""
+    if not (sent.usable and plan.usable) or len(sent.items) != len(plan.items) or \
+            plan.planner_data is not sent.planner_data:
+        return plan
+    for a, b in zip(sent.items, plan.items, strict=True):
+        if a.type != b.type or a.tensor_data is not b.tensor_data or a.bytes_io_data is not b.bytes_io_data or \
+                a.index.fqn != b.index.fqn or a.index.offset != b.index.offset:
+            return plan
+    return dataclasses.replace(plan, items=[], planner_data=(_HINTS, [b.index.index for b in plan.items]))
 
 
 class _DcpDedupSavePlanner(_CoordinatorPlanner, DefaultSavePlanner):
@@ -262,9 +306,6 @@ class ResumeMismatch(Exception):
     ``failures`` hold it (rank_writer's ``_unwrap_dcp`` finds it there)."""
 
 
-_RESUMED = "cloudckpt: planned from the loaded step"
-
-
 class ResumedSavePlanner(_BalancedSavePlanner):
     """A save planned from the step this job loaded (checkpoint/structure.py): no rank
     sends its plan. ``final_plan(items)``: this rank's final write items and where each
@@ -288,7 +329,10 @@ class ResumedSavePlanner(_BalancedSavePlanner):
         from torch.distributed.checkpoint.planner import SavePlan
 
         plan = super().create_local_plan()
-        got = self._final_plan(plan.items)
+        try:
+            got = self._final_plan(plan.items)
+        except Exception as e:  # noqa: BLE001 - never a save that fails at every try: a full save, said why
+            got = f"planning from the loaded step failed: {type(e).__name__}: {e}"
         if isinstance(got, str):
             return SavePlan([], planner_data=(_RESUMED, got[:300]), usable=False)
         self._items, self.expected = got

@@ -88,7 +88,12 @@ class RankWriter:
         follow are planned from its structure while the state keeps it (module
         docstring of checkpoint/structure.py); a step of another world size, or without
         the DCP index, is not used."""
-        self._loaded = LoadedStructure.of(committed, self.coord.rank, self.coord.world_size)
+        try:
+            self._loaded = LoadedStructure.of(committed, self.coord.rank, self.coord.world_size)
+        except Exception as e:  # noqa: BLE001 - the load succeeded; its saves plan as a first save does
+            log.warning("%s: its structure is not kept for the next saves (%s: %s); they plan every rank's items",
+                        committed.step, type(e).__name__, e)
+            self._loaded = None
 
     def write(self, step: StepRef | None, work: str, state_dict: dict, train_state: Any, *,
               planner: Any = None) -> RankResult:
@@ -119,9 +124,10 @@ class RankWriter:
                     self._dcp_save(writer, state_dict, planner if loaded is None else ResumedSavePlanner(
                         loaded.final_plan))
                 except BaseException as e:
-                    if loaded is None or not isinstance(_unwrap_dcp(e), ResumeMismatch):
+                    if not isinstance(_unwrap_dcp(e), ResumeMismatch):
                         raise
-                    # every rank got the coordinator's ResumeMismatch: every rank saves whole, from now on
+                    # every rank got the coordinator's ResumeMismatch (nothing was written yet): every
+                    # rank saves whole, now and from now on
                     log.info("%s: %s; planning this save from every rank's plan", step, _unwrap_dcp(e))
                     self._loaded = None
                     writer = self._writer(work, on_file, None)

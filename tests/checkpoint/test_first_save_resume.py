@@ -204,3 +204,36 @@ def test_a_changed_structure_falls_back_to_a_full_first_save(s3_bucket, tmp_path
     # the tags said no; every plan gathered for the save, then DCP's own plan cache for the next
     assert resumed[0]["calls"] == 3 and resumed[0]["largest"] > 5_000, resumed[0]
     assert all(run_ranks(2, load_wider, url, env=env))
+
+
+def _resume_one_rank_whole(rank, world_size, url, work, whole_rank):
+    """A new job loads step 1; rank ``whole_rank`` keeps no structure of it (as when it
+    could not read it), the other ranks do; then both save steps 2 and 3."""
+    from cloudckpt import Checkpointer
+
+    with Checkpointer(work_dir=work) as ck:
+        sd = _state(world_size, zero=True)
+        ck.load(f"{url}/step1", sd)
+        if rank == whole_rank:
+            ck._writer._loaded = None
+        new = _state(world_size, zero=False, bump=1.0)
+        with _PlanGather() as g:
+            ck.save(f"{url}/step2", new)
+            ck.save(f"{url}/step3", new)
+    return {"largest": g.largest, "calls": g.calls}
+
+
+@pytest.mark.parametrize("whole_rank", [0, 1])
+def test_ranks_that_disagree_on_the_loaded_structure_all_save_whole(s3_bucket, tmp_path, whole_rank):
+    from cloudckpt.ops import download
+
+    env = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
+    env["TMPDIR_LOAD"] = str(tmp_path / "load")
+    url = f"{s3_bucket}/run"
+    run_ranks(2, fresh_save, url, str(tmp_path / "w1"), env=env)
+    got = run_ranks(2, _resume_one_rank_whole, url, str(tmp_path / "w2"), whole_rank, env=env)
+    # the tagged attempt, refused by the coordinator; the full save; DCP's plan cache for step 3
+    assert got[0]["calls"] == 3 and got[0]["largest"] > 5_000, got[0]
+    assert all(run_ranks(2, load_back, url, 1.0, "seven", env=env))
+    download(f"{url}/step3", str(tmp_path / "dl" / "step3"))
+    _stock_load(str(tmp_path / "dl" / "step3"), 1.0, "seven", 2)
