@@ -100,18 +100,19 @@ class Probe:
         self.tls = threading.local()
         self.cpu: dict[str, float] = {}
         self.calls: dict[str, dict[str, list]] = {}  # step -> call -> [n, bytes out, bytes in]
+        self.overhead = 0.0  # thread CPU-s the probe spent sizing objects (pickling them): not the save's
         self._undo: list = []
 
     def _stack(self) -> list:
         return self.tls.__dict__.setdefault("stack", [])
 
-    def _enter(self, name: str) -> float:
+    def _enter(self, name: str) -> tuple[float, float]:
         self._stack().append(name)
-        return time.thread_time()
+        return time.thread_time(), self.overhead
 
-    def _leave(self, t: float) -> None:
+    def _leave(self, t: tuple[float, float]) -> None:
         name = self._stack().pop()
-        spent = time.thread_time() - t
+        spent = time.thread_time() - t[0] - (self.overhead - t[1])  # the probe's own sizing is not the step's
         self.cpu[name] = self.cpu.get(name, 0.0) + spent
         if self._stack():  # the enclosing step's own time leaves this one out
             outer = self._stack()[-1]
@@ -136,15 +137,22 @@ class Probe:
 
         from cloudckpt import dist
 
-        def size(x) -> int:
+        def nbytes(x) -> int:
             if isinstance(x, (list, tuple)):
-                return sum(size(v) for v in x)
+                return sum(nbytes(v) for v in x)
             if hasattr(x, "element_size"):
                 return int(x.numel() * x.element_size())
             try:
                 return len(pickle.dumps(x)) if x is not None else 0
             except Exception:  # noqa: BLE001 - a figure, not a check
                 return 0
+
+        def size(x) -> int:
+            t = time.thread_time()
+            try:
+                return nbytes(x)
+            finally:
+                self.overhead += time.thread_time() - t
 
         def call(orig, op):
             import inspect
@@ -221,7 +229,8 @@ def _measure(phase: str, fn, prof_dir: str | None, rank: int) -> dict:
             if prof:
                 prof.disable()
             probe.uninstall()
-        thread, proc = time.thread_time() - t, time.process_time() - p
+        # what the probe spent sizing objects (pickling a gather's every plan on rank 0) is left out
+        thread, proc = time.thread_time() - t - probe.overhead, time.process_time() - p - probe.overhead
     out = {"thread_cpu_s": round(thread, 3), "process_cpu_s": round(proc, 3), "rss_growth_mib": rss.growth_mib,
            "steps": {k: round(v, 3) for k, v in probe.cpu.items()}, "calls": probe.calls}
     out["steps"]["(outside)"] = round(thread - sum(probe.cpu.values()), 3)
