@@ -35,9 +35,10 @@ from . import index
 
 _SENT = ("cloudckpt", "write results sent")  # index_cache: the digest this rank's last completed save sent
 _MERGED = ("cloudckpt", "write results merged")  # index_cache, coordinator: what its last finish merged
-# a .metadata this large is kept (linked) for the next save instead of pickled again; smaller ones
-# (a few seconds of CPU at most) are pickled again from the merged storage, and work_dir stays empty
-KEEP_METADATA_BYTES = 64 * MiB
+# a .metadata this large is kept (linked) for the next save instead of pickled again (and copied in
+# the store): a repeated save then costs the coordinator O(R), not O(R x T) (a few MB already grow
+# with the job on 8 ranks); smaller ones (tens of ms) are pickled again, and work_dir stays empty
+KEEP_METADATA_BYTES = 1 * MiB
 
 
 def _chunk_bytes(item) -> int:
