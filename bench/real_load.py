@@ -280,6 +280,7 @@ def load_worker(rank, world_size, url, work, tensors, rows, cols, profile_dir, w
     gc.collect()
     base = _peak_kb()
     threads = _threads()
+    ru = resource.getrusage(resource.RUSAGE_SELF)
     t, p, w = time.thread_time(), time.process_time(), time.perf_counter()
     if prof:
         prof.enable()
@@ -294,6 +295,8 @@ def load_worker(rank, world_size, url, work, tensors, rows, cols, profile_dir, w
             pool_prof.uninstall()
         col.uninstall()
     thread, proc, wall = time.thread_time() - t, time.process_time() - p, time.perf_counter() - w
+    ru2 = resource.getrusage(resource.RUSAGE_SELF)
+    switches = [ru2.ru_nvcsw - ru.ru_nvcsw, ru2.ru_nivcsw - ru.ru_nivcsw]
     per_thread = _by_name(threads, _threads())
     per_thread["(ended)"] = round(proc - sum(per_thread.values()), 3)
     ck.close()
@@ -301,7 +304,7 @@ def load_worker(rank, world_size, url, work, tensors, rows, cols, profile_dir, w
     ok = all(float(v.to_local()[0, 0]) == float(i * 1000 + me) for i, v in enumerate(sd["model"].values()))
     out = {"rank": rank, "thread_cpu_s": round(thread, 3), "process_cpu_s": round(proc, 3), "wall_s": round(wall, 3),
            "peak_rss_growth_mib": round((_peak_kb() - base) / 1024, 1), "bitexact": ok,
-           "threads": per_thread,
+           "threads": per_thread, "context_switches": switches,
            "steps": {k: [round(v[0], 3), round(v[1], 3)] for k, v in col.cpu.items()}, "collectives": col.calls}
     out["steps"]["(outside)"] = [round(thread - sum(v[0] for v in col.cpu.values()), 3),
                                  round(proc - sum(v[1] for v in col.cpu.values()), 3)]
@@ -371,12 +374,16 @@ def report(res: dict, meta: dict) -> str:
              f"({meta['rows']}, {meta['cols']}) float32 per rank{', load_with' if meta['with_build'] else ''})", "",
              f"Command: `{meta['command']}`  ", f"Measured {meta['when']} on {meta['cpus']} CPUs "
              f"(load average before {meta['load_before']}).", "",
-             "| R | CPU-s, median rank: main thread / process | peak RSS growth (MiB) | bit-exact |",
-             "|---|---|---|---|"]
+             "| R | CPU-s: main thread (median rank) / process (median of the ranks) | wall s | "
+             "context switches: voluntary / involuntary | peak RSS growth (MiB) | bit-exact |",
+             "|---|---|---|---|---|---|"]
     for R in Rs:
         rk = res[R]["ranks"]
         m = _median_rank(rk)
-        lines.append(f"| {R} | {m['thread_cpu_s']:.2f} / {m['process_cpu_s']:.2f} | "
+        sw = m.get("context_switches", [0, 0])
+        lines.append(f"| {R} | {m['thread_cpu_s']:.2f} / {statistics.median(r['process_cpu_s'] for r in rk):.2f} | "
+                     f"{m['wall_s']:.1f} | "
+                     f"{sw[0]:,} / {sw[1]:,} | "
                      f"{statistics.median(r['peak_rss_growth_mib'] for r in rk):.0f} | "
                      f"{all(r['bitexact'] for r in rk)} |")
     names = sorted({n for R in Rs for n in _median_rank(res[R]["ranks"])["threads"]})
