@@ -17,13 +17,15 @@ PY=${PYTHON:-python3}
 VENV=.venv-megatron
 LOG=$VENV/setup.log
 PKGS=("megatron-core==0.19.2" "torch==2.13.0" "numpy<2.5" "psutil" "triton" "packaging"
-      "boto3>=1.36" "google-cloud-storage>=2.18" "google-crc32c>=1.5" "tqdm" "pyyaml")
+      "boto3>=1.36" "google-cloud-storage>=2.18" "google-crc32c>=1.5" "tqdm" "pyyaml" "pytest")
 stamp=$VENV/.megatron-installed
-if [ ! -f "$stamp" ] || [ scripts/setup_megatron_venv.sh -nt "$stamp" ] || [ ! -x "$VENV/bin/python" ]; then
+if [ ! -f "$stamp" ] || [ scripts/setup_megatron_venv.sh -nt "$stamp" ] || [ ! -x "$VENV/bin/python" ] \
+   || { [ -L "$VENV/shared-torch/torch" ] && [ ! -e "$VENV/shared-torch/torch" ]; }; then
   mkdir -p "$VENV"
   : >"$LOG"
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV" >>"$LOG" 2>&1
   "$VENV/bin/python" -m pip install --upgrade pip >>"$LOG" 2>&1
+  bash scripts/share_torch.sh "$VENV" >>"$LOG" 2>&1
   "$VENV/bin/python" -m pip install --ignore-requires-python "${PKGS[@]}" >>"$LOG" 2>&1
   if "$VENV/bin/python" -m pip show nvidia-resiliency-ext >/dev/null 2>&1; then
     "$VENV/bin/python" -m pip uninstall -y nvidia-resiliency-ext >>"$LOG" 2>&1
