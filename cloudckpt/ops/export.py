@@ -50,6 +50,7 @@ import torch
 
 from ..checkpoint.committed import CommittedStep
 from ..checkpoint.step import StepRef
+from ..dcp import index
 from ..dcp.items import decode_item_tensor
 from ..errors import AlreadyExists, ConfigError, CorruptCheckpoint, MissingKeys
 from ..options import default_work_dir
@@ -204,9 +205,15 @@ class _ChunkIndex:
             lay = header.layouts[lid]
             ranks.update(lay.owners_of(list(range(lay.n))))
         self.stored = 0
+        self.files: dict[str, int] = {}  # {shard file: size} of the ranks visited (a few per rank)
         try:
             for rank in sorted(ranks):
                 self._add_rank(c, header, rank, held.pop(rank, ()), parted)
+            # every item the header holds itself (values too, exported or not) inside its shard file,
+            # as a load checks it: a header that places one past its file is a damaged step
+            for rank in sorted(_header_item_writers(header) - ranks):
+                self.files.update(_shard_sizes(c.rank_objects(rank)))
+            index.check_items(header, self.files)
             self.db.execute("CREATE INDEX chunk_t ON chunk (t)")
             self.db.commit()
         except BaseException:
@@ -220,6 +227,7 @@ class _ChunkIndex:
         prefix = step_layout.MODEL_DIR + "/"
         shards = {p[len(prefix):]: o for p, o in objects.items() if p.startswith(prefix)}
         files = {rel: o.size for rel, o in shards.items()}
+        self.files.update(files)
         crcs = {(rel, x[0], x[1]): x[2] for rel, o in shards.items() for x in o.chunks}
         rows = [(i, lo, sz, *item) for i, lo, sz, item in held]
         if parted:
@@ -380,6 +388,27 @@ def _stored_bytes(metadata, entries: list[_Entry]) -> int:
 
 
 # ---------------------------------------------------------------- writing
+def _header_item_writers(header) -> set[int]:
+    """The ranks whose shard files hold the items the index header gives itself (whole
+    tensors, the chunks of one-tensor layouts, values)."""
+    from ..checkpoint.layout import shard_writer
+
+    items = [t.item for t in header.tensors.values() if t.layout < 0]
+    for t in header.tensors.values():
+        if t.layout >= 0 and header.layouts[t.layout].items is not None:
+            items.extend(header.layouts[t.layout].items)
+    items.extend(header.values.values())
+    return {shard_writer(item[0]) for item in items}
+
+
+def _shard_sizes(objects: dict) -> dict[str, int]:
+    """``{shard file under model_and_optim/: size}`` of a rank's manifest entries."""
+    from ..checkpoint import layout as step_layout
+
+    prefix = step_layout.MODEL_DIR + "/"
+    return {p[len(prefix):]: o.size for p, o in objects.items() if p.startswith(prefix)}
+
+
 def _header(entries: list[_Entry], meta: dict[str, str]) -> bytes:
     header: dict[str, Any] = {"__metadata__": meta}
     off = 0
