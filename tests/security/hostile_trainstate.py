@@ -35,6 +35,8 @@ import zlib
 import numpy as np
 import torch
 
+from cloudckpt.dcp.assemble_store import crc32c_combine
+
 try:
     from numpy._core.multiarray import _reconstruct
 except ImportError:  # numpy 1
@@ -86,38 +88,11 @@ def rezip(data: bytes, *, compress: set[str] = frozenset(), replace: dict[str, b
                    byteorder=order)
 
 
-def _gf2_times(mat: list[int], vec: int) -> int:
-    out, i = 0, 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
 def _crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (zlib's
-    crc32_combine, which Python's zlib does not expose)."""
-    if len2 <= 0:
-        return crc1
-    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
-    even = [_gf2_times(odd, odd[n]) for n in range(32)]  # two zero bits
-    odd = [_gf2_times(even, even[n]) for n in range(32)]  # four zero bits
-    while True:
-        even = [_gf2_times(odd, odd[n]) for n in range(32)]
-        if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-        odd = [_gf2_times(even, even[n]) for n in range(32)]
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-    return crc1 ^ crc2
+    crc32_combine, which Python's zlib does not expose): the library's combine with
+    zlib's polynomial."""
+    return crc32c_combine(crc1, crc2, len2, poly=0xEDB88320)
 
 
 def _crc32_repeated(data: bytes, times: int) -> int:
