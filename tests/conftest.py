@@ -84,6 +84,10 @@ LONGEST_FIRST = {
 
 
 def pytest_configure(config):
+    if os.environ.get("CLOUDCKPT_TEST_CPU"):  # CPU-seconds per test file (cpu_report.py)
+        from cpu_report import CpuReport
+
+        config.pluginmanager.register(CpuReport(os.environ["CLOUDCKPT_TEST_CPU"]), "cloudckpt-cpu-report")
     if hasattr(config.option, "loadscopereorder"):  # xdist: keep the order below (not "most tests first")
         config.option.loadscopereorder = False
 
