@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -56,14 +58,13 @@ class CpuReport:
         self.path = os.path.join(folder, f"cpu-{worker}.tsv")
         self.per_file: dict[str, list[float]] = {}
 
+    @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
         c0, t0 = _tree_cpu(os.getpid()), time.monotonic()
         yield
         acc = self.per_file.setdefault(item.nodeid.split("::", 1)[0], [0.0, 0.0])
         acc[0] += _tree_cpu(os.getpid()) - c0
         acc[1] += time.monotonic() - t0
-
-    pytest_runtest_protocol.hookwrapper = True  # type: ignore[attr-defined]
 
     def pytest_sessionfinish(self, session):
         with open(self.path, "w") as f:
