@@ -39,9 +39,9 @@ import torch
 from cloudckpt import Checkpointer
 from cloudckpt.testing.servers import free_port
 
+from .megatron_pool import McorePool, PoolError
 from .venvs import REPO, diff, load, venv_python
 
-TOOL = Path(__file__).parent / "megatron" / "mcore_tool.py"
 TRAIN = Path(__file__).parent / "megatron" / "train_gpt.py"
 
 
@@ -50,9 +50,19 @@ def megatron_python() -> str:
     return venv_python("setup_megatron_venv.sh", ".venv-megatron", "megatron-core")
 
 
+@pytest.fixture(scope="session")
+def mcore_pool(megatron_python, seaweed, tmp_path_factory) -> McorePool:
+    """2 ranks with Megatron imported, shared by every test of the session (megatron_pool.py)."""
+    units = Path(__file__).parent / "megatron_units"  # bridge_tool, for the "bridge" command
+    env = _env(**seaweed.env(), PYTHONPATH=os.pathsep.join([str(REPO), str(units)]))
+    pool = McorePool(megatron_python, env, tmp_path_factory.mktemp("mcore-pool") / "pool.log")
+    yield pool
+    pool.close()
+
+
 def _env(**extra: str) -> dict:
-    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
-                PYTHONWARNINGS="ignore", **extra)
+    return dict(os.environ, **{"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+                               "PYTHONWARNINGS": "ignore", **extra})
 
 
 class Ranks:
@@ -111,41 +121,44 @@ class Ranks:
             p.wait(timeout=30)
 
 
-def mcore(py: str, tmp_path: Path, *args: str, saved_world: int | None = None, timeout: float = 240,
-          fails: bool = False) -> str:
-    env = _env() if saved_world is None else _env(SAVED_WORLD=str(saved_world))
+def mcore(pool: McorePool, tmp_path: Path, *args: str, saved_world: int | None = None, timeout: float = 240) -> str:
+    """``mcore_tool.py`` ARGS run on the pool of Megatron ranks; every rank must succeed.
+    Returns what the ranks printed, rank 0's first."""
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
-    p = subprocess.run([py, str(TOOL), *args, "--port", str(free_port()), "--work", str(work)], env=env,
-                       capture_output=True, text=True, timeout=timeout)
-    if fails:
-        assert p.returncode != 0, f"mcore_tool {args} succeeded:\n{p.stdout[-3000:]}"
-        return p.stdout + p.stderr
-    assert p.returncode == 0, f"mcore_tool {args} failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-6000:]}"
-    return p.stdout
+    env = {} if saved_world is None else {"SAVED_WORLD": str(saved_world)}
+    try:
+        got = pool.run([*args, "--work", str(work)], env=env, timeout=timeout)
+    except PoolError as e:
+        pytest.fail(f"mcore_tool {' '.join(args)}: {e}")
+    ranks = sorted(got["ranks"].items(), key=lambda kv: int(kv[0]))
+    if not got["ok"]:
+        outs = "\n".join(f"--- rank {r}: {a['status']} ---\n{a['out'][-4000:]}" for r, a in ranks)
+        pytest.fail(f"mcore_tool {' '.join(args)} failed:\n{outs}\n--- the pool's log ---\n{pool.tail(3000)}")
+    return "".join(a["out"] for _, a in ranks)
 
 
-def test_megatron_sharded_state_saved_to_s3_loads_back_exactly_at_2_and_1_ranks(megatron_python, s3_bucket, tmp_path):
+def test_megatron_sharded_state_saved_to_s3_loads_back_exactly_at_2_and_1_ranks(mcore_pool, s3_bucket, tmp_path):
     """... and rank 1 receives no global Metadata at the end of the save: at 200 more
     tensors its largest broadcast stays under 2 KB (63 KB with Megatron's planner as it is)."""
     url = f"{s3_bucket}/run/iter_0000010"
-    out = mcore(megatron_python, tmp_path, "save", url, "--world", "2", "--extra", "200")
+    out = mcore(mcore_pool, tmp_path, "save", url, "--world", "2", "--extra", "200")
     assert 0 < int(out.split("RANK 1 LARGEST BROADCAST ")[1].split()[0]) < 2048, out[-2000:]
     r = subprocess.run([sys.executable, "-m", "cloudckpt", "verify", url], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("OK:"), r.stdout + r.stderr
-    assert "LOADED OK" in mcore(megatron_python, tmp_path, "load", url, "--world", "2")
-    assert "LOADED OK" in mcore(megatron_python, tmp_path, "load", url, "--world", "1", saved_world=2)
+    assert "LOADED OK" in mcore(mcore_pool, tmp_path, "load", url, "--world", "2")
+    assert "LOADED OK" in mcore(mcore_pool, tmp_path, "load", url, "--world", "1", saved_world=2)
 
 
-def test_megatron_saved_at_1_rank_loads_resharded_at_2(megatron_python, s3_bucket, tmp_path):
+def test_megatron_saved_at_1_rank_loads_resharded_at_2(mcore_pool, s3_bucket, tmp_path):
     url = f"{s3_bucket}/run/iter_0000001"
-    mcore(megatron_python, tmp_path, "save", url, "--world", "1")
-    assert "LOADED OK" in mcore(megatron_python, tmp_path, "load", url, "--world", "2", saved_world=1)
+    mcore(mcore_pool, tmp_path, "save", url, "--world", "1")
+    assert "LOADED OK" in mcore(mcore_pool, tmp_path, "load", url, "--world", "2", saved_world=1)
 
 
-def test_megatron_own_loader_reads_our_step_after_download(megatron_python, s3_bucket, tmp_path):
+def test_megatron_own_loader_reads_our_step_after_download(mcore_pool, s3_bucket, tmp_path):
     url = f"{s3_bucket}/run/iter_0000020"
-    mcore(megatron_python, tmp_path, "save", url, "--world", "2")
+    mcore(mcore_pool, tmp_path, "save", url, "--world", "2")
     dest = tmp_path / "dl"
     r = subprocess.run([sys.executable, "-m", "cloudckpt", "download", url, str(dest)], capture_output=True,
                        text=True, timeout=120)
@@ -153,20 +166,20 @@ def test_megatron_own_loader_reads_our_step_after_download(megatron_python, s3_b
     folder = dest / "step20" / "model_and_optim"  # the download keeps the step folder (named by its number)
     assert json.loads((folder / "metadata.json").read_text()) == {"sharded_backend": "torch_dist",
                                                                   "sharded_backend_version": 1}
-    assert "LOADED OK" in mcore(megatron_python, tmp_path, "load", str(folder), "--stock", "--world", "2")
-    assert "LOADED OK" in mcore(megatron_python, tmp_path, "load", str(folder), "--stock", "--world", "1",
+    assert "LOADED OK" in mcore(mcore_pool, tmp_path, "load", str(folder), "--stock", "--world", "2")
+    assert "LOADED OK" in mcore(mcore_pool, tmp_path, "load", str(folder), "--stock", "--world", "1",
                                 saved_world=2)
 
 
-def test_megatron_own_save_is_imported_by_import_folder_as_a_verified_step(megatron_python, s3_bucket, tmp_path):
+def test_megatron_own_save_is_imported_by_import_folder_as_a_verified_step(mcore_pool, s3_bucket, tmp_path):
     """A folder Megatron's own ``dist_checkpointing.save`` wrote (2 gloo ranks) becomes a
     committed step whose checksums verify (``import_folder`` is megatron_folders'
     ``import_iteration``, whose tests load such a step bit for bit)."""
     src = tmp_path / "stock"
-    mcore(megatron_python, tmp_path, "save", str(src), "--stock", "--world", "2")
+    mcore(mcore_pool, tmp_path, "save", str(src), "--stock", "--world", "2")
     assert (src / "metadata.json").is_file() and (src / ".metadata").is_file()
     url = f"{s3_bucket}/imported/iter_0000005"
-    assert f"IMPORTED {url}" in mcore(megatron_python, tmp_path, "import", str(src), url)
+    assert f"IMPORTED {url}" in mcore(mcore_pool, tmp_path, "import", str(src), url)
     r = subprocess.run([sys.executable, "-m", "cloudckpt", "verify", url], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("OK:"), r.stdout + r.stderr
 
@@ -203,7 +216,7 @@ def test_megatron_gpt_training_killed_after_a_committed_save_resumes_from_s3_bit
 
 
 @pytest.mark.slow  # ~60 s on 2 cores: Megatron's model code imports and builds in three runs
-def test_megatron_gpt_saved_at_tensor_or_pipeline_parallel_2_loads_at_1_with_the_same_logits(megatron_python,
+def test_megatron_gpt_saved_at_tensor_or_pipeline_parallel_2_loads_at_1_with_the_same_logits(mcore_pool,
                                                                                             s3_bucket, tmp_path):
     """A tiny GPTModel saved at tensor parallel 2 loads at 1 with the same logits (to
     1e-5: the split matmuls sum in another order). Saved with its two layers on two
@@ -213,9 +226,9 @@ def test_megatron_gpt_saved_at_tensor_or_pipeline_parallel_2_loads_at_1_with_the
     both steps into the same model."""
     tp_url, pp_url = f"{s3_bucket}/gpt/iter_0000003", f"{s3_bucket}/gpt/iter_0000004"
     tp2, pp2, one = tmp_path / "tp2.pt", tmp_path / "pp2.pt", tmp_path / "one.pt"
-    mcore(megatron_python, tmp_path, "gpt-save", tp_url, "--world", "2", "--out", str(tp2))
-    mcore(megatron_python, tmp_path, "gpt-save", pp_url, "--world", "2", "--pp", "2", "--out", str(pp2))
-    mcore(megatron_python, tmp_path, "gpt-load", tp_url, pp_url, "--world", "1", "--out", str(one))
+    mcore(mcore_pool, tmp_path, "gpt-save", tp_url, "--world", "2", "--out", str(tp2))
+    mcore(mcore_pool, tmp_path, "gpt-save", pp_url, "--world", "2", "--pp", "2", "--out", str(pp2))
+    mcore(mcore_pool, tmp_path, "gpt-load", tp_url, pp_url, "--world", "1", "--out", str(one))
     saved, loaded = load(tp2), load(one)
     assert saved.shape == loaded.shape == (2, 8, 64)
     assert torch.allclose(saved, loaded, atol=1e-5, rtol=0), (saved - loaded).abs().max()
@@ -230,7 +243,7 @@ def test_megatron_gpt_saved_at_tensor_or_pipeline_parallel_2_loads_at_1_with_the
     assert not diff(renamed, whole), diff(renamed, whole)
 
 
-def test_megatron_bad_url_or_unusable_store_fails_every_rank_together_with_a_typed_error(megatron_python, s3_bucket,
+def test_megatron_bad_url_or_unusable_store_fails_every_rank_together_with_a_typed_error(mcore_pool, s3_bucket,
                                                                                        tmp_path):
     """On 2 gloo ranks, each within seconds and with the same error type on both ranks (no
     rank left waiting in a collective): a bucket that does not exist, a store that does
@@ -240,7 +253,7 @@ def test_megatron_bad_url_or_unusable_store_fails_every_rank_together_with_a_typ
     folder without a step number. A rank left waiting in a collective would wait
     ``collective_timeout`` (600 s) and fail the run's time limit."""
     missing = "s3://cloudckpt-no-such-bucket-" + tmp_path.name.lower().replace("_", "-")[-20:]
-    out = mcore(megatron_python, tmp_path, "fail", s3_bucket, missing, "--world", "2", "--dead-port",
+    out = mcore(mcore_pool, tmp_path, "fail", s3_bucket, missing, "--world", "2", "--dead-port",
                 str(free_port()), timeout=180)
     got: dict = {}
     for m in re.finditer(r"^CASE (\S+) rank (\d) ([\d.]+)s (\w+)(.*)$", out, re.M):

@@ -17,27 +17,18 @@ here) on real megatron-core and 2 gloo ranks, async saves to SeaweedFS. What is 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import torch
 
 from cloudckpt.integrations import megatron_folders as mf
-from cloudckpt.testing.servers import free_port
 
-from .test_megatron import megatron_python  # noqa: F401 - the fixture is used by name
-from .venvs import REPO
-
-TOOL = Path(__file__).parent / "megatron_units" / "bridge_tool.py"
+from .test_megatron import mcore, mcore_pool, megatron_python  # noqa: F401 - fixtures used by name
 
 
-def _run(py: str, url: str, steps: int, out: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(TOOL.parent)]), OMP_NUM_THREADS="1",
-               GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore")
-    p = subprocess.run([py, str(TOOL), "run", url, "--world", "2", "--steps", str(steps), "--port", str(free_port()),
-                        "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+def _run(pool, tmp_path: Path, url: str, steps: int, out: Path) -> dict:
+    """bridge_tool.py's ``run`` on the pool's 2 ranks (a new process group, a new manager)."""
+    mcore(pool, tmp_path, "bridge", url, "--world", "2", "--steps", str(steps), "--out", str(out), timeout=300)
     return json.loads(out.read_text())
 
 
@@ -45,10 +36,10 @@ def _weights(out: Path) -> list[dict]:
     return [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(2)]
 
 
-def test_bridge_call_sequence_async_saves_keep_the_tracker_committed_and_resume_bit_exact(megatron_python,  # noqa: F811
+def test_bridge_call_sequence_async_saves_keep_the_tracker_committed_and_resume_bit_exact(mcore_pool,  # noqa: F811
                                                                                           s3_bucket, tmp_path):
     url = f"{s3_bucket}/bridge"
-    first = _run(megatron_python, url, 8, tmp_path / "first.json")
+    first = _run(mcore_pool, tmp_path, url, 8, tmp_path / "first.json")
     assert first["loaded"] == [0, 0, 0]
     assert first["tracker"] == 6
     assert first["persistent"] == [3, 6] and first["non_persistent"] == [4, 8]
@@ -59,9 +50,9 @@ def test_bridge_call_sequence_async_saves_keep_the_tracker_committed_and_resume_
     for step, (before, after, committed) in first["tracker_after_save"].items():
         assert after == before and committed and (after is None or after < int(step)), (step, before, after)
 
-    resumed = _run(megatron_python, url, 10, tmp_path / "resumed.json")
+    resumed = _run(mcore_pool, tmp_path, url, 10, tmp_path / "resumed.json")
     assert resumed["loaded"] == [8, 8000, 8]
-    straight = _run(megatron_python, f"{s3_bucket}/straight", 10, tmp_path / "straight.json")
+    straight = _run(mcore_pool, tmp_path, f"{s3_bucket}/straight", 10, tmp_path / "straight.json")
     assert straight["loaded"] == [0, 0, 0] and resumed["non_persistent"] == [8, 10]
     for got, want in zip(_weights(tmp_path / "resumed.json"), _weights(tmp_path / "straight.json"), strict=True):
         for k in ("a", "b", "c"):

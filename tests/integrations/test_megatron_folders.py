@@ -34,17 +34,17 @@ import torch
 from cloudckpt.errors import CorruptCheckpoint, NotACheckpoint, UnsafeCheckpoint
 from cloudckpt.integrations import megatron_folders as mf
 
-from .test_megatron import mcore, megatron_python  # noqa: F401 - the fixture is used by name
+from .test_megatron import mcore, mcore_pool, megatron_python  # noqa: F401 - fixtures used by name
 
 ITER = "iter_0000010"
 
 
 @pytest.fixture(scope="module")
-def stock_run(megatron_python, tmp_path_factory) -> Path:  # noqa: F811 - the fixture imported above
+def stock_run(mcore_pool, tmp_path_factory) -> Path:  # noqa: F811 - the fixture imported above
     """A save folder holding Megatron's own save of mcore_tool's state dict (2 ranks) as iteration 10."""
     tmp = tmp_path_factory.mktemp("stock")
     run = tmp / "run"
-    mcore(megatron_python, tmp, "save", str(run / ITER), "--stock", "--world", "2")
+    mcore(mcore_pool, tmp, "save", str(run / ITER), "--stock", "--world", "2")
     (run / mf.TRACKER).write_text("10")
     return run
 
@@ -64,7 +64,7 @@ def test_read_iteration_gives_megatrons_tensors_whole_and_its_objects_as_plain_d
     assert sd["obj/shard_1_2"] == [{"saved_by": 1, "words": ["x"]}]
 
 
-def test_megatron_own_save_imported_to_s3_is_bit_exact_and_both_loaders_read_it(megatron_python, stock_run,  # noqa: F811
+def test_megatron_own_save_imported_to_s3_is_bit_exact_and_both_loaders_read_it(mcore_pool, stock_run,  # noqa: F811
                                                                                  s3_bucket, tmp_path):
     dest = f"{s3_bucket}/imported"
     done = mf.import_run(stock_run, dest, work_dir=str(tmp_path / "work"))
@@ -88,8 +88,8 @@ def test_megatron_own_save_imported_to_s3_is_bit_exact_and_both_loaders_read_it(
         else:
             assert v.dtype == back[k].dtype and torch.equal(v, back[k]), k
 
-    assert "LOADED OK" in mcore(megatron_python, tmp_path, "load", f"{dest}/{ITER}", "--world", "2")
-    assert "LOADED OK" in mcore(megatron_python, tmp_path, "load", str(folder), "--stock", "--world", "1",
+    assert "LOADED OK" in mcore(mcore_pool, tmp_path, "load", f"{dest}/{ITER}", "--world", "2")
+    assert "LOADED OK" in mcore(mcore_pool, tmp_path, "load", str(folder), "--stock", "--world", "1",
                                 saved_world=2)
 
 

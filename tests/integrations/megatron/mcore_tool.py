@@ -21,6 +21,18 @@ from the source tree (PYTHONPATH). Every command starts ``--world`` ranks itself
         rank's local weights to F.rank{R}, its weights saved to URL
     gpt-load URL [URL2] --world W --out F   the same model at tensor parallel W loaded
         from URL: its logits to F (its weights to F.rank0); then from URL2 (F.2, F.2.rank0)
+    bridge URL --world W --steps N --out F   Megatron-Bridge's call sequence on cloudckpt's
+        manager (tests/integrations/megatron_units/bridge_tool.py, on PYTHONPATH)
+
+    serve --world W                    a pool of W ranks that import Megatron once and run
+        the commands above one after another (tests/integrations/megatron_pool.py is its
+        client): each line of stdin is a JSON ``{"argv": [...], "env": {...}}`` (a command
+        line as above, without --port); each command gets a new gloo process group of its
+        own ``--world`` (ranks at and above it sit it out), Megatron's parallel state
+        and every process group are destroyed after it, and one JSON line answers on
+        stdout: ``{"ok": bool, "ranks": {R: {"status", "out"}}}`` (``out``: what the rank
+        printed, with the traceback of its error). A rank that dies ends the pool
+        (exit 3). The ranks' own stdout goes to stderr: stdout carries answers only.
 """
 
 from __future__ import annotations
@@ -256,34 +268,164 @@ def cmd_import(a, rank, world):
     print("IMPORTED", cm.import_folder(a.src, a.url, work_dir=a.work), flush=True)
 
 
+def cmd_bridge(a, rank, world):
+    import bridge_tool  # tests/integrations/megatron_units, on PYTHONPATH
+
+    bridge_tool.run(a, rank, world)
+
+
 COMMANDS = {"save": cmd_save, "load": cmd_load, "gpt-save": cmd_gpt_save, "gpt-load": cmd_gpt_load,
-            "import": cmd_import, "fail": cmd_fail}
+            "import": cmd_import, "fail": cmd_fail, "bridge": cmd_bridge}
 
 
-def _rank(rank: int, a) -> None:
-    world = a.world
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{a.port}")
-    COMMANDS[a.cmd](a, rank, world)  # a rank's error ends the run: start_processes stops the others
-    dist.destroy_process_group()
-
-
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
-    ap.add_argument("cmd", choices=sorted(COMMANDS))
+    ap.add_argument("cmd", choices=sorted(COMMANDS) + ["serve"])
     ap.add_argument("url", nargs="?")
     ap.add_argument("dest", nargs="?")
     ap.add_argument("--world", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--dead-port", type=int)
     ap.add_argument("--extra", type=int, default=0)
-    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--port", type=int)
     ap.add_argument("--stock", action="store_true")
     ap.add_argument("--out")
-    ap.add_argument("--work", required=True)
-    a = ap.parse_args()
+    ap.add_argument("--work")
+    return ap
+
+
+def _run(a, rank: int, world: int) -> None:
+    """One command on one rank, in a gloo process group of its own ``world``."""
+    if a.cmd == "import":  # one process, no process group
+        if rank == 0:
+            a.src, a.url = a.url, a.dest
+            cmd_import(a, 0, 1)
+        return
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{a.port}")
+    try:
+        COMMANDS[a.cmd](a, rank, world)  # a rank's error ends the run: start_processes stops the others
+    finally:
+        if "megatron.core.parallel_state" in sys.modules:
+            sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
+        dist.destroy_process_group()  # the default group and every other one
+
+
+def _rank(rank: int, a) -> None:
+    _run(a, rank, a.world)
+
+
+def _pool_rank(rank: int, inbox, answers) -> None:
+    """A rank of ``serve``: Megatron imported once, then each command from ``inbox``."""
+    import contextlib
+    import io
+    import traceback
+
+    os.dup2(2, 1)  # what the rank's code writes to fd 1 goes to stderr: the pool's stdout carries answers
+    from megatron.core import dist_checkpointing  # noqa: F401 - the import every command shares
+
+    from cloudckpt.integrations import megatron as cm
+
+    cm._megatron()
+    answers.put((rank, "ready", ""))
+    base_env = dict(os.environ)
+    while (job := inbox.get()) is not None:
+        argv, env, port = job
+        a = _parser().parse_args(argv)
+        a.port = port
+        if rank >= a.world and not (a.cmd == "import" and rank == 0):
+            answers.put((rank, "idle", ""))
+            continue
+        os.environ.clear()
+        os.environ.update(base_env, **env)
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out):
+                _run(a, rank, a.world)
+            answers.put((rank, "ok", out.getvalue()))
+        except BaseException:  # noqa: BLE001 - the answer carries it
+            answers.put((rank, "error", out.getvalue() + traceback.format_exc()))
+
+
+def serve(world: int) -> int:
+    """``serve``: the pool (module docstring). Returns the exit status."""
+    import json
+    import queue
+    import socket
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    inboxes, answers = [ctx.Queue() for _ in range(world)], ctx.Queue()
+    # not daemonic: Megatron's own save starts a process of its own in a rank
+    procs = [ctx.Process(target=_pool_rank, args=(r, inboxes[r], answers)) for r in range(world)]
+    for p in procs:
+        p.start()
+
+    def collect(what: str) -> dict | None:
+        """Every rank's answer; None when a rank died. A rank still busy 60 s after
+        another failed (waiting in a collective) is answered as "hung"."""
+        got: dict = {}
+        failed_at = None
+        while len(got) < world:
+            try:
+                r, status, out = answers.get(timeout=2)
+                got[r] = {"status": status, "out": out}
+                if status == "error" and failed_at is None:
+                    failed_at = time.monotonic()
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
+                if dead:
+                    sys.stderr.write(f"mcore_tool serve: rank(s) {dead} died during {what} (exit codes "
+                                     f"{[procs[r].exitcode for r in dead]})\n")
+                    return None
+                if failed_at is not None and time.monotonic() - failed_at > 60:
+                    return got | {r: {"status": "hung", "out": "still running 60 s after another rank failed"}
+                                  for r in range(world) if r not in got}
+        return got
+
+    def answer(obj: dict) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    def end(status: int) -> int:
+        for q in inboxes:
+            q.put(None)
+        for p in procs:
+            p.join(timeout=30 if status == 0 else 0)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+        return status
+
+    if collect("the imports") is None:
+        return end(3)
+    answer({"ready": True})
+    for line in sys.stdin:
+        job = json.loads(line)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        for q in inboxes:
+            q.put((job["argv"], job.get("env", {}), port))
+        got = collect(" ".join(job["argv"]))
+        if got is None:
+            return end(3)
+        answer({"ok": all(g["status"] in ("ok", "idle") for g in got.values()), "ranks": got})
+        if any(g["status"] == "hung" for g in got.values()):
+            return end(3)  # a rank is stuck: the client starts a new pool
+    return end(0)
+
+
+def main() -> None:
+    a = _parser().parse_args()
+    if a.cmd == "serve":
+        sys.exit(serve(a.world))
+    if a.port is None or a.work is None:
+        sys.exit("--port and --work are required")
     if a.cmd == "import":
-        a.src, a.url = a.url, a.dest
-        cmd_import(a, 0, 1)
+        _run(a, 0, 1)
         return
     import torch.multiprocessing as mp
 
