@@ -60,7 +60,7 @@ from typing import Any, Iterator
 
 from .. import Checkpointer
 from .._torch_compat import make_wrapper_subclass
-from ..errors import ConfigError
+from ..errors import CollectiveError, ConfigError, MissingKeys, NotACheckpoint
 
 SUPPORTED = ((0, 19), (0, 20))
 """megatron-core versions this module supports: ``[low, high)``, by (major, minor)."""
@@ -112,10 +112,54 @@ def _checkpointer(given: Checkpointer | None, settings: dict) -> Iterator[Checkp
 
 def _every_rank(ckpt: Checkpointer, name: str, fn):
     """``fn()`` on this rank inside the named collective step ``name``: a failure on any
-    rank raises on every rank (CollectiveError naming each rank's error)."""
+    rank raises on every rank (CollectiveError naming each rank's error; when one of them
+    is Megatron's ``CheckpointingException``, MegatronCheckFailed, which is both)."""
     out: list = []
-    ckpt.coord.all_ranks(name, lambda: out.append(fn()))  # only the outcome travels, not the value
+
+    def error(step: str, failures: dict) -> CollectiveError:
+        megatrons = any(str(m).startswith("CheckpointingException") for m in failures.values())
+        return (_errors()["MegatronCheckFailed"] if megatrons else CollectiveError)(step, failures)
+
+    ckpt.coord.all_ranks(name, lambda: out.append(fn()), error=error)  # only the outcome travels, not the value
     return out[0]
+
+
+_ERRORS: dict = {}
+
+
+def _errors() -> dict:
+    """The error classes that are cloudckpt's and Megatron's (or DCP's) at once, built at
+    first use (they subclass Megatron's ``CheckpointingException``)."""
+    if _ERRORS:
+        return _ERRORS
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    CheckpointingException = _megatron()[0].CheckpointingException
+
+    class MegatronCheckFailed(CollectiveError, CheckpointingException):
+        """Megatron's own check (the sharding check, ``strict`` handling, global shapes)
+        failed on some rank: a CollectiveError (on every rank, naming each rank's error)
+        and the ``CheckpointingException`` Megatron's ``load`` raises."""
+
+    class MegatronNotACheckpoint(NotACheckpoint, CheckpointingException):
+        """The folder is not a committed step: cloudckpt's NotACheckpoint and the
+        ``CheckpointingException`` ("... is not a distributed checkpoint") Megatron raises."""
+
+    class MegatronMissingKeys(MissingKeys, CheckpointException):
+        """A key asked for (with Megatron's default ``strict``, ``ASSUME_OK_UNEXPECTED``)
+        is not in the step: cloudckpt's MissingKeys and the DCP ``CheckpointException``
+        Megatron's own load raises there. ``failures``: this rank's MissingKeys."""
+
+        def __init__(self, message: str):
+            Exception.__init__(self, message)
+            self._failures = {}
+
+        __str__ = MissingKeys.__str__
+
+    for cls in (MegatronCheckFailed, MegatronNotACheckpoint, MegatronMissingKeys):
+        cls.__module__ = __name__
+        _ERRORS[cls.__name__] = cls
+    return _ERRORS
 
 
 def _typed(v: Any) -> Any:
@@ -284,13 +328,13 @@ def _load_strategy_class():
                 checked = [t for t in nested_values(sharded_state_dict) if isinstance(t, mapping.ShardedTensor)]
                 sd, flat, renamed = mtorch._replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
                 pyt = {k: _typed(v) for k, v in mtorch.mcore_to_pyt_state_dict(sd, True).items()}
-                if common:
+                if common and common_key not in pyt:  # the state dict may ask for it too (load_sharded_metadata's)
                     pyt[common_key] = io.BytesIO()
                 return pyt, flat, renamed, checked
 
             pyt, flat, renamed, checked = _every_rank(ckpt, "megatron translate", translate)
             ckpt._async.wait()
-            committed = loading.open_step(ckpt.coord, ckpt.engine, ckpt.options, ckpt._step(str(checkpoint_dir)))
+            committed = self._open(checkpoint_dir)
             shapes = committed.shapes().state_dict_metadata
 
             def shapes_match():  # Megatron's MCoreLoadPlanner._validate_global_shapes
@@ -305,23 +349,65 @@ def _load_strategy_class():
                             f", expected {tuple(t.global_shape)}")
 
             _every_rank(ckpt, "megatron shapes", shapes_match)
-            # Megatron's strict default (ASSUME_OK_UNEXPECTED): keys the target does not ask for stay behind
-            ckpt._load(committed, pyt, LoadRequest(load_trainer_state=False, allow_partial=True))
-            found = pyt.pop(common_key)[0] if common else None
+            # keys the target does not ask for stay behind (Megatron's strict handling ran before)
+            try:
+                ckpt._load(committed, pyt, LoadRequest(load_trainer_state=False, allow_partial=True))
+            except MissingKeys as e:  # as Megatron's load raises it (DCP's CheckpointException)
+                raise _errors()["MegatronMissingKeys"](str(e)) from e
+            found = None
+            if common:
+                found = (pyt[common_key] if common_key in renamed else pyt.pop(common_key))[0]
             state = {k: mtorch._unwrap_pyt_sharded_tensor(v) for k, v in pyt.items()}
             state = mtorch._replace_sharded_keys_with_state_dict_keys(state, flat, renamed)
             mtorch._restore_dict_types(state, sharded_state_dict)
             return state, found
 
+        def _open(self, checkpoint_dir):
+            """The committed step (collective); MegatronNotACheckpoint when it is not one."""
+            ckpt = self._ckpt()
+            try:
+                return loading.open_step(ckpt.coord, ckpt.engine, ckpt.options, ckpt._step(str(checkpoint_dir)))
+            except NotACheckpoint as e:
+                raise _errors()["MegatronNotACheckpoint"](f"{checkpoint_dir} is not a distributed checkpoint "
+                                                          f"(no committed cloudckpt step): {e}") from e
+
+        def _shapes(self, checkpoint_dir):
+            """DCP Metadata of every key of the step, from cloudckpt's index. Not collective."""
+            ckpt = self._ckpt()
+            try:
+                step = CommittedStep.open(ckpt._step(str(checkpoint_dir)), verify=ckpt.options.verify_checksums)
+            except NotACheckpoint as e:
+                raise _errors()["MegatronNotACheckpoint"](f"{checkpoint_dir} is not a distributed checkpoint "
+                                                          f"(no committed cloudckpt step): {e}") from e
+            return step.shapes()
+
         def load_tensors_metadata(self, checkpoint_dir, metadata=None):
             """Every tensor of the step (key, global shape, dtype) as unsharded
             ShardedTensors without data, from cloudckpt's index. Not collective."""
-
-            ckpt = self._ckpt()
-            md = metadata or CommittedStep.open(ckpt._step(str(checkpoint_dir)),
-                                                verify=ckpt.options.verify_checksums).shapes()
+            md = metadata or self._shapes(checkpoint_dir)
             return mtorch.TorchDistLoadShardedStrategy.load_tensors_metadata(self, checkpoint_dir, md) \
                 if md is not None else {}
+
+        def load_sharded_metadata(self, checkpoint_dir):
+            """Megatron's ``load_sharded_metadata``: every tensor (as
+            :meth:`load_tensors_metadata`) and every ``ShardedObject`` (without data, by its
+            unique key) of the step, from cloudckpt's index. Not collective."""
+            from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+            md = self._shapes(checkpoint_dir)
+            if md is None:
+                return {}
+            out = {}
+            for key, item in md.state_dict_metadata.items():
+                if isinstance(item, BytesStorageMetadata):
+                    obj = mapping.ShardedObject.empty_from_unique_key(key)
+                    out[obj.unique_key] = obj
+            out.update(self.load_tensors_metadata(checkpoint_dir, md))
+            return out
+
+        def remove_sharded_tensors(self, checkpoint_dir, key_prefix):
+            raise ConfigError(f"{checkpoint_dir}: a committed cloudckpt step is never rewritten in place "
+                              "(remove_sharded_tensors); load it and save the state without those keys as a new step")
 
         def close(self) -> None:
             if self._own and self.checkpointer is not None:
@@ -335,11 +421,14 @@ _CLASSES: dict = {}
 
 
 def __getattr__(name: str):
-    """``CloudSaveStrategy`` and ``CloudLoadStrategy``: built (Megatron imported) at first use."""
+    """``CloudSaveStrategy``, ``CloudLoadStrategy`` and the errors ``MegatronCheckFailed``,
+    ``MegatronNotACheckpoint``, ``MegatronMissingKeys``: built (Megatron imported) at first use."""
     if name in ("CloudSaveStrategy", "CloudLoadStrategy"):
         if name not in _CLASSES:
             _CLASSES[name] = _save_strategy_class() if name == "CloudSaveStrategy" else _load_strategy_class()
         return _CLASSES[name]
+    if name in ("MegatronCheckFailed", "MegatronNotACheckpoint", "MegatronMissingKeys"):
+        return _errors()[name]
     raise AttributeError(name)
 
 
@@ -377,17 +466,28 @@ def save(sharded_state_dict: dict, url: str, *, step: int | None = None, ephemer
 
 
 def load(sharded_state_dict: dict, url: str, *, checkpointer: Checkpointer | None = None,
-         validate_access_integrity: bool = True, **settings: Any) -> dict:
-    """Megatron's ``dist_checkpointing.load(sharded_state_dict, url)`` reading the
+         validate_access_integrity: bool = True, strict: Any = "assume_ok_unexpected", **settings: Any) -> Any:
+    """Megatron's ``dist_checkpointing.load(sharded_state_dict, url, strict=…)`` reading the
     committed cloudckpt step ``url`` through cloudckpt (resharding as DCP does).
     Collective. Returns the loaded state dict (the common state with the loaded tensors
-    and objects merged in, factories merged back), as Megatron's does. Raises (on every
-    rank together): NotACheckpoint, CollectiveError (Megatron's checks failed on some
-    rank), MissingKeys, CorruptCheckpoint, UnsafeCheckpoint (an object that is not plain
-    data), storage errors."""
+    and objects merged in, factories merged back), as Megatron's does; with ``strict``
+    ``RETURN_UNEXPECTED`` / ``RETURN_ALL`` (a ``StrictHandling`` or its value) also the
+    sets of missing and unexpected keys, as Megatron's. ``strict`` is handled by
+    Megatron's own ``validate_integrity_and_strict_load``, with the step's keys from
+    cloudckpt's index (:func:`load_sharded_metadata`).
+
+    Raises (on every rank together): MegatronNotACheckpoint (a NotACheckpoint and
+    Megatron's ``CheckpointingException``), MegatronCheckFailed (a CollectiveError and a
+    ``CheckpointingException``: Megatron's checks, ``RAISE_*`` strictness or a global
+    shape mismatch failed on some rank), MegatronMissingKeys (a MissingKeys and DCP's
+    ``CheckpointException``: with ``ASSUME_OK_UNEXPECTED``, a key that is not in the
+    step), CollectiveError, CorruptCheckpoint, UnsafeCheckpoint (an object that is not
+    plain data), storage errors."""
     from megatron.core.dist_checkpointing.dict_utils import merge
 
     _, mapping, serialization, state_dict_utils, validation, _ = _megatron()
+    strict = validation.parse_strict_flag(strict)
+    handling = validation.StrictHandling
     with _checkpointer(checkpointer, settings) as ckpt:
         strategy = _load_strategy_class()(ckpt)
 
@@ -397,18 +497,48 @@ def load(sharded_state_dict: dict, url: str, *, checkpointer: Checkpointer | Non
             return sharded, nonpersistent, factories
 
         sharded, nonpersistent, factories = _every_rank(ckpt, "megatron prepare", prepare)
-        if validate_access_integrity:  # Megatron's gather, then its check (which may fail on some ranks only)
-            local_md, global_md = validation.determine_global_metadata(sharded)
+        in_step = None
+        if handling.requires_explicit_ckpt_mismatch_check(strict):  # the step's keys, from its index
+            in_step = _every_rank(ckpt, "megatron step keys", lambda: {
+                k: v for k, v in strategy.load_sharded_metadata(url).items() if v.key != COMMON_KEY})
+        local_md = global_md = None
+        if validate_access_integrity or handling.requires_global_app_metadata(strict):
+            local_md, global_md = validation.determine_global_metadata(sharded)  # Megatron's gather
 
-            def check():
-                return validation.validate_integrity_and_strict_load(
-                    sharded, validation.StrictHandling.ASSUME_OK_UNEXPECTED, True, local_md, global_md, None)[0]
+        def check():  # Megatron's checks, which may fail on some ranks only
+            return validation.validate_integrity_and_strict_load(sharded, strict, validate_access_integrity,
+                                                                 local_md, global_md, in_step)
 
-            sharded = _every_rank(ckpt, "megatron check", check)
+        sharded, missing, unexpected = _every_rank(ckpt, "megatron check", check)
         loaded, common = strategy._load(sharded, url, common=True)
         merge(common, nonpersistent)
         merge(common, loaded)
-        return mapping.apply_factory_merges(common, factories)
+        state = mapping.apply_factory_merges(common, factories)
+        return (state, missing, unexpected) if handling.requires_returning_mismatch_keys(strict) else state
+
+
+def _metadata(url: str, what: str, checkpointer: Checkpointer | None, settings: dict) -> dict:
+    """The load strategy's ``what`` for ``url``, on this process alone (a Checkpointer
+    made here is not distributed: no process group is made, no rank waits)."""
+    with _checkpointer(checkpointer, {"distributed": False, **settings}) as ckpt:
+        return getattr(_load_strategy_class()(ckpt), what)(url)
+
+
+def load_tensors_metadata(url: str, *, checkpointer: Checkpointer | None = None, **settings: Any) -> dict:
+    """Megatron's ``dist_checkpointing.load_tensors_metadata`` for the committed step
+    ``url``: every tensor (key, global shape, dtype) as an unsharded ShardedTensor without
+    data, from cloudckpt's index. One process, not collective. Raises
+    MegatronNotACheckpoint, CorruptCheckpoint, storage errors."""
+    return _metadata(url, "load_tensors_metadata", checkpointer, settings)
+
+
+def load_sharded_metadata(url: str, *, checkpointer: Checkpointer | None = None, **settings: Any) -> dict:
+    """Megatron's ``dist_checkpointing.load_sharded_metadata`` for the committed step
+    ``url``: :func:`load_tensors_metadata` and every ``ShardedObject`` (without data,
+    keyed by its unique key, the common state's included). One process, not collective;
+    the result can be passed to :func:`load` as the state dict. Raises as
+    :func:`load_tensors_metadata`."""
+    return _metadata(url, "load_sharded_metadata", checkpointer, settings)
 
 
 def import_folder(src: str, url: str, *, step: int | None = None, **settings: Any) -> str:
@@ -425,4 +555,5 @@ def import_folder(src: str, url: str, *, step: int | None = None, **settings: An
     return import_iteration(src, url, iteration=step_number(url, step), **settings).url
 
 
-__all__ = ["SUPPORTED", "import_folder", "load", "save", "step_number"]
+__all__ = ["SUPPORTED", "import_folder", "load", "load_sharded_metadata", "load_tensors_metadata", "save",
+           "step_number"]

@@ -13,14 +13,15 @@ dist_checkpointing tests use are defined here. What it changes, and nothing else
   but the default one is destroyed (each gloo group keeps threads: without this a rank
   leaks hundreds); Python 3.11 gets ``typing.override`` (Megatron's training package,
   which the tests' helpers import, uses the 3.12 name).
-- ``MCORE_UNITS_STRATEGY=cloudckpt``: ``dist_checkpointing.save`` and ``load`` (the package's
-  and ``serialization``'s) become cloudckpt's (``cloudckpt.integrations.megatron``) whenever a
-  call asks for the default ``torch_dist`` strategy (none given, Megatron's own
-  ``TorchDistSave/LoadShardedStrategy``, or ``("torch_dist", v)``) synchronously with the
-  default strictness, and ``load_tensors_metadata`` and ``load_content_metadata`` read a
-  cloudckpt step through cloudckpt;
-  any other call (another strategy, async, ``common_strategy``, another strictness, a
-  folder cloudckpt did not write) goes to Megatron's own function and is counted as such.
+- ``MCORE_UNITS_STRATEGY=cloudckpt``: ``dist_checkpointing.save``, ``load``,
+  ``load_tensors_metadata``, ``load_sharded_metadata`` and ``load_content_metadata`` (the
+  package's and ``serialization``'s) become cloudckpt's (``cloudckpt.integrations.megatron``)
+  whenever a call asks for the default ``torch_dist`` strategy (none given, Megatron's own
+  ``TorchDistSave/LoadShardedStrategy`` with its default options, or ``("torch_dist", v)``),
+  synchronously, with any ``strict``, and (for a load) on a folder cloudckpt committed;
+  any other call (another strategy or ``separation_hint``, async, ``verify_integrity``, a
+  ``process_group``, a folder cloudckpt did not write) goes to Megatron's own function
+  and is counted as such. Arguments are bound by name against Megatron's own signature.
 - Each rank writes ``$MCORE_UNITS_OUT/rank{R}.json``: per test, its outcome and how many
   saves and loads went through cloudckpt and through Megatron's own functions.
 """
@@ -85,73 +86,82 @@ def _count(kind: str) -> None:
 
 def _install_cloudckpt() -> None:
     """Megatron's entry points replaced as the module docstring says."""
-    from megatron.core import dist_checkpointing as dc
+    import inspect
+
     from megatron.core.dist_checkpointing import serialization as ser
     from megatron.core.dist_checkpointing.strategies.torch import (
         TorchDistLoadShardedStrategy,
         TorchDistSaveShardedStrategy,
     )
-    from megatron.core.dist_checkpointing.validation import StrictHandling
 
     from cloudckpt.integrations import megatron as cm
 
     work = os.environ["MCORE_UNITS_WORK"]
-    stock_save, stock_load, stock_metadata = ser.save, ser.load, ser.load_tensors_metadata
+    stock = {name: getattr(ser, name) for name in ("save", "load", "load_tensors_metadata", "load_sharded_metadata",
+                                                   "load_content_metadata")}
+
+    def args_of(name, args, kwargs) -> dict:  # every argument by name, as Megatron's own function takes them
+        bound = inspect.signature(stock[name]).bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments
 
     def default(strategy, cls) -> bool:
-        return strategy is None or type(strategy) is cls or (type(strategy) is tuple and strategy[0] == "torch_dist")
+        if type(strategy) is cls:  # Megatron's own class with its default options
+            return getattr(strategy, "separation_hint", None) is None
+        return strategy is None or (type(strategy) is tuple and strategy[0] == "torch_dist")
 
     def ours(checkpoint_dir) -> bool:
-        return os.path.exists(os.path.join(str(checkpoint_dir), ".metadata.json"))
+        return checkpoint_dir is not None and os.path.exists(os.path.join(str(checkpoint_dir), ".metadata.json"))
 
-    def save(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strategy=None,
-             validate_access_integrity=True, async_sharded_save=False,
-             preprocess_common_before_consistancy_check=None, content_metadata=None):
-        if not default(sharded_strategy, TorchDistSaveShardedStrategy) or common_strategy is not None \
-                or async_sharded_save:
+    def save(*args, **kwargs):
+        a = args_of("save", args, kwargs)
+        if not default(a["sharded_strategy"], TorchDistSaveShardedStrategy) or a.get("common_strategy") is not None \
+                or a["async_sharded_save"] or a.get("verify_integrity"):
             _count("megatron save")
-            return stock_save(sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy,
-                              validate_access_integrity, async_sharded_save,
-                              preprocess_common_before_consistancy_check, content_metadata)
+            return stock["save"](*args, **kwargs)
         _count("cloudckpt save")
-        cm.save(sharded_state_dict, str(checkpoint_dir), step=0, validate_access_integrity=validate_access_integrity,
-                content_metadata=content_metadata,
-                preprocess_common_before_consistancy_check=preprocess_common_before_consistancy_check, work_dir=work)
+        cm.save(a["sharded_state_dict"], str(a["checkpoint_dir"]), step=0,
+                validate_access_integrity=a["validate_access_integrity"], content_metadata=a["content_metadata"],
+                preprocess_common_before_consistancy_check=a["preprocess_common_before_consistancy_check"],
+                work_dir=work)
         return None
 
-    def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, common_strategy=None,
-             validate_access_integrity=True, strict=StrictHandling.ASSUME_OK_UNEXPECTED):
-        if not (ours(checkpoint_dir) and default(sharded_strategy, TorchDistLoadShardedStrategy)
-                and common_strategy is None and strict == StrictHandling.ASSUME_OK_UNEXPECTED):
+    def load(*args, **kwargs):
+        a = args_of("load", args, kwargs)
+        if not (ours(a["checkpoint_dir"]) and default(a["sharded_strategy"], TorchDistLoadShardedStrategy)
+                and a.get("common_strategy") is None and not a.get("verify_integrity")
+                and a.get("process_group") is None):
             _count("megatron load")
-            return stock_load(sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy,
-                              validate_access_integrity, strict)
+            return stock["load"](*args, **kwargs)
         _count("cloudckpt load")
-        return cm.load(sharded_state_dict, str(checkpoint_dir), validate_access_integrity=validate_access_integrity,
-                       work_dir=work)
+        return cm.load(a["sharded_state_dict"], str(a["checkpoint_dir"]),
+                       validate_access_integrity=a["validate_access_integrity"], strict=a["strict"], work_dir=work)
 
-    def load_tensors_metadata(checkpoint_dir, sharded_strategy=None):
-        if not ours(checkpoint_dir):
-            _count("megatron load")
-            return stock_metadata(checkpoint_dir, sharded_strategy)
-        _count("cloudckpt load")
-        strategy = cm.CloudLoadStrategy(work_dir=work)
-        try:
-            return strategy.load_tensors_metadata(str(checkpoint_dir))
-        finally:
-            strategy.close()
-
-    stock_content = ser.load_content_metadata
+    def metadata(name):
+        def read(*args, **kwargs):
+            a = args_of(name, args, kwargs)
+            if not (ours(a["checkpoint_dir"]) and default(a["sharded_strategy"], TorchDistLoadShardedStrategy)):
+                _count("megatron load")
+                return stock[name](*args, **kwargs)
+            _count("cloudckpt load")
+            return getattr(cm, name)(str(a["checkpoint_dir"]), work_dir=work)
+        return read
 
     def load_content_metadata(checkpoint_dir=None, *, preloaded_state_dict=None):
         if preloaded_state_dict is not None or not ours(checkpoint_dir):
-            return stock_content(checkpoint_dir, preloaded_state_dict=preloaded_state_dict)
+            return stock["load_content_metadata"](checkpoint_dir, preloaded_state_dict=preloaded_state_dict)
         _count("cloudckpt load")  # the common state alone: a load of no sharded values
         return cm.load({}, str(checkpoint_dir), work_dir=work).get("content_metadata")
 
-    for mod in (dc, ser):
-        mod.save, mod.load, mod.load_tensors_metadata = save, load, load_tensors_metadata
-        mod.load_content_metadata = load_content_metadata
+    replaced = {"save": save, "load": load, "load_tensors_metadata": metadata("load_tensors_metadata"),
+                "load_sharded_metadata": metadata("load_sharded_metadata"),
+                "load_content_metadata": load_content_metadata}
+    from megatron.core import dist_checkpointing as dc
+
+    for mod in (dc, ser):  # the package and serialization export the entry points
+        for name, fn in replaced.items():
+            if hasattr(mod, name):
+                setattr(mod, name, fn)
 
 
 def pytest_configure(config) -> None:
