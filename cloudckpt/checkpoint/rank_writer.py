@@ -18,6 +18,17 @@ keeps it (``_torch_compat.ResumedSavePlanner``: DCP's plan step carries a tag a 
 plan), and rank 0 copies the loaded ``.metadata`` inside the store when every rank's
 write results are where the loaded step had them. A rank whose state changed makes
 every rank's save, and those after it, plan as a first save does.
+
+A job's first save (and the save that falls back from a loaded structure) on more than
+one rank, to a store that assembles objects, is planned by owners
+(``dcp/owners.py``): no rank gathers every rank's plan or write results. After DCP's
+save, every rank (in this order, each step collective, each carrying every rank's error
+to every rank): makes its ``.metadata`` fragment; ``assemble_store.assemble_in_store``
+joins ``.metadata`` in the store from every rank's fragment (rank 0 begins and
+completes it; its size and CRC32C go into rank 0's entries, as an uploaded
+``.metadata``'s do); ``owners.index_header`` gives rank 0 the DCP index header from the
+owners' records, which it writes and uploads. The saves after it plan with DCP's plan
+cache (``caching_save_planner``), as repeated saves do.
 """
 
 from __future__ import annotations
@@ -35,9 +46,13 @@ from typing import Any, Sequence
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
 from .._torch_compat import ResumedSavePlanner, ResumeMismatch, caching_save_planner
 from ..dcp import UploadingWriter
+from ..dcp.assemble import TRAILER, header
+from ..dcp.assemble_store import assemble_in_store
+from ..dcp.owners import OwnersSavePlanner, fragment_of, index_header
 from ..errors import CloudCkptError, CorruptCheckpoint, NotFound, PreconditionFailed
 from ..options import CheckpointerOptions
 from ..storage.nofollow import private_dir
@@ -82,6 +97,10 @@ class RankWriter:
         # rank 0: (URL, CRC32C, file identity, the object's version as written) of the .metadata last sent
         self._metadata_sent: tuple[str, str, tuple, str] | None = None
         self._loaded: LoadedStructure | None = None  # the step this job loaded, while its structure holds
+        self._planned = False  # a save of ours completed: the next ones plan with DCP's plan cache
+
+    #: A job's first save planned by owners (the module docstring); False: every rank's plan gathered on rank 0.
+    owners_first_save = True
 
     def loaded(self, committed: Any) -> None:
         """After a load of ``committed`` (a CommittedStep) on this rank: the saves that
@@ -115,23 +134,28 @@ class RankWriter:
                 crc = own if self.engine.config.checksum else None
                 uploads.append((rel, self._send(path, step, rel, crc, own, same_as_last=same_as_last)))
 
-        loaded = self._loaded if planner is None and step is not None else None
-        writer = self._writer(work, on_file, loaded)
+        writer: UploadingWriter | None = None
         error: BaseException | None = None
         try:
+            owned = self._owners_planner(step, planner)
+            loaded = self._loaded if owned is None and planner is None and step is not None else None
+            writer = self._writer(work, on_file, loaded, owned is not None)
             with quiet_dcp():
                 try:
-                    self._dcp_save(writer, state_dict, planner if loaded is None else ResumedSavePlanner(
-                        loaded.final_plan))
+                    self._dcp_save(writer, state_dict, owned or (planner if loaded is None else ResumedSavePlanner(
+                        loaded.final_plan)))
                 except BaseException as e:
                     if not isinstance(_unwrap_dcp(e), ResumeMismatch):
                         raise
                     # every rank got the coordinator's ResumeMismatch (nothing was written yet): every
                     # rank saves whole, now and from now on
-                    log.info("%s: %s; planning this save from every rank's plan", step, _unwrap_dcp(e))
+                    log.info("%s: %s; planning this save as a first save", step, _unwrap_dcp(e))
                     self._loaded = None
-                    writer = self._writer(work, on_file, None)
-                    self._dcp_save(writer, state_dict, planner)
+                    owned = self._owners_planner(step, planner)
+                    writer = self._writer(work, on_file, None, owned is not None)
+                    self._dcp_save(writer, state_dict, owned or planner)
+            if owned is not None:
+                self._assemble(step, work, writer, owned, uploads, on_file)
             index_part = writer.write_index_part(self.coord.rank)
             if index_part is not None:
                 on_file(index_part)
@@ -147,7 +171,8 @@ class RankWriter:
         entries = []
         try:
             results = TransferEngine.wait_all(futures)
-            items = writer.manifest() if error is None else {}  # {shard file: ((offset, length, crc32c), ...)}
+            # {shard file: ((offset, length, crc32c), ...)}
+            items = writer.manifest() if error is None and writer is not None else {}
             for (rel, _), res in zip(uploads, results, strict=True):
                 in_model = rel.startswith(layout.MODEL_DIR + "/")
                 chunks = items.get(rel[len(layout.MODEL_DIR) + 1:], ()) if in_model else ()
@@ -157,9 +182,49 @@ class RankWriter:
             error = error or e
         return RankResult(entries, t0, error)
 
-    def _writer(self, work: str, on_file: Any, loaded: LoadedStructure | None) -> UploadingWriter:
+    def _writer(self, work: str, on_file: Any, loaded: LoadedStructure | None, owners: bool = False) -> UploadingWriter:
         return UploadingWriter(os.path.join(work, layout.MODEL_DIR), on_file, thread_count=self.options.thread_count,
-                               index_cache=self._index_cache, cache_dir=self._metadata_cache_dir, loaded=loaded)
+                               index_cache=self._index_cache, cache_dir=self._metadata_cache_dir, loaded=loaded,
+                               owners=owners)
+
+    def _owners_planner(self, step: StepRef | None, planner: Any) -> OwnersSavePlanner | None:
+        """The planner of a save planned by owners (the module docstring), or None where
+        this save plans otherwise: a later save, a caller's planner, a local step, one
+        process, a store that cannot assemble ``.metadata``, or every rank keeps the
+        loaded step's structure (then planned from it). Ranks that disagree on the last
+        (one all_reduce of a byte) all plan by owners and drop it. The same answer on
+        every rank; collective where a save may be planned by owners."""
+        if (not self.owners_first_save or self._planned or planner is not None or step is None
+                or self.coord.world_size < 2 or not step.store.assembles_objects):
+            return None
+        if not self.coord.any_rank([self._loaded is None], "plan by owners or from the loaded step")[0]:
+            return None
+        self._loaded = None
+        return OwnersSavePlanner(self.coord)
+
+    def _assemble(self, step: StepRef, work: str, writer: UploadingWriter, owned: OwnersSavePlanner, uploads: list,
+                  on_file: Any) -> None:
+        """Every rank, after DCP's save planned by owners: ``.metadata`` assembled in the
+        store from every rank's fragment, then the DCP index header built on rank 0 from
+        the owners' records, written and uploaded (the module docstring). Collective;
+        raises on every rank what any rank met."""
+        coord, url = self.coord, step.url_of(layout.DCP_METADATA)
+        mine = coord.agree("the .metadata fragments of " + step.url, lambda: fragment_of(owned.owned, writer.results))
+        t0 = time.monotonic()
+        info = assemble_in_store(coord, step.store, url, mine, trailer=TRAILER,
+                                 header=header(planner_data=owned.flatten_state_dict, version=CURRENT_DCP_VERSION))
+        if coord.is_coordinator:
+            done: Future = Future()
+            done.set_result(TransferResult(url=url, local_path=None, size=info.size, crc32c=info.crc32c, attempts=1,
+                                           seconds=time.monotonic() - t0, version=info.version))
+            uploads.append((layout.DCP_METADATA, done))
+        got = index_header(coord, owned.owned, writer.results, dcp_version=CURRENT_DCP_VERSION)
+        if got is not None:
+            path = os.path.join(work, layout.INDEX_HEADER)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(got)
+            on_file(path)
 
     def _dcp_save(self, writer: UploadingWriter, state_dict: dict, planner: Any) -> None:
         """DCP's save through ``writer`` (``planner`` None: ours, with DCP's plan cache). Collective."""
@@ -172,6 +237,9 @@ class RankWriter:
             writer.abandoned()
             raise
         writer.completed()
+        # planned with DCP's plan cache or by owners: the next saves plan with the cache (a save
+        # planned from the loaded step leaves it empty: its fallback plans by owners)
+        self._planned = self._planned or not isinstance(planner, ResumedSavePlanner)
 
     def _copy_loaded(self, loaded: LoadedStructure, url: str) -> Future:
         """Rank 0: the loaded step's ``.metadata`` put at ``url`` by a copy inside the store,

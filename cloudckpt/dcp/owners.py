@@ -38,9 +38,11 @@ every rank passes ``fragment_of(planner.owned, its results)`` to
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import zlib
 from bisect import bisect_right, insort
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,9 +57,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
+from ..checkpoint.layout import shard_writer
 from ..dist import Coordinator
 from ..errors import ShapeMismatch
 from .assemble import fragment
+from .index import dtype_name, header_from_layouts, layout_key
 
 WRITERS = ("lowest", "spread")
 #: Largest pickled payload one rank sends another in one exchange (the records of a share of the keys).
@@ -218,6 +222,126 @@ def fragment_of(owned: OwnedPlan, write_results: list) -> bytes:
     owns and the storage entries of the items it wrote (DCP's WriteResults)."""
     return fragment(state_dict_metadata=owned.state_dict_metadata, planner_data=owned.planner_data,
                     storage_data=[(wr.index, wr.storage_data) for wr in write_results])
+
+
+def index_header(coord: Coordinator, owned: OwnedPlan, write_results: list, *, dcp_version: Any,
+                 limit: int = PAYLOAD_LIMIT) -> bytes | None:
+    """Every rank, after the save's writes: the DCP index header (dcp/index/) of a save
+    planned by owners; its bytes on the coordinator, None elsewhere. Raises on every
+    rank what any rank met (CollectiveError, PeerLost).
+
+    1. (all ranks) each rank sends where it wrote each item (key, chunk offsets, file,
+       offset, length) to the owner of its key: one all-to-all of small records;
+    2. (owners -> coordinator) each owner's header entries of its keys: a tensor stored
+       whole and a value with its item, a sharded tensor with the id of its layout among
+       the owner's distinct layouts, and each such layout's digest (a gather of O(keys)
+       records in all);
+    3. (coordinator -> owners) for each distinct layout of the job, the first owner that
+       has it sends it, with its chunks' items where only one tensor uses it
+       (``Coordinator.ask_coordinator``: a few integers a rank);
+    4. (owners -> coordinator) those layouts; the coordinator writes the header
+       (``index.header_from_layouts``).
+
+    The coordinator receives the header's own size (``T + layouts x R``), never a chunk
+    list per tensor, and no rank holds the global Metadata."""
+    world = coord.world_size
+    places: list[list[tuple]] = [[] for _ in range(world)]
+    for wr in write_results:
+        sd = wr.storage_data
+        places[owner_of(wr.index.fqn, world)].append(
+            (wr.index.fqn, _offsets(wr.index.offset), sd.relative_path, int(sd.offset), int(sd.length)))
+    got = coord.all_to_all_objects(places, "send where each item was written to the owner of its key", limit=limit)
+    where = {(fqn, off): [rel, o, n] for recs in got for fqn, off, rel, o, n in recs}
+    del got, places
+    kept: list[list] = []  # this owner's distinct layouts: [key, items in chunk order]
+    records = coord.to_coordinator("the owners' entries of the DCP index header",
+                                   lambda: _header_records(owned, where, kept))
+    chosen: dict = {}
+
+    def answer(_requests: list) -> list[list[int]]:
+        chosen.update(_choose_layouts(records))
+        return chosen["asks"]
+
+    asked = coord.ask_coordinator("which owner sends each layout of the DCP index header", [], answer)
+    sent = coord.to_coordinator("the layouts of the DCP index header", lambda: [
+        (k, kept[k][0], kept[k][1] if single else None) for k, single in zip(asked[::2], asked[1::2], strict=True)])
+    if sent is None:
+        return None
+    gid = chosen["gid"]
+    layouts: list = [None] * len(gid)
+    for r, per_owner in enumerate(sent):
+        for k, key, items in per_owner:
+            layouts[gid[records[r][2][k]]] = (key, items)
+    tensors, values = [], []
+    for tens, vals, digests in records:
+        tensors += [t if t[3] < 0 else [*t[:3], gid[digests[t[3]]], None] for t in tens]
+        values += vals
+    return header_from_layouts(dcp_version, tensors, values, layouts)
+
+
+def _offsets(offset: Any) -> tuple | None:
+    return None if offset is None else tuple(int(x) for x in offset)
+
+
+def _header_records(owned: OwnedPlan, where: dict, kept: list) -> tuple[list, list, list]:
+    """An owner's header entries of its keys (step 2 of :func:`index_header`): tensors
+    (a sharded one's layout id indexes ``kept``, which this fills), values, and the
+    digest of each layout in ``kept``."""
+    def place(fqn: str, offsets: Any) -> list:
+        got = where.get((fqn, _offsets(offsets)))
+        if got is None:
+            raise RuntimeError(f"save: no rank reported where it wrote {fqn!r} at {offsets}; the owners' plan gave "
+                               "that item a writer (a cloudckpt bug)")
+        return got
+
+    tensors, values = [], []
+    ids: dict[tuple, int] = {}
+    for fqn, md in owned.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            values.append([fqn, *place(fqn, None)])
+            continue
+        size = list(md.size)
+        dtype = dtype_name(md.properties.dtype, fqn)
+        # stored whole: one chunk is the whole tensor (others, if any, are empty), as header_bytes finds it
+        whole = next((c for c in md.chunks if list(c.sizes) == size and not any(c.offsets)), None)
+        if whole is not None:
+            tensors.append([fqn, dtype, size, -1, place(fqn, whole.offsets)])
+            continue
+        items = [place(fqn, c.offsets) for c in md.chunks]
+        writers = []
+        for rel, _, _ in items:
+            w = shard_writer(rel)
+            if w is None:
+                raise RuntimeError(f"save: {fqn!r} was written to {rel!r}, not a shard file __{{rank}}_{{k}}.distcp")
+            writers.append(w)
+        key = layout_key(size, md.chunks, writers)
+        lid = ids.setdefault(key, len(kept))
+        if lid == len(kept):
+            kept.append([key, items])
+        tensors.append([fqn, dtype, size, lid, None])
+    digests = [hashlib.blake2b(repr(key).encode(), digest_size=16).digest() for key, _ in kept]
+    return tensors, values, digests
+
+
+def _choose_layouts(records: list) -> dict:
+    """The coordinator (step 3 of :func:`index_header`): each distinct layout's id (by
+    digest, in the order the owners list them) and, for each owner, ``[its layout id,
+    1 if only one tensor uses it else 0, ...]`` of the layouts it is to send."""
+    gid: dict[bytes, int] = {}
+    provider: list[tuple[int, int]] = []
+    uses: list[int] = []
+    for r, (tensors, _, digests) in enumerate(records):
+        mine = Counter(t[3] for t in tensors if t[3] >= 0)
+        for k, d in enumerate(digests):
+            g = gid.setdefault(d, len(provider))
+            if g == len(provider):
+                provider.append((r, k))
+                uses.append(0)
+            uses[g] += mine[k]
+    asks: list[list[int]] = [[] for _ in records]
+    for g, (r, k) in enumerate(provider):
+        asks[r] += [k, int(uses[g] == 1)]
+    return {"gid": gid, "asks": asks}
 
 
 class OwnersSavePlanner(DefaultSavePlanner):

@@ -198,7 +198,11 @@ class UploadingWriter(FileSystemWriter):
     LoadedStructure (checkpoint/structure.py) for a save planned from the loaded step
     (``ResumedSavePlanner``): its ``.metadata`` comes as ``on_file(local_path, None,
     copy_of=loaded)`` when every rank's results are where the loaded step had them
-    (no file is written; the caller copies it in the store)."""
+    (no file is written; the caller copies it in the store). ``owners``: a save planned
+    by owners (dcp/owners.py, ``OwnersSavePlanner``): the rank keeps its write results
+    (:attr:`results`; DCP's gather of results carries an empty list) and ``finish``
+    writes neither ``.metadata`` nor the index header: after the save every rank
+    assembles them (``owners.fragment_of`` / ``assemble_store``, ``owners.index_header``)."""
 
     def __init__(
         self,
@@ -211,6 +215,7 @@ class UploadingWriter(FileSystemWriter):
         index_cache: dict | None = None,
         cache_dir: Callable[[], str] | None = None,
         loaded: Any = None,
+        owners: bool = False,
     ):
         super().__init__(local_dir, single_file_per_rank=True, sync_files=False, thread_count=thread_count,
                          overwrite=True)
@@ -226,6 +231,8 @@ class UploadingWriter(FileSystemWriter):
         self._digest: bytes | None = None
         self._loaded = loaded  # the coordinator: the step this job loaded (checkpoint/structure.py), for finish
         self._resumed = False  # this save was planned from the loaded step (ResumedSavePlanner)
+        self._owners = owners
+        self.results: list = []  # a save planned by owners: this rank's WriteResults
         self._lock = threading.Lock()
 
     def write_data(self, plan, planner):
@@ -246,6 +253,11 @@ class UploadingWriter(FileSystemWriter):
             with self._lock:
                 self.ranges.setdefault(sd.relative_path, []).append((sd.offset, sd.length))
         self.index_items = index.part_items(items, results)
+        if self._owners:  # the rank's own .metadata fragment and index entries come from these, after the save
+            self.results = results
+            out = Future()
+            out.set_result([])
+            return out
         self._digest = results_digest(results)
         if isinstance(planner, ResumedSavePlanner):  # None: every result where the loaded step had it
             self._resumed = True
@@ -263,7 +275,7 @@ class UploadingWriter(FileSystemWriter):
     def completed(self) -> None:
         """DCP's save returned on this rank (the coordinator's finish merged what this
         rank sent): the next save may send only the digest if its results are the same."""
-        if self._resumed:  # nothing merged on the coordinator: the next plain save sends its results whole
+        if self._resumed or self._owners:  # nothing merged on the coordinator: the next plain save sends them whole
             self.index_cache.pop(_SENT, None)
             self.index_cache.pop(_MERGED, None)
         elif self._digest is not None:
@@ -287,6 +299,9 @@ class UploadingWriter(FileSystemWriter):
         costs the coordinator O(R) here instead of O(R x T). ``Metadata.storage_meta``
         is not written (stock readers supply one), so the bytes are the same from save
         to save."""
+        if self._owners:  # the ranks assemble .metadata and the index header after the save
+            self.index_cache.pop(_MERGED, None)
+            return
         if self._resumed:
             self._finish_resumed(results)
             return

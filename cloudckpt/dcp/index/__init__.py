@@ -62,7 +62,7 @@ from .decode import (
     parse_header,
     parse_part,
 )
-from .encode import HEADER_VERSION, header_bytes, part_bytes, part_items
+from .encode import HEADER_VERSION, dtype_name, header_bytes, header_from_layouts, layout_key, part_bytes, part_items
 from .select import Wanted, build_metadata, select, wanted_boxes, writers_read
 
 __all__ = [
@@ -82,7 +82,10 @@ __all__ = [
     "check_owners",
     "check_part",
     "check_tensor_bytes",
+    "dtype_name",
     "header_bytes",
+    "header_from_layouts",
+    "layout_key",
     "parse_header",
     "parse_part",
     "part_bytes",

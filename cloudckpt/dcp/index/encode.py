@@ -71,9 +71,7 @@ def header_bytes(metadata: Metadata, cache: dict | None = None, *, compact: bool
             continue
         size = list(md.size)
         chunks = md.chunks
-        dtype = _DTYPE_NAMES.get(md.properties.dtype)
-        if dtype is None:
-            raise ValueError(f"{fqn!r}: dtype {md.properties.dtype} has no name in the DCP index")
+        dtype = dtype_name(md.properties.dtype, fqn)
         hit = cache.get(fqn)
         if hit is not None and hit[0] is chunks and hit[1] == len(chunks):
             whole, key = hit[2], hit[3]
@@ -123,11 +121,49 @@ def header_bytes(metadata: Metadata, cache: dict | None = None, *, compact: bool
                 info = storage[MetadataIndex(fqn, chunks[k].offsets)]
                 items.append([info.relative_path, int(info.offset), int(info.length)])
             docs[lid]["items"] = items
-    doc = {
-        "format": FORMAT, "version": HEADER_VERSION, "dcp_version": getattr(metadata, "version", None),
-        "layouts": docs, "tensors": tensors, "values": values,
-    }
+    return _dumped(getattr(metadata, "version", None), docs, tensors, values)
+
+
+def _dumped(dcp_version: Any, docs: list, tensors: list, values: list) -> bytes:
+    doc = {"format": FORMAT, "version": HEADER_VERSION, "dcp_version": dcp_version,
+           "layouts": docs, "tensors": tensors, "values": values}
     return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def dtype_name(dtype: Any, fqn: str) -> str:
+    """The header's name of ``dtype`` (ValueError for one the index cannot name)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        raise ValueError(f"{fqn!r}: dtype {dtype} has no name in the DCP index")
+    return name
+
+
+def layout_key(size: Any, chunks: list, writers: list[int]) -> tuple:
+    """A sharded tensor's layout as :func:`header_bytes` keys it: ``(ndim, offsets and
+    sizes of every chunk, flattened, the rank that wrote each)``, chunks in DCP's order."""
+    flat: list[int] = []
+    for c in chunks:
+        flat.extend(c.offsets)
+        flat.extend(c.sizes)
+    return (len(size), tuple(flat), tuple(writers))
+
+
+def header_from_layouts(dcp_version: Any, tensors: list, values: list, layouts: list[tuple[tuple, list | None]],
+                        *, compact: bool = True) -> bytes:
+    """The header from pieces gathered on the coordinator of a save planned by owners
+    (dcp/owners.py: no rank holds the global Metadata): ``tensors`` as the header lists
+    them (a sharded one's layout id indexes ``layouts``), ``values``, and each distinct
+    layout's key (:func:`layout_key`) with its chunks' items in chunk order where only
+    one tensor uses it (else None). The same document :func:`header_bytes` writes for
+    the same step."""
+    docs = []
+    for key, items in layouts:
+        doc, order = _layout_doc(*key, compact)
+        doc = dict(doc)
+        if items is not None:
+            doc["items"] = [items[k] for k in (order if order is not None else range(len(items)))]
+        docs.append(doc)
+    return _dumped(dcp_version, docs, tensors, values)
 
 
 def _layout_doc(nd: int, flat: tuple, owners: tuple, compact: bool) -> tuple[dict, list[int] | None]:
