@@ -11,6 +11,7 @@ DCP's own gathers then carry a few bytes a rank."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 
@@ -69,10 +70,12 @@ def _keeping_writer(folder: str):
 
 def _dcp_save_with_owners(rank: int, world: int, root: str) -> dict:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
+    from cloudckpt.dcp import index
     from cloudckpt.dcp.assemble import TRAILER, header
     from cloudckpt.dcp.assemble_store import assemble_in_store
-    from cloudckpt.dcp.owners import OwnersSavePlanner, fragment_of
+    from cloudckpt.dcp.owners import OwnersSavePlanner, fragment_of, index_header
     from cloudckpt.dist import Coordinator
     from cloudckpt.storage import open_store
 
@@ -84,12 +87,25 @@ def _dcp_save_with_owners(rank: int, world: int, root: str) -> dict:
         planner, writer = OwnersSavePlanner(coord), _keeping_writer(folder)
         dcp.save(state, storage_writer=writer, planner=planner, process_group=coord.group)
         url = os.path.join(folder, ".metadata")
-        assemble_in_store(coord, open_store(url), url, fragment_of(planner.owned, writer.results), header=header(),
-                          trailer=TRAILER)
+        assemble_in_store(coord, open_store(url), url, fragment_of(planner.owned, writer.results),
+                          header=header(version=CURRENT_DCP_VERSION), trailer=TRAILER)
+        built = index_header(coord, planner.owned, writer.results, dcp_version=CURRENT_DCP_VERSION)
         target = _zeroed(build_state(layout, world))
         dcp.load(target, checkpoint_id=folder)
-        out[layout] = (_same(_locals(state), _locals(target)), planner.gathered, len(writer.results))
+        headers = None
+        if rank == 0:  # the owners' header, and the one the global Metadata gives (index.header_bytes)
+            with open(url, "rb") as f:
+                headers = (_canonical(built), _canonical(index.header_bytes(pickle.load(f))))
+        out[layout] = (_same(_locals(state), _locals(target)), planner.gathered, len(writer.results), headers)
     return out
+
+
+def _canonical(raw: bytes) -> dict:
+    """A header's content whatever the order of its tensors, values and layouts."""
+    doc = json.loads(raw)
+    ids = {i: json.dumps(x, sort_keys=True) for i, x in enumerate(doc["layouts"])}
+    tensors = sorted([t[0], t[1], t[2], ids[t[3]] if t[3] >= 0 else None, t[4]] for t in doc["tensors"])
+    return {**doc, "tensors": tensors, "values": sorted(doc["values"]), "layouts": sorted(ids.values())}
 
 
 def test_inside_stock_dcp_save_the_owners_planner_gathers_a_few_bytes_a_rank_and_the_step_loads(tmp_path):
@@ -99,6 +115,10 @@ def test_inside_stock_dcp_save_the_owners_planner_gathers_a_few_bytes_a_rank_and
         assert sum(r[layout][2] for r in ranks) > 0
         gathered = ranks[0][layout][1]
         assert 0 < gathered < 100 * 4, (layout, gathered)  # DCP's gather of plans: empty plans only
+        ours, from_metadata = ranks[0][layout][3]
+        assert ours == from_metadata, layout  # the owners' index header is the global Metadata's
+        assert ours["tensors"] and (layout != "fsdp" or ours["layouts"]), layout
+        assert all(r[layout][3] is None for r in ranks[1:])
 
 
 def _save_and_load(rank: int, world: int, root: str) -> dict:
