@@ -14,16 +14,20 @@
 - a GPT training run (train_gpt.py: Megatron's DDP, optimizer and RNG tracker) SIGKILLed
   after a committed save resumes from SeaweedFS bit-exact;
 - bad URLs and unusable stores fail both ranks together with one typed error; rank 1
-  receives no global Metadata at the end of a save.
+  receives no global Metadata at the end of a save;
+- Megatron's ``strict`` handling, ``load_sharded_metadata`` / ``load_tensors_metadata`` and
+  its error types, as Megatron's own unit tests check them.
 
-tests/integrations/megatron/mcore_tool.py runs each side (it starts the ranks);
-train_gpt.py is started one process per rank, as torchrun does. The venv is
-built by scripts/setup_megatron_venv.sh (idempotent, ~2 min on a fresh machine); a failed
-install FAILS these tests with pip's log.
+tests/integrations/megatron/mcore_tool.py runs each side, on a pool of 2 ranks that
+imports Megatron once per session (megatron_pool.py; each command gets a new gloo
+process group of its own world size); train_gpt.py is started one process per rank, as
+torchrun does, and SIGKILLed. The venv is built by scripts/setup_megatron_venv.sh
+(idempotent, ~2 min on a fresh machine); a failed install FAILS these tests with pip's log.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -184,23 +188,26 @@ def test_megatron_own_save_is_imported_by_import_folder_as_a_verified_step(mcore
     assert r.returncode == 0 and r.stdout.startswith("OK:"), r.stdout + r.stderr
 
 
-def test_megatron_gpt_training_killed_after_a_committed_save_resumes_from_s3_bit_exact(megatron_python, s3_bucket,
-                                                                                      tmp_path):
+def test_megatron_gpt_training_killed_after_a_committed_save_resumes_from_s3_bit_exact(megatron_python, mcore_pool,
+                                                                                      s3_bucket, tmp_path):
     """train_gpt.py: a tiny GPTModel at tensor parallel 2 on 2 gloo ranks, Megatron's DDP and
     optimizer, dropout drawing from Megatron's tensor-parallel RNG tracker, data from numpy's
-    and python's RNGs. One run is SIGKILLed right after its step 4 is committed to
-    SeaweedFS; the rerun of the same command resumes from the bucket and its losses of
-    steps 5 and 6, weights, optimizer state and every RNG state equal bit for bit those of
-    a run that was never interrupted (started beside the killed one)."""
+    and python's RNGs. One run (2 processes of its own) is SIGKILLed right after its step 4
+    is committed to SeaweedFS; the rerun of the same command (2 new processes) resumes from
+    the bucket and its losses of steps 5 and 6, weights, optimizer state and every RNG
+    state equal bit for bit those of a run that was never interrupted (run beside the
+    killed one, on the pool's ranks: train_gpt's ``main`` seeds every RNG it uses)."""
     folder, work = f"{s3_bucket}/gpt-run", str(tmp_path / "work")
     common = ["--steps", "6", "--save-interval", "2", "--work", work]
-    whole = Ranks(megatron_python, tmp_path, "whole", "--save", f"{s3_bucket}/whole", "--save-interval", "100",
-                  "--steps", "6", "--work", work, "--out", str(tmp_path / "whole"))
-    killed = Ranks(megatron_python, tmp_path, "killed", "--save", folder, *common, "--step-seconds", "1")
-    out = killed.kill_after("COMMITTED 4")
-    assert "rank 0 step 4 loss" in out and "step 5" not in out.split("COMMITTED 4")[0], out[-2000:]
-    assert [s for s, _ in Checkpointer.find_checkpoints(folder)] == [2, 4]
-    whole.wait()
+    with concurrent.futures.ThreadPoolExecutor(1) as beside:
+        whole = beside.submit(mcore, mcore_pool, tmp_path, "train", "--world", "2", "--train", "--save",
+                              f"{s3_bucket}/whole", "--save-interval", "100", "--steps", "6", "--work", work,
+                              "--out", str(tmp_path / "whole"))
+        killed = Ranks(megatron_python, tmp_path, "killed", "--save", folder, *common, "--step-seconds", "1")
+        out = killed.kill_after("COMMITTED 4")
+        assert "rank 0 step 4 loss" in out and "step 5" not in out.split("COMMITTED 4")[0], out[-2000:]
+        assert [s for s, _ in Checkpointer.find_checkpoints(folder)] == [2, 4]
+        assert "rank 0 step 6 loss" in whole.result(), "the uninterrupted run did not reach step 6"
     out = Ranks(megatron_python, tmp_path, "resumed", "--save", folder, *common, "--out", str(tmp_path / "resumed")
                 ).wait()
     assert "RESUMED 4" in out and "step 1 loss" not in out, out[-2000:]
@@ -267,3 +274,83 @@ def test_megatron_bad_url_or_unusable_store_fails_every_rank_together_with_a_typ
     assert "rank 1" in got["one-rank-store-unreachable"][0][2], got["one-rank-store-unreachable"]
     assert "127.0.0.1" in got["unreachable-store"][1][2], got["unreachable-store"]
     assert not Checkpointer.contains_checkpoint(f"{s3_bucket}/run")
+
+
+MEGATRON_ERROR = ["CheckpointingException", "CollectiveError"]  # MegatronCheckFailed: both at once
+
+
+def _strict_seen_by(rank: int, got: dict) -> None:
+    """mcore_tool's ``strict`` cases as rank ``rank`` saw them (the test below)."""
+    base, fewer = ["ObjA", "ObjB", "TenA", "TenB"], ["ObjA", "TenB"]
+    ten_b = [10 * rank, 10 * rank + 1, 10 * rank + 2]
+
+    def case(name: str) -> dict:
+        assert name in got, (rank, name, sorted(got))
+        return got[name]
+
+    def loaded(name: str, keys: list) -> dict:
+        c = case(name)
+        assert "raised" not in c and c["keys"] == keys and c["TenB"] == ten_b, (rank, name, c)
+        return c
+
+    def raised(name: str, kinds: list, *words: str, absent: str = "") -> None:
+        c = case(name)
+        assert c.get("raised") == kinds, (rank, name, c)
+        assert all(w in c["message"] for w in words) and (not absent or absent not in c["message"]), \
+            (rank, name, words, c["message"])
+
+    raised("unexpected ASSUME_OK_UNEXPECTED", ["CheckpointException", "MissingKeys"], "UnexpectedTenD")
+    for mode in ("RAISE_UNEXPECTED", "RAISE_ALL"):
+        raised(f"unexpected {mode}", MEGATRON_ERROR, "Unexpected keys", "UnexpectedTenD", "UnexpectedObjD",
+               absent="Missing keys")
+    for mode in ("LOG_UNEXPECTED", "LOG_ALL"):
+        c = loaded(f"unexpected {mode}", base)
+        assert "Unexpected keys" in c["logged"] and "UnexpectedTenD" in c["logged"], (rank, mode, c)
+    for mode in ("RETURN_UNEXPECTED", "RETURN_ALL"):
+        c = loaded(f"unexpected {mode}", base)
+        assert (c["missing"], c["unexpected"]) == ([], ["UnexpectedObjD", "UnexpectedTenD"]), (rank, mode, c)
+    loaded("unexpected IGNORE_ALL", base)
+
+    for mode in ("ASSUME_OK_UNEXPECTED", "RAISE_UNEXPECTED", "LOG_UNEXPECTED", "IGNORE_ALL"):
+        loaded(f"missing {mode}", fewer)
+    raised("missing RAISE_ALL", MEGATRON_ERROR, "Missing keys", "TenA", "ObjB", absent="Unexpected keys")
+    c = loaded("missing LOG_ALL", fewer)
+    assert "Missing keys" in c["logged"] and "ObjB" in c["logged"], (rank, c)
+    c = loaded("missing RETURN_UNEXPECTED", fewer)
+    assert (c["missing"], c["unexpected"]) == ([], []), (rank, c)
+    c = loaded("missing RETURN_ALL", fewer)
+    assert (c["missing"], c["unexpected"]) == (["ObjB", "TenA"], []), (rank, c)
+
+    assert case("load of the sharded metadata") == {"ObjA": [0, 1, 2, 3], "ObjB": [{"by": 0}, {"by": 1}],
+                                                    "TenA": [0, 1], "TenB": [0, 1, 2, 10, 11, 12]}, rank
+    raised("no such step", ["CheckpointingException", "NotACheckpoint"], "is not a distributed checkpoint")
+    raised("global shape mismatch", MEGATRON_ERROR, "global shape mismatch", "TenB")
+    raised("remove_sharded_tensors", ["ConfigError"], "never rewritten")
+
+
+def test_megatron_strict_handling_metadata_readers_and_error_types_behave_as_megatrons_own(mcore_pool, s3_bucket,
+                                                                                           tmp_path):
+    """What Megatron's own ``TestNonStrictLoad`` and ``test_load_error_msg`` check, on a
+    cloudckpt step at 2 ranks (``mcore_tool.py strict``): each ``StrictHandling`` with two
+    unexpected keys (a tensor and an object the step does not hold) and with two missing
+    ones (held by the step, not asked for): ``RAISE_*`` fail every rank with an error that
+    is Megatron's ``CheckpointingException`` and cloudckpt's CollectiveError, naming the
+    keys; ``LOG_*`` log them and load; ``RETURN_*`` return them; the default
+    (``ASSUME_OK_UNEXPECTED``) fails an unexpected key as Megatron's load does, with DCP's
+    ``CheckpointException`` (and cloudckpt's MissingKeys). ``load_sharded_metadata`` /
+    ``load_tensors_metadata`` list the step's keys on one process alone, and what they
+    return loads; a step that does not exist is NotACheckpoint and
+    ``CheckpointingException``; a global shape mismatch is ``CheckpointingException``;
+    ``remove_sharded_tensors`` is refused (a committed step is never rewritten)."""
+    url = f"{s3_bucket}/strict/iter_0000030"
+    out = mcore(mcore_pool, tmp_path, "strict", url, "--world", "2")
+    seen = {int(m.group(1)): json.loads(m.group(2)) for m in re.finditer(r"^STRICT (\d) (.*)$", out, re.M)}
+    assert sorted(seen) == [0, 1], out[-3000:]
+    for rank, got in seen.items():
+        _strict_seen_by(rank, got)
+    assert seen[0]["sharded metadata"] == {
+        "keys": ["ObjA/shard_0_1", "ObjB/shard_0.0_1.2", "ObjB/shard_0.1_1.2", "TenA", "TenB",
+                 "common_state/shard_0_1"],
+        "base keys": ["ObjA", "ObjB", "TenA", "TenB", "common_state"]}, seen[0]["sharded metadata"]
+    assert seen[0]["tensors metadata"] == {"TenA": [[2], "torch.int64"], "TenB": [[6], "torch.int64"]}, \
+        seen[0]["tensors metadata"]

@@ -2,7 +2,9 @@
 driven by tests/integrations/megatron_units/bridge_tool.py with Bridge's own call sequence
 (its ``create_checkpoint_manager``, the ``train`` loop's save / ``finalize_async_saves``,
 ``setup``'s load; see the tool's docstring for the three stand-ins: Bridge does not import
-here) on real megatron-core and 2 gloo ranks, async saves to SeaweedFS. What is proved:
+here) on real megatron-core and 2 gloo ranks, async saves to SeaweedFS. Each run is a
+new process group and a new manager on the shared pool of Megatron ranks
+(megatron_pool.py); what a run resumes from is what the bucket holds. What is proved:
 
 - async saves every 2 (non-persistent ``global``) and 3 (persistent) iterations: when the
   loop ends the tracker names 6, the newest persistent iteration; ``most_recent_k=2`` kept

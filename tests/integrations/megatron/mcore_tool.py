@@ -21,6 +21,10 @@ from the source tree (PYTHONPATH). Every command starts ``--world`` ranks itself
         rank's local weights to F.rank{R}, its weights saved to URL
     gpt-load URL [URL2] --world W --out F   the same model at tensor parallel W loaded
         from URL: its logits to F (its weights to F.rank0); then from URL2 (F.2, F.2.rank0)
+    strict URL --world W               Megatron's strict handling, metadata readers and error
+        types on a step saved to URL (cmd_strict's docstring); prints STRICT {R} {json}
+    train --world W --train ARGS...     train_gpt.py's main on each rank with ARGS (its own
+        process group; its CPU stand-ins undone afterwards)
     bridge URL --world W --steps N --out F   Megatron-Bridge's call sequence on cloudckpt's
         manager (tests/integrations/megatron_units/bridge_tool.py, on PYTHONPATH)
 
@@ -268,6 +272,119 @@ def cmd_import(a, rank, world):
     print("IMPORTED", cm.import_folder(a.src, a.url, work_dir=a.work), flush=True)
 
 
+def cmd_strict(a, rank, world):
+    """Megatron's ``strict`` handling, its metadata readers and error types on a cloudckpt
+    step, as Megatron's own ``TestNonStrictLoad`` checks them: a state dict saved to URL,
+    then loaded with 2 unexpected keys and with 2 missing keys under every
+    ``StrictHandling``; ``load_sharded_metadata`` and ``load_tensors_metadata`` (first on
+    rank 0 alone: they are not collective) and a load of what they return; a step that
+    does not exist, a global shape mismatch, ``remove_sharded_tensors``. Each rank prints
+    ``STRICT {rank} {json}``: case -> what was seen (the error classes it is an instance
+    of and its message, or the keys loaded, returned and logged)."""
+    import json
+    import logging
+
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+    from torch.distributed.checkpoint import CheckpointException
+
+    from cloudckpt import errors
+    from cloudckpt.integrations import megatron as cm
+
+    kinds = {"MissingKeys": errors.MissingKeys, "CollectiveError": errors.CollectiveError,
+             "NotACheckpoint": errors.NotACheckpoint, "ConfigError": errors.ConfigError,
+             "CheckpointingException": CheckpointingException, "CheckpointException": CheckpointException}
+
+    def base() -> dict:
+        return {"TenA": ShardedTensor.from_rank_offsets("TenA", torch.arange(2), replica_id=rank),
+                "TenB": ShardedTensor.from_rank_offsets("TenB", torch.arange(3) + 10 * rank, (0, rank, world),
+                                                        replica_id=0),
+                "ObjA": ShardedObject("ObjA", list(range(4)), (1,), (0,), replica_id=rank),
+                "ObjB": ShardedObject("ObjB", {"by": rank}, (1, world), (0, rank), replica_id=0)}
+
+    def with_unexpected() -> dict:
+        sd = base()
+        sd["TenD"] = ShardedTensor.from_rank_offsets("UnexpectedTenD", torch.arange(3), replica_id=rank)
+        sd["ObjD"] = ShardedObject("UnexpectedObjD", None, (1,), (0,), replica_id=rank)
+        return sd
+
+    def with_missing() -> dict:
+        sd = base()
+        del sd["TenA"], sd["ObjB"]
+        return sd
+
+    class Logged(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.text = []
+
+        def emit(self, record):
+            self.text.append(record.getMessage())
+
+    def outcome(fn) -> dict:
+        log = Logged()
+        logging.getLogger("megatron.core.dist_checkpointing").addHandler(log)
+        try:
+            r = fn()
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            return {"raised": sorted(n for n, c in kinds.items() if isinstance(e, c)), "message": str(e)[:3000]}
+        finally:
+            logging.getLogger("megatron.core.dist_checkpointing").removeHandler(log)
+        got = {"logged": " ".join(log.text)[:3000]}
+        if isinstance(r, tuple):
+            r, got["missing"], got["unexpected"] = r[0], sorted(r[1]), sorted(r[2])
+        got["keys"] = sorted(r)
+        got["TenB"] = r["TenB"].tolist() if "TenB" in r else None
+        return got
+
+    seen: dict = {}
+    cm.save(base(), a.url, work_dir=a.work)
+    for mode in StrictHandling:
+        for case, sd in (("unexpected", with_unexpected), ("missing", with_missing)):
+            seen[f"{case} {mode.name}"] = outcome(lambda sd=sd, mode=mode: cm.load(sd(), a.url, strict=mode,
+                                                                                   work_dir=a.work))
+    if rank == 0:  # one process alone: no other rank takes part
+        md = cm.load_sharded_metadata(a.url, work_dir=a.work)
+        seen["sharded metadata"] = {"keys": sorted(md), "base keys": sorted({v.key for v in md.values()})}
+        tm = cm.load_tensors_metadata(a.url, work_dir=a.work)
+        seen["tensors metadata"] = {k: [list(v.global_shape), str(v.dtype)] for k, v in sorted(tm.items())}
+    loaded = cm.load(cm.load_sharded_metadata(a.url, work_dir=a.work), a.url, validate_access_integrity=False,
+                     work_dir=a.work)
+    seen["load of the sharded metadata"] = {
+        "ObjA": loaded["ObjA/shard_0_1"], "ObjB": [loaded[f"ObjB/shard_0.{i}_1.{world}"] for i in range(world)],
+        "TenA": loaded["TenA"].tolist(), "TenB": loaded["TenB"].tolist()}
+    seen["no such step"] = outcome(lambda: cm.load(base(), a.url + "9", work_dir=a.work))
+    seen["global shape mismatch"] = outcome(lambda: cm.load(
+        {"TenB": ShardedTensor.from_rank_offsets("TenB", torch.zeros(4), (0, rank, world), replica_id=0)}, a.url,
+        work_dir=a.work))
+    seen["remove_sharded_tensors"] = outcome(lambda: cm.CloudLoadStrategy(work_dir=a.work).remove_sharded_tensors(
+        a.url, "Ten"))
+    print(f"STRICT {rank} {json.dumps(seen)}", flush=True)
+
+
+def cmd_train(a, rank, world):
+    """train_gpt.py's ``main`` on this rank (it starts its own process group from RANK,
+    WORLD_SIZE, MASTER_ADDR and MASTER_PORT, as under torchrun), with ``a.train`` as its
+    command line; the CPU stand-ins it installs are undone afterwards."""
+    import train_gpt  # tests/integrations/megatron, this file's folder
+    from megatron.core.tensor_parallel import random as mrandom
+
+    patched = [(torch, n) for n in ("tensor", "zeros")] + \
+        [(torch.cuda, n) for n in ("current_device", "current_stream", "get_rng_state", "manual_seed")] + \
+        [(mrandom, n) for n in ("_get_cuda_rng_state", "_set_cuda_rng_state")]
+    before = [(obj, name, getattr(obj, name)) for obj, name in patched]
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(a.port)}
+    argv, sys.argv = sys.argv, ["train_gpt.py", *a.train]
+    os.environ.update(env)
+    try:
+        train_gpt.main()
+    finally:
+        sys.argv = argv
+        for obj, name, value in before:
+            setattr(obj, name, value)
+
+
 def cmd_bridge(a, rank, world):
     import bridge_tool  # tests/integrations/megatron_units, on PYTHONPATH
 
@@ -275,7 +392,8 @@ def cmd_bridge(a, rank, world):
 
 
 COMMANDS = {"save": cmd_save, "load": cmd_load, "gpt-save": cmd_gpt_save, "gpt-load": cmd_gpt_load,
-            "import": cmd_import, "fail": cmd_fail, "bridge": cmd_bridge}
+            "import": cmd_import, "fail": cmd_fail, "bridge": cmd_bridge, "strict": cmd_strict,
+            "train": cmd_train}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -292,6 +410,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--stock", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--work")
+    ap.add_argument("--train", nargs=argparse.REMAINDER, default=[])
     return ap
 
 
@@ -302,13 +421,15 @@ def _run(a, rank: int, world: int) -> None:
             a.src, a.url = a.url, a.dest
             cmd_import(a, 0, 1)
         return
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{a.port}")
+    if a.cmd != "train":  # train_gpt.py starts its own
+        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{a.port}")
     try:
         COMMANDS[a.cmd](a, rank, world)  # a rank's error ends the run: start_processes stops the others
     finally:
         if "megatron.core.parallel_state" in sys.modules:
             sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
-        dist.destroy_process_group()  # the default group and every other one
+        if dist.is_initialized():
+            dist.destroy_process_group()  # the default group and every other one
 
 
 def _rank(rank: int, a) -> None:
