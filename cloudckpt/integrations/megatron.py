@@ -40,11 +40,19 @@ Every failure fails every rank together: each step that could raise on one rank 
 (the sharding check raises on rank 0) runs inside one of cloudckpt's named collective
 steps, which carry each rank's error to every rank.
 
+``load`` takes Megatron's ``strict`` (``StrictHandling``) and runs Megatron's own
+strictness check with the step's keys from cloudckpt's index; :func:`load_sharded_metadata`
+and :func:`load_tensors_metadata` read those keys on one process. Where Megatron raises its
+``CheckpointingException`` (or DCP's ``CheckpointException``), the cloudckpt error raised
+is also one (``MegatronCheckFailed``, ``MegatronNotACheckpoint``, ``MegatronMissingKeys``).
+
 Tested on CPU with gloo (docs/integrations.md): tensor parallel 2 -> 1 and 1 -> 2,
 pipeline parallel 2 -> 1, a GPT training run killed and resumed bit-exact with
-Megatron's optimizer and RNG states. Not done: async saves (``async_sharded_save``),
-the fully-parallel wrappers, ``load_sharded_metadata``, Megatron's distributed optimizer
-(it refuses CPU parameters, so it is untested here). The step folder's number is
+Megatron's optimizer and RNG states, Megatron's own ``test_serialization.py`` (38 of 40).
+Not done: async saves (``async_sharded_save``), the fully-parallel wrappers, an
+``allow_shape_mismatch`` tensor loaded at another shape, ``remove_sharded_tensors`` (a
+committed step is never rewritten), Megatron's distributed optimizer (it refuses CPU
+parameters, so it is untested here). The step folder's number is
 ``step`` or comes from its name (``step{N}`` or Megatron's ``iter_{N:07d}``).
 """
 
