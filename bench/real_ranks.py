@@ -2,13 +2,16 @@
 state (T FSDP-style Shard(0) DTensors of ``rows x cols`` float32 per rank) saved by R
 real gloo ranks against SeaweedFS on 127.0.0.1, in two jobs per R:
 
-- job 1, a fresh job: ``first save`` (step 1; every plan gathered on rank 0), then a
-  ``repeated save`` (step 2; DCP's plan cache, ``.metadata`` copied in the store);
+- job 1, a fresh job: ``first save`` (step 1; planned by owners, ``.metadata``
+  assembled in the store: dcp/owners.py; ``--first-save gather``: every plan gathered on
+  rank 0, as before owners), then a ``repeated save`` (step 2; planned from step 1's
+  structure, ``.metadata`` copied in the store; ``gather``: DCP's plan cache);
 - job 2, a restart: ``load`` of step 2 (checked bit-exact), then ``save after resume``
   (step 3: the first save of the job, planned from the loaded step).
 
     .venv/bin/python -m bench.real_ranks                      # R = 2, 4, 8; T = 4,000 (8 x 16)
     .venv/bin/python -m bench.real_ranks --ranks 2,8 --shards 400x8x16 --profile
+    .venv/bin/python -m bench.real_ranks --first-save gather --stem real_ranks_gather
 
 Per rank and phase: CPU seconds of the main thread (``time.thread_time``) and of the
 process (every thread), peak RSS growth (the resident set sampled every 2 ms from
@@ -240,8 +243,11 @@ def _measure(phase: str, fn, prof_dir: str | None, rank: int) -> dict:
     return out
 
 
-def fresh_job(rank, world_size, url, work, tensors, rows, cols, prof_dir):
+def fresh_job(rank, world_size, url, work, tensors, rows, cols, prof_dir, owners=True):
     from cloudckpt import Checkpointer
+    from cloudckpt.checkpoint.rank_writer import RankWriter
+
+    RankWriter.owners_first_save = owners
 
     sd = state(world_size, tensors, rows, cols)
     out = {"rank": rank}
@@ -272,7 +278,7 @@ def _top(path: str) -> dict[str, tuple[float, int]]:
             for (f, line, fn), (_cc, nc, tt, _ct, _callers) in pstats.Stats(path).stats.items()}
 
 
-def run(ranks: list[int], tensors: int, rows: int, cols: int, profile: bool) -> dict:
+def run(ranks: list[int], tensors: int, rows: int, cols: int, profile: bool, owners: bool = True) -> dict:
     from cloudckpt.testing.multiprocess import run_ranks
     from cloudckpt.testing.servers import SeaweedFS
 
@@ -287,7 +293,7 @@ def run(ranks: list[int], tensors: int, rows: int, cols: int, profile: bool) -> 
                 pdir = os.path.join(tmp, f"prof{R}") if profile else None
                 if pdir:
                     os.makedirs(pdir)
-                a = run_ranks(R, fresh_job, url, work, tensors, rows, cols, pdir, env=env, timeout=3600)
+                a = run_ranks(R, fresh_job, url, work, tensors, rows, cols, pdir, owners, env=env, timeout=3600)
                 b = run_ranks(R, resumed_job, url, work, tensors, rows, cols, pdir, env=env, timeout=3600)
                 res = [{**x, **y} for x, y in zip(a, b, strict=True)]
                 if pdir:
@@ -366,6 +372,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", default="2,4,8", help="world sizes, comma-separated")
     ap.add_argument("--shards", default="4000x8x16", help="per rank: TENSORSxROWSxCOLS float32 DTensor shards")
     ap.add_argument("--profile", action="store_true", help="cProfile every rank's main thread")
+    ap.add_argument("--first-save", choices=("owners", "gather"), default="owners",
+                    help="a fresh job's first save: planned by owners (the library's), or every plan gathered")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--stem", default="real_ranks")
     a = ap.parse_args(argv)
@@ -374,7 +382,7 @@ def main(argv=None) -> int:
     meta = {"command": " ".join([".venv/bin/python -m bench.real_ranks"] + (sys.argv[1:] if argv is None else argv)),
             "tensors": a.tensors, "rows": a.rows, "cols": a.cols, "cpus": os.cpu_count(), "load_before": loadavg(),
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git": git_state()}
-    res = run(ranks, a.tensors, a.rows, a.cols, a.profile)
+    res = run(ranks, a.tensors, a.rows, a.cols, a.profile, a.first_save == "owners")
     md = report(res, meta)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)

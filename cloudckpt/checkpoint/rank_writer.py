@@ -27,8 +27,12 @@ to every rank): makes its ``.metadata`` fragment; ``assemble_store.assemble_in_s
 joins ``.metadata`` in the store from every rank's fragment (rank 0 begins and
 completes it; its size and CRC32C go into rank 0's entries, as an uploaded
 ``.metadata``'s do); ``owners.index_header`` gives rank 0 the DCP index header from the
-owners' records, which it writes and uploads. The saves after it plan with DCP's plan
-cache (``caching_save_planner``), as repeated saves do.
+owners' records, which it writes and uploads. Once the step is committed
+(``RankResult.committed``), rank 0 hands every rank that header and the saves after it
+are planned from the step's structure, as after a load of it (no plan gathered, its
+``.metadata`` copied in the store while the write results stay where they were). A
+save planned with DCP's plan cache (``caching_save_planner``: one process, a caller's
+store that cannot assemble objects) keeps doing so.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import time
 import warnings
 from concurrent.futures import CancelledError, Future, wait
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -50,6 +54,7 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
 from .._torch_compat import ResumedSavePlanner, ResumeMismatch, caching_save_planner
 from ..dcp import UploadingWriter
+from ..dcp import index as dcp_index
 from ..dcp.assemble import TRAILER, header
 from ..dcp.assemble_store import assemble_in_store
 from ..dcp.owners import OwnersSavePlanner, fragment_of, index_header
@@ -58,6 +63,7 @@ from ..options import CheckpointerOptions
 from ..storage.nofollow import private_dir
 from ..transfer import TransferEngine, TransferResult, crc32c_file
 from . import layout
+from .committed import CommittedStep
 from .entries import ObjectEntry
 from .step import StepRef
 from .structure import LoadedStructure
@@ -75,16 +81,40 @@ class RankOutcome:
 
 
 class RankResult:
-    """A rank's outcome for AGREE: ``result()`` returns it or raises the rank's error."""
+    """A rank's outcome for AGREE: ``result()`` returns it or raises the rank's error.
+    ``committed(step, marker)``: the save calls it on every rank once the step is
+    committed (collective where the writer asked for it; never raises)."""
 
-    def __init__(self, entries: list, t0: float, error: BaseException | None):
+    def __init__(self, entries: list, t0: float, error: BaseException | None,
+                 on_commit: Callable[[StepRef, Any], None] | None = None):
         self._value = RankOutcome(entries, sum(e.size for e in entries), time.monotonic() - t0)
         self._error = error
+        self._on_commit = on_commit if error is None else None
 
     def result(self) -> RankOutcome:
         if self._error is not None:
             raise self._error
         return self._value
+
+    def committed(self, step: StepRef, marker: Any) -> None:
+        if self._on_commit is not None:
+            self._on_commit(step, marker)
+
+
+class _JustSaved(CommittedStep):
+    """The step a save planned by owners just committed, as a load of it would see it:
+    its marker, the index header rank 0 built (handed to every rank), and this rank's
+    own index part as it wrote it (nothing read back from the store)."""
+
+    def __init__(self, step: StepRef, marker: Any, header: bytes, rank: int, part: bytes | None):
+        super().__init__(step, marker, header=header)
+        self._own = rank, part
+
+    def index_part(self, rank: int, files: dict[str, int] | None = None, *, objects: Any = None) -> dict | None:
+        if rank != self._own[0] or files is not None or objects is not None:
+            return super().index_part(rank, files, objects=objects)
+        part = self._own[1]
+        return None if part is None else dcp_index.parse_part(part, url=self.step.index_part_url(rank), rank=rank)
 
 
 class RankWriter:
@@ -97,10 +127,12 @@ class RankWriter:
         # rank 0: (URL, CRC32C, file identity, the object's version as written) of the .metadata last sent
         self._metadata_sent: tuple[str, str, tuple, str] | None = None
         self._loaded: LoadedStructure | None = None  # the step this job loaded, while its structure holds
-        self._planned = False  # a save of ours completed: the next ones plan with DCP's plan cache
+        self._planned = False  # a save planned with DCP's plan cache completed: the next ones plan with it
 
     #: A job's first save planned by owners (the module docstring); False: every rank's plan gathered on rank 0.
     owners_first_save = True
+    #: The saves after one planned by owners are planned from its structure (False: by owners again).
+    keep_saved_structure = True
 
     def loaded(self, committed: Any) -> None:
         """After a load of ``committed`` (a CommittedStep) on this rank: the saves that
@@ -122,6 +154,7 @@ class RankWriter:
         Megatron's). Collective (DCP's save). Never raises: the error is in the result."""
         t0 = time.monotonic()
         uploads: list = []  # (rel, future)
+        on_commit = None  # a save planned by owners: keep the step's structure once it is committed
 
         def on_file(path: str, sums=None, same_as_last: bool = False, copy_of: LoadedStructure | None = None) -> None:
             rel = os.path.relpath(path, work).replace(os.sep, "/")
@@ -155,7 +188,9 @@ class RankWriter:
                     writer = self._writer(work, on_file, None, owned is not None)
                     self._dcp_save(writer, state_dict, owned or planner)
             if owned is not None:
-                self._assemble(step, work, writer, owned, uploads, on_file)
+                header_bytes = self._assemble(step, work, writer, owned, uploads, on_file)
+                part = dcp_index.part_bytes(self.coord.rank, writer.index_items) if writer.index_items else None
+                on_commit = lambda ref, marker: self._keep_saved(ref, marker, header_bytes, part)  # noqa: E731
             index_part = writer.write_index_part(self.coord.rank)
             if index_part is not None:
                 on_file(index_part)
@@ -180,7 +215,22 @@ class RankWriter:
         except BaseException as e:  # noqa: BLE001 - carried to every rank by AGREE
             _cancel(futures)
             error = error or e
-        return RankResult(entries, t0, error)
+        return RankResult(entries, t0, error, on_commit)
+
+    def _keep_saved(self, step: StepRef, marker: Any, header_bytes: bytes | None, part: bytes | None) -> None:
+        """Every rank, once a save planned by owners is committed: the saves that follow
+        are planned from its structure, as after a load of it (rank 0 hands every rank
+        the index header it built: one broadcast). Never raises: a rank that cannot keep
+        it plans its next save with DCP's plan cache, and the coordinator's plan step
+        makes every rank do so (``ResumeMismatch``)."""
+        if not self.keep_saved_structure:
+            return
+        try:
+            got = self.coord.on_coordinator("hand on the index header of " + step.url, lambda: header_bytes)
+            self.loaded(_JustSaved(step, marker, got, self.coord.rank, part))
+        except Exception as e:  # noqa: BLE001 - the step is committed; only how the next save plans changes
+            log.warning("%s: its structure is not kept for the next saves (%s: %s)", step, type(e).__name__, e)
+            self._loaded = None
 
     def _writer(self, work: str, on_file: Any, loaded: LoadedStructure | None, owners: bool = False) -> UploadingWriter:
         return UploadingWriter(os.path.join(work, layout.MODEL_DIR), on_file, thread_count=self.options.thread_count,
@@ -203,11 +253,11 @@ class RankWriter:
         return OwnersSavePlanner(self.coord)
 
     def _assemble(self, step: StepRef, work: str, writer: UploadingWriter, owned: OwnersSavePlanner, uploads: list,
-                  on_file: Any) -> None:
+                  on_file: Any) -> bytes | None:
         """Every rank, after DCP's save planned by owners: ``.metadata`` assembled in the
         store from every rank's fragment, then the DCP index header built on rank 0 from
-        the owners' records, written and uploaded (the module docstring). Collective;
-        raises on every rank what any rank met."""
+        the owners' records, written and uploaded (the module docstring); the header's
+        bytes on rank 0, None elsewhere. Collective; raises on every rank what any rank met."""
         coord, url = self.coord, step.url_of(layout.DCP_METADATA)
         mine = coord.agree("the .metadata fragments of " + step.url, lambda: fragment_of(owned.owned, writer.results))
         t0 = time.monotonic()
@@ -225,6 +275,7 @@ class RankWriter:
             with open(path, "wb") as f:
                 f.write(got)
             on_file(path)
+        return got
 
     def _dcp_save(self, writer: UploadingWriter, state_dict: dict, planner: Any) -> None:
         """DCP's save through ``writer`` (``planner`` None: ours, with DCP's plan cache). Collective."""
@@ -237,9 +288,9 @@ class RankWriter:
             writer.abandoned()
             raise
         writer.completed()
-        # planned with DCP's plan cache or by owners: the next saves plan with the cache (a save
-        # planned from the loaded step leaves it empty: its fallback plans by owners)
-        self._planned = self._planned or not isinstance(planner, ResumedSavePlanner)
+        # planned with DCP's plan cache: the next saves plan with it (one planned by owners or from a
+        # loaded step leaves it empty: the next save that cannot follow a kept structure plans by owners)
+        self._planned = self._planned or not isinstance(planner, (ResumedSavePlanner, OwnersSavePlanner))
 
     def _copy_loaded(self, loaded: LoadedStructure, url: str) -> Future:
         """Rank 0: the loaded step's ``.metadata`` put at ``url`` by a copy inside the store,

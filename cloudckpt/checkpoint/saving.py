@@ -13,15 +13,21 @@ CAPITALS, each carrying every rank's error to every rank: ``dist.Coordinator``):
     produce(step, work)                                 R  write + upload this rank's files
                                                            (RankWriter.write: DCP's own
                                                            collectives plan the save and
-                                                           write .metadata on C; after a
-                                                           load, planned from the loaded
-                                                           step: checkpoint/structure.py)
+                                                           write .metadata on C; a job's
+                                                           first save: planned by owners,
+                                                           .metadata assembled in the store
+                                                           from every rank's fragment; after
+                                                           a load or such a save, planned
+                                                           from that step: structure.py)
     AGREE     attempt.publish_part(rank, own)           R  its manifest part, then its
                                                            reference (or error) to C
               attempt.marker(parts, shared)             C  the marker, listing the parts
     [commit=False: return PendingCommit(attempt, marker): its commit() runs COMMIT later]
     COMMIT    attempt.commit(marker)                    C  the marker, conditional create,
                                                            written LAST; the lock released
+              outcome.committed(step, marker)           R  a save planned by owners: the
+                                                           writer keeps the step's structure
+                                                           (rank 0 hands on its index header)
     on any failure after PREPARE: attempt.abort()       C  remove what the attempt uploaded
     finally: the work dir removed                       R
 
@@ -123,6 +129,7 @@ def save(coord: Any, engine: TransferEngine, options: CheckpointerOptions, step:
             pending, attempt = PendingCommit(coord, attempt, marker), None  # it owns the lock from here
             return pending
         marker = coord.on_coordinator("commit", lambda: attempt.commit(marker))
+        outcome.committed(step, marker)  # R: the writer may keep the step's structure for its next saves
         stats = _stats(engine, step.number, time.monotonic() - t0, marker)
         log.info("committed %s (%d objects, %.1f MB) in %.2fs", step, marker.object_count, marker.total_bytes / 1e6,
                  stats.seconds)
