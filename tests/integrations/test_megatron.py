@@ -266,7 +266,7 @@ def test_megatron_bad_url_or_unusable_store_fails_every_rank_together_with_a_typ
     for m in re.finditer(r"^CASE (\S+) rank (\d) ([\d.]+)s (\w+)(.*)$", out, re.M):
         got.setdefault(m.group(1), {})[int(m.group(2))] = (m.group(4), float(m.group(3)), m.group(5))
     want = {"missing-bucket": "BucketNotFound", "unreachable-store": "Transient",
-            "one-rank-store-unreachable": "SaveFailed", "no-such-step": "NotACheckpoint",
+            "one-rank-store-unreachable": "SaveFailed", "no-such-step": "MegatronNotACheckpoint",
             "unknown-scheme": "InvalidURL", "no-step-number": "ConfigError"}
     assert {name: {r: v[0] for r, v in ranks.items()} for name, ranks in got.items()} == \
         {name: {0: t, 1: t} for name, t in want.items()}, got

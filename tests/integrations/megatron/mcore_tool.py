@@ -477,6 +477,7 @@ def serve(world: int) -> int:
 
     import torch.multiprocessing as mp
 
+    parent = os.getppid()
     ctx = mp.get_context("spawn")
     inboxes, answers = [ctx.Queue() for _ in range(world)], ctx.Queue()
     # not daemonic: Megatron's own save starts a process of its own in a rank
@@ -496,6 +497,9 @@ def serve(world: int) -> int:
                 if status == "error" and failed_at is None:
                     failed_at = time.monotonic()
             except queue.Empty:
+                if os.getppid() != parent:  # the client is gone: nobody will read the answer
+                    sys.stderr.write(f"mcore_tool serve: the client left during {what}\n")
+                    return None
                 dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
                 if dead:
                     sys.stderr.write(f"mcore_tool serve: rank(s) {dead} died during {what} (exit codes "
