@@ -165,7 +165,7 @@ def _errors() -> dict:
         __str__ = MissingKeys.__str__
 
     for cls in (MegatronCheckFailed, MegatronNotACheckpoint, MegatronMissingKeys):
-        cls.__module__ = __name__
+        cls.__module__, cls.__qualname__ = __name__, cls.__name__
         _ERRORS[cls.__name__] = cls
     return _ERRORS
 

@@ -82,12 +82,13 @@ class McorePool:
             self.proc = None
 
     def close(self) -> None:
-        """End the pool: its ranks leave when stdin closes; killed after 30 s."""
+        """End the pool: its ranks leave when stdin closes; what is still running after 2 s
+        (Megatron's own helper processes wind down slowly; they hold nothing) is killed."""
         if self.proc is None:
             return
         try:
             self.proc.stdin.close()
-            self.proc.wait(timeout=30)
+            self.proc.wait(timeout=2)
         except (OSError, subprocess.TimeoutExpired):
             pass
         self.kill()
