@@ -28,11 +28,12 @@ joins ``.metadata`` in the store from every rank's fragment (rank 0 begins and
 completes it; its size and CRC32C go into rank 0's entries, as an uploaded
 ``.metadata``'s do); ``owners.index_header`` gives rank 0 the DCP index header from the
 owners' records, which it writes and uploads. Once the step is committed
-(``RankResult.committed``), rank 0 hands every rank that header and the saves after it
-are planned from the step's structure, as after a load of it (no plan gathered, its
-``.metadata`` copied in the store while the write results stay where they were). A
-save planned with DCP's plan cache (``caching_save_planner``: one process, a caller's
-store that cannot assemble objects) keeps doing so.
+(``RankResult.committed``), each rank keeps what it planned and wrote
+(:class:`SavedStructure`; rank 0 also the header and where ``.metadata`` is) and the
+saves after it are planned from that, as after a load of the step: no plan gathered,
+its ``.metadata`` copied in the store while the write results stay where they were.
+Saves that cannot be planned by owners (one process, a caller's planner, a store that
+cannot assemble objects) plan with DCP's plan cache (``caching_save_planner``).
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
 from .._torch_compat import ResumedSavePlanner, ResumeMismatch, caching_save_planner
 from ..dcp import UploadingWriter
-from ..dcp import index as dcp_index
 from ..dcp.assemble import TRAILER, header
 from ..dcp.assemble_store import assemble_in_store
 from ..dcp.owners import OwnersSavePlanner, fragment_of, index_header
@@ -101,20 +101,59 @@ class RankResult:
             self._on_commit(step, marker)
 
 
-class _JustSaved(CommittedStep):
-    """The step a save planned by owners just committed, as a load of it would see it:
-    its marker, the index header rank 0 built (handed to every rank), and this rank's
-    own index part as it wrote it (nothing read back from the store)."""
+class SavedStructure:
+    """The structure of a step that a save planned by owners committed, kept by each rank
+    for the job's next saves as a loaded step's is (``LoadedStructure``, the same
+    members the writer uses): a rank whose local plan is the one it made then writes
+    the items it wrote then (:meth:`final_plan`), each expected where it was; rank 0
+    holds the step's index header and where its ``.metadata`` is. Nothing crosses ranks
+    to make it; ranks that disagree on keeping it are found by the next save."""
 
-    def __init__(self, step: StepRef, marker: Any, header: bytes, rank: int, part: bytes | None):
-        super().__init__(step, marker, header=header)
-        self._own = rank, part
+    def __init__(self, step: StepRef, marker: Any, rank: int, local: list, final: list, results: list,
+                 header_bytes: bytes | None):
+        self._key = _plan_key(local)
+        self._final = list(final)
+        self._expected = {wr.index: (wr.storage_data.relative_path, wr.storage_data.offset, wr.storage_data.length)
+                          for wr in results}
+        self.header_bytes = header_bytes
+        self.usable = True  # False once the coordinator cannot place .metadata from it
+        self._committed = CommittedStep(step, marker) if rank == 0 else None
+        self.metadata_entry = marker.object(layout.DCP_METADATA) if rank == 0 else None
+        self.metadata_sources = [(self._committed.step.metadata_url, None)] if self.metadata_entry else []
+        self._metadata: Any = None
+        if rank == 0 and (self.metadata_entry is None or header_bytes is None):
+            raise ValueError("the step's marker lists no .metadata, or rank 0 holds no index header")
 
-    def index_part(self, rank: int, files: dict[str, int] | None = None, *, objects: Any = None) -> dict | None:
-        if rank != self._own[0] or files is not None or objects is not None:
-            return super().index_part(rank, files, objects=objects)
-        part = self._own[1]
-        return None if part is None else dcp_index.parse_part(part, url=self.step.index_part_url(rank), rank=rank)
+    def placed(self, url: str, version: str | None) -> None:
+        """The coordinator placed a copy of the step's ``.metadata`` at ``url``: copy from it next."""
+        self.metadata_sources = [(url, version), *[s for s in self.metadata_sources if s[0] != url]][:2]
+
+    def metadata(self) -> Any:
+        """The coordinator: the step's whole DCP ``Metadata`` (read and checked once), for a
+        save whose write results moved."""
+        if self._metadata is None:
+            self._metadata = self._committed.metadata()
+        return self._metadata
+
+    def final_plan(self, items: list) -> "tuple | str":
+        """This rank's write items of the kept step and where each lay, if ``items`` (its
+        local plan now) are the ones it planned then; else why not."""
+        if not self.usable:
+            return "the coordinator could not place the saved step's .metadata"
+        if _plan_key(items) != self._key:
+            return "the state differs from the step this job saved by owners"
+        return list(self._final), dict(self._expected)
+
+
+def _plan_key(items: list) -> list:
+    """What a local plan's items say of the state: keys, kinds, sizes, properties, chunks."""
+    out = []
+    for it in items:
+        td = it.tensor_data
+        out.append((it.index.fqn, None if it.index.offset is None else tuple(it.index.offset), it.type,
+                    None if td is None else (tuple(td.size), td.properties, tuple(td.chunk.offsets),
+                                             tuple(td.chunk.sizes))))
+    return out
 
 
 class RankWriter:
@@ -189,8 +228,8 @@ class RankWriter:
                     self._dcp_save(writer, state_dict, owned or planner)
             if owned is not None:
                 header_bytes = self._assemble(step, work, writer, owned, uploads, on_file)
-                part = dcp_index.part_bytes(self.coord.rank, writer.index_items) if writer.index_items else None
-                on_commit = lambda ref, marker: self._keep_saved(ref, marker, header_bytes, part)  # noqa: E731
+                on_commit = lambda ref, marker: self._keep_saved(ref, marker, owned, writer.results,  # noqa: E731
+                                                                 header_bytes)
             index_part = writer.write_index_part(self.coord.rank)
             if index_part is not None:
                 on_file(index_part)
@@ -217,17 +256,16 @@ class RankWriter:
             error = error or e
         return RankResult(entries, t0, error, on_commit)
 
-    def _keep_saved(self, step: StepRef, marker: Any, header_bytes: bytes | None, part: bytes | None) -> None:
+    def _keep_saved(self, step: StepRef, marker: Any, owned: OwnersSavePlanner, results: list,
+                    header_bytes: bytes | None) -> None:
         """Every rank, once a save planned by owners is committed: the saves that follow
-        are planned from its structure, as after a load of it (rank 0 hands every rank
-        the index header it built: one broadcast). Never raises: a rank that cannot keep
-        it plans its next save with DCP's plan cache, and the coordinator's plan step
-        makes every rank do so (``ResumeMismatch``)."""
+        are planned from its structure (:class:`SavedStructure`), as after a load of it.
+        Never raises: a rank that cannot keep it makes the next save plan by owners."""
         if not self.keep_saved_structure:
             return
         try:
-            got = self.coord.on_coordinator("hand on the index header of " + step.url, lambda: header_bytes)
-            self.loaded(_JustSaved(step, marker, got, self.coord.rank, part))
+            self._loaded = SavedStructure(step, marker, self.coord.rank, owned.local_plan.items, owned.owned.plan.items,
+                                          results, header_bytes)
         except Exception as e:  # noqa: BLE001 - the step is committed; only how the next save plans changes
             log.warning("%s: its structure is not kept for the next saves (%s: %s)", step, type(e).__name__, e)
             self._loaded = None

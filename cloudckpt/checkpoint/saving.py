@@ -27,7 +27,7 @@ CAPITALS, each carrying every rank's error to every rank: ``dist.Coordinator``):
                                                            written LAST; the lock released
               outcome.committed(step, marker)           R  a save planned by owners: the
                                                            writer keeps the step's structure
-                                                           (rank 0 hands on its index header)
+                                                           for its next saves (no collective)
     on any failure after PREPARE: attempt.abort()       C  remove what the attempt uploaded
     finally: the work dir removed                       R
 

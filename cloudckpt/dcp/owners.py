@@ -352,17 +352,19 @@ class OwnersSavePlanner(DefaultSavePlanner):
     ``create_global_plan`` (the coordinator) returns the plans as they are with an empty
     Metadata; ``finish_plan`` gives each rank its owned plan under the storage prefix
     DCP's writer chose. ``owned`` (an :class:`OwnedPlan`) then holds this rank's
-    Metadata entries for :func:`fragment_of`; ``gathered`` on the coordinator, the bytes
-    of the plans DCP gathered (pickled)."""
+    Metadata entries for :func:`fragment_of`, ``local_plan`` this rank's local plan;
+    ``gathered`` on the coordinator, the bytes of the plans DCP gathered (pickled)."""
 
     def __init__(self, coord: Coordinator, *, writer: str = "spread", **kwargs: Any):
         super().__init__(**kwargs)
         self.coord, self.writer = coord, writer
         self.owned: OwnedPlan | None = None
+        self.local_plan: SavePlan | None = None
         self.gathered = 0
 
     def create_local_plan(self) -> SavePlan:
-        self.owned = plan_by_owners(self.coord, super().create_local_plan(), writer=self.writer)
+        self.local_plan = super().create_local_plan()
+        self.owned = plan_by_owners(self.coord, self.local_plan, writer=self.writer)
         return SavePlan([])
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:

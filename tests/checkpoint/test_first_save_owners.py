@@ -7,7 +7,8 @@ On real gloo ranks against SeaweedFS, one run a world size: 2 ranks save step 1 
 holds, plain values); DCP's plan gather on rank 0 carries empty plans. Assemblies that
 fail (a piece's upload, the complete, a rank's fragment) leave nothing visible at
 step 2 and no pending upload; the job's next save, planned from step 1's structure
-(no plan gathered either), commits.
+(no plan gathered either), commits, and so does one whose value grew (its write results
+moved: rank 0 writes ``.metadata`` from step 1's with them).
 3 ranks load step 1 (resharded) bit for bit and save step 4 fresh (another world size:
 planned by owners again). One process then loads steps 1 and 4 with ours, and stock
 ``dcp.load`` reads the downloaded folders; each assembled ``.metadata`` unpickles to
@@ -35,7 +36,11 @@ FULL = {  # every tensor's full value: the same whatever the world size
 }
 
 
-def _state(world: int, *, zero: bool = False) -> dict:
+NAMES = ["a", "b"]
+GROWN = ["a" * 5000, "b"]  # a value whose bytes grew: every later item of its file moves
+
+
+def _state(world: int, *, zero: bool = False, names: list = NAMES) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -46,7 +51,7 @@ def _state(world: int, *, zero: bool = False) -> dict:
               "model.cols": Shard(1), "model.bias": Replicate()}
     model = {k.split(".", 1)[1]: distribute_tensor(full[k], mesh, [p]) for k, p in places.items()}
     return {"model": model, "optim": {"moment": full["optim.moment"], "step": 0 if zero else 12,
-                                      "names": [] if zero else ["a", "b"]}}
+                                      "names": [] if zero else list(names)}}
 
 
 def _full(sd: dict) -> dict:
@@ -58,10 +63,10 @@ def _full(sd: dict) -> dict:
     return out
 
 
-def _exact(sd: dict) -> bool:
+def _exact(sd: dict, names: list = NAMES) -> bool:
     got = _full(sd)
     return all(torch.equal(got[k], v) for k, v in FULL.items()) and sd["optim"]["step"] == 12 \
-        and sd["optim"]["names"] == ["a", "b"]
+        and sd["optim"]["names"] == names
 
 
 def _failing(rank: int, how: str):
@@ -114,6 +119,7 @@ def save_two(rank, world, url, work, stock_dir):
                     failed[how] = str(e)
         with _PlanGather() as later:
             ck.save(f"{url}/step3", _state(world))
+            ck.save(f"{url}/step5", _state(world, names=GROWN))  # results moved: .metadata rebuilt on rank 0
     return {"first": first.largest, "later": later.largest, "failed": failed, "kept": kept}
 
 
@@ -148,7 +154,7 @@ def _same_metadata(ours_path: str, stock_path: str) -> None:
         {(i.fqn, tuple(i.offset or ())) for i in stock.storage_data}
 
 
-def _load_alone(url: str, work: str) -> bool:
+def _load_alone(url: str, work: str, names: list = NAMES) -> bool:
     from cloudckpt import Checkpointer
 
     sd = {"model": {k.split(".", 1)[1]: torch.zeros_like(v) for k, v in FULL.items() if k.startswith("model.")},
@@ -156,17 +162,17 @@ def _load_alone(url: str, work: str) -> bool:
     sd["model"]["layer2.w"] = torch.zeros(1, 4)
     with Checkpointer(work_dir=work, distributed=False) as ck:
         ck.load(url, sd)
-    return _exact(sd)
+    return _exact(sd, names)
 
 
-def _stock_load(folder: str) -> None:
+def _stock_load(folder: str, names: list) -> None:
     import torch.distributed.checkpoint as dcp
 
     sd = {"model": {k.split(".", 1)[1]: torch.zeros_like(v) for k, v in FULL.items() if k.startswith("model.")},
           "optim": {"moment": torch.zeros(6), "step": 0, "names": []}}
     sd["model"]["layer2.w"] = torch.zeros(1, 4)
     dcp.load(sd, storage_reader=dcp.FileSystemReader(os.path.join(folder, "model_and_optim")), no_dist=True)
-    assert _exact(sd)
+    assert _exact(sd, names)
 
 
 def test_a_first_save_is_planned_by_owners_assembled_in_the_store_and_loads_everywhere(s3_bucket, tmp_path):
@@ -186,14 +192,15 @@ def test_a_first_save_is_planned_by_owners_assembled_in_the_store_and_loads_ever
     left = [e.url for e in store.list(f"{url}/step2/", delimiter=None) if not e.is_prefix]
     assert not left, f"a failed assembly left objects behind: {left}"
     assert not store.list_multipart_uploads(f"{url}/step2/")
-    assert [s for s, _ in Checkpointer.find_checkpoints(url)] == [1, 3]
+    assert [s for s, _ in Checkpointer.find_checkpoints(url)] == [1, 3, 5]
     three = run_ranks(3, load_and_save_three, url, str(tmp_path / "w3"), str(tmp_path / "stock3"), env=env)
     assert all(r["loaded"] for r in three)  # 2 -> 3 ranks, bit for bit
     assert three[0]["gathered"] < 400, three[0]
-    for name, stock in (("step1", "stock2"), ("step4", "stock3"), ("step3", "stock2")):
-        assert _load_alone(f"{url}/{name}", str(tmp_path / "one" / name)), name  # -> 1 process
+    for name, stock, names in (("step1", "stock2", NAMES), ("step4", "stock3", NAMES), ("step3", "stock2", NAMES),
+                               ("step5", "stock2", GROWN)):
+        assert _load_alone(f"{url}/{name}", str(tmp_path / "one" / name), names), name  # -> 1 process
         download(f"{url}/{name}", str(tmp_path / "dl" / name))
-        _stock_load(str(tmp_path / "dl" / name))
+        _stock_load(str(tmp_path / "dl" / name), names)
         _same_metadata(str(tmp_path / "dl" / name / "model_and_optim" / ".metadata"),
                        str(tmp_path / stock / ".metadata"))
 
