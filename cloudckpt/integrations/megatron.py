@@ -49,10 +49,12 @@ is also one (``MegatronCheckFailed``, ``MegatronNotACheckpoint``, ``MegatronMiss
 Tested on CPU with gloo (docs/integrations.md): tensor parallel 2 -> 1 and 1 -> 2,
 pipeline parallel 2 -> 1, a GPT training run killed and resumed bit-exact with
 Megatron's optimizer and RNG states, Megatron's own ``test_serialization.py`` (38 of 40).
-Not done: async saves (``async_sharded_save``), the fully-parallel wrappers, an
-``allow_shape_mismatch`` tensor loaded at another shape, ``remove_sharded_tensors`` (a
-committed step is never rewritten), Megatron's distributed optimizer (it refuses CPU
-parameters, so it is untested here). The step folder's number is
+An ``allow_shape_mismatch`` target reads the part that lies inside the saved tensor
+(zeros elsewhere). Not done: async saves (``async_sharded_save``), the fully-parallel
+wrappers, a load into a target of another dtype (refused, as every cloudckpt load
+refuses it; Megatron casts), ``remove_sharded_tensors`` (a committed step is never
+rewritten), Megatron's distributed optimizer (it refuses CPU parameters, so it is
+untested here). The step folder's number is
 ``step`` or comes from its name (``step{N}`` or Megatron's ``iter_{N:07d}``).
 """
 
@@ -191,6 +193,34 @@ def _typed(v: Any) -> Any:
         LocalShardsContainer.__init__(t, shards)
         return t
     return v
+
+
+def _inside(target: Any, saved_shape: tuple) -> Any:
+    """The part of the ``allow_shape_mismatch`` ShardedTensor ``target`` that lies inside a
+    tensor saved as ``saved_shape``: a ShardedTensor of that global shape whose data is a
+    view of the target's (zero-filled first, as Megatron's load does), or None when the
+    target lies wholly outside (it stays zeros)."""
+    import dataclasses
+
+    import torch
+
+    if target.data is None:
+        target.init_data("cpu", torch.zeros)
+    else:
+        target.data = target.data.detach()
+        target.data.zero_()
+    view = target.data
+    for d, (offset, size) in enumerate(zip(target.global_offset, saved_shape, strict=True)):
+        if d < target.prepend_axis_num:  # an axis of length 1 that the data does not have
+            if offset >= size:
+                return None
+            continue
+        keep = min(view.shape[d - target.prepend_axis_num], size - offset)
+        if keep <= 0:
+            return None
+        view = view.narrow(d - target.prepend_axis_num, 0, keep)
+    return dataclasses.replace(target, data=view, local_shape=tuple(view.shape), global_shape=saved_shape,
+                               axis_fragmentations=None)
 
 
 def _strategy_bases():
@@ -332,26 +362,34 @@ def _load_strategy_class():
             ckpt = self._ckpt()
             common_key = mapping.ShardedObject(COMMON_KEY, None, (1,), (0,)).unique_key
 
+            ckpt._async.wait()
+            committed = self._open(checkpoint_dir)
+            shapes = committed.shapes().state_dict_metadata
+            padded: dict = {}  # sharded key -> (the targets, their parts inside the saved shape)
+
             def translate():
                 checked = [t for t in nested_values(sharded_state_dict) if isinstance(t, mapping.ShardedTensor)]
                 sd, flat, renamed = mtorch._replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
+                for k, shards in list(sd.items()):
+                    first = shards[0]
+                    if isinstance(first, mapping.ShardedTensor) and first.allow_shape_mismatch and k in shapes \
+                            and tuple(shapes[k].size) != tuple(first.global_shape):
+                        inside = [_inside(t, tuple(shapes[k].size)) for t in shards]
+                        padded[k] = (shards, inside)
+                        sd[k] = [t for t in inside if t is not None]
+                        if not sd[k]:
+                            del sd[k]
                 pyt = {k: _typed(v) for k, v in mtorch.mcore_to_pyt_state_dict(sd, True).items()}
                 if common and common_key not in pyt:  # the state dict may ask for it too (load_sharded_metadata's)
                     pyt[common_key] = io.BytesIO()
                 return pyt, flat, renamed, checked
 
             pyt, flat, renamed, checked = _every_rank(ckpt, "megatron translate", translate)
-            ckpt._async.wait()
-            committed = self._open(checkpoint_dir)
-            shapes = committed.shapes().state_dict_metadata
 
             def shapes_match():  # Megatron's MCoreLoadPlanner._validate_global_shapes
                 for t in checked:
-                    if t.key in shapes and tuple(shapes[t.key].size) != tuple(t.global_shape):
-                        if t.allow_shape_mismatch:  # Megatron loads the overlap (padded vocabularies)
-                            raise ConfigError(f"{checkpoint_dir}: {t.key} was saved as {tuple(shapes[t.key].size)}, "
-                                              f"the target is {tuple(t.global_shape)}: loading a tensor of another "
-                                              "shape (allow_shape_mismatch) is not supported by cloudckpt yet")
+                    if t.key in shapes and tuple(shapes[t.key].size) != tuple(t.global_shape) \
+                            and not t.allow_shape_mismatch:  # those load the overlap, zeros elsewhere
                         raise mtorch.CheckpointingException(
                             f"{checkpoint_dir}: global shape mismatch for {t.key}: saved {tuple(shapes[t.key].size)}"
                             f", expected {tuple(t.global_shape)}")
@@ -366,6 +404,14 @@ def _load_strategy_class():
             if common:
                 found = (pyt[common_key] if common_key in renamed else pyt.pop(common_key))[0]
             state = {k: mtorch._unwrap_pyt_sharded_tensor(v) for k, v in pyt.items()}
+            for k, (shards, inside) in padded.items():  # each target whole: what was read, zeros around it
+                read = iter(state.get(k, []))
+                for part in inside:
+                    if part is not None:
+                        got = next(read)
+                        if got is not part.data:
+                            part.data.copy_(got)
+                state[k] = [t.data for t in shards]
             state = mtorch._replace_sharded_keys_with_state_dict_keys(state, flat, renamed)
             mtorch._restore_dict_types(state, sharded_state_dict)
             return state, found

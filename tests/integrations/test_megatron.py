@@ -326,6 +326,9 @@ def _strict_seen_by(rank: int, got: dict) -> None:
     raised("no such step", ["CheckpointingException", "NotACheckpoint"], "is not a distributed checkpoint")
     raised("global shape mismatch", MEGATRON_ERROR, "global shape mismatch", "TenB")
     raised("remove_sharded_tensors", ["ConfigError"], "never rewritten")
+    # saved: arange(8) over 2 ranks; asked: 3 or 5 elements a rank; what lies beyond is zeros
+    assert case("allow_shape_mismatch smaller") == [[0, 1, 2], [3, 4, 5]][rank], rank
+    assert case("allow_shape_mismatch larger") == [[0, 1, 2, 3, 4], [5, 6, 7, 0, 0]][rank], rank
 
 
 def test_megatron_strict_handling_metadata_readers_and_error_types_behave_as_megatrons_own(mcore_pool, s3_bucket,
@@ -340,8 +343,9 @@ def test_megatron_strict_handling_metadata_readers_and_error_types_behave_as_meg
     ``CheckpointException`` (and cloudckpt's MissingKeys). ``load_sharded_metadata`` /
     ``load_tensors_metadata`` list the step's keys on one process alone, and what they
     return loads; a step that does not exist is NotACheckpoint and
-    ``CheckpointingException``; a global shape mismatch is ``CheckpointingException``;
-    ``remove_sharded_tensors`` is refused (a committed step is never rewritten)."""
+    ``CheckpointingException``; a global shape mismatch is ``CheckpointingException``,
+    unless the target allows it (``allow_shape_mismatch``: the overlap is read, zeros
+    elsewhere); ``remove_sharded_tensors`` is refused (a committed step is never rewritten)."""
     url = f"{s3_bucket}/strict/iter_0000030"
     out = mcore(mcore_pool, tmp_path, "strict", url, "--world", "2")
     seen = {int(m.group(1)): json.loads(m.group(2)) for m in re.finditer(r"^STRICT (\d) (.*)$", out, re.M)}

@@ -358,6 +358,13 @@ def cmd_strict(a, rank, world):
     seen["global shape mismatch"] = outcome(lambda: cm.load(
         {"TenB": ShardedTensor.from_rank_offsets("TenB", torch.zeros(4), (0, rank, world), replica_id=0)}, a.url,
         work_dir=a.work))
+    padded = a.url[:-1] + str(int(a.url[-1]) + 1)  # the next iteration: a tensor of 4 * world elements
+    cm.save({"Pad": ShardedTensor.from_rank_offsets("Pad", torch.arange(4) + 4 * rank, (0, rank, world))}, padded,
+            work_dir=a.work)
+    for name, n in (("smaller", 3), ("larger", 5)):  # 3 * world and 5 * world elements asked for
+        sd = {"Pad": ShardedTensor.from_rank_offsets("Pad", torch.full((n,), -1), (0, rank, world),
+                                                     allow_shape_mismatch=True)}
+        seen[f"allow_shape_mismatch {name}"] = cm.load(sd, padded, work_dir=a.work)["Pad"].tolist()
     seen["remove_sharded_tensors"] = outcome(lambda: cm.CloudLoadStrategy(work_dir=a.work).remove_sharded_tensors(
         a.url, "Ten"))
     print(f"STRICT {rank} {json.dumps(seen)}", flush=True)
