@@ -27,7 +27,11 @@ to every rank): makes its ``.metadata`` fragment; ``assemble_store.assemble_in_s
 joins ``.metadata`` in the store from every rank's fragment (rank 0 begins and
 completes it; its size and CRC32C go into rank 0's entries, as an uploaded
 ``.metadata``'s do); ``owners.index_header`` gives rank 0 the DCP index header from the
-owners' records, which it writes and uploads. Once the step is committed
+owners' records, which it writes and uploads. A state holding a chunk on several
+ranks larger than ``MIN_PIECE_BYTES`` (DDP's, HSDP's tensors) is planned from every
+rank's plan instead (``owners.SharedItemsTooLarge``, found by its owner before anything
+is written): its holders then write it in pieces balanced by bytes
+(``_torch_compat.balanced_dedup``). Once the step is committed
 (``RankResult.committed``), each rank keeps what it planned and wrote
 (:class:`SavedStructure`; rank 0 also the header and where ``.metadata`` is) and the
 saves after it are planned from that, as after a load of the step: no plan gathered,
@@ -53,11 +57,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
-from .._torch_compat import ResumedSavePlanner, ResumeMismatch, caching_save_planner
+from .._torch_compat import MIN_PIECE_BYTES, ResumedSavePlanner, ResumeMismatch, caching_save_planner
 from ..dcp import UploadingWriter
 from ..dcp.assemble import TRAILER, header
 from ..dcp.assemble_store import assemble_in_store
-from ..dcp.owners import OwnersSavePlanner, fragment_of, index_header
+from ..dcp.owners import OwnersSavePlanner, SharedItemsTooLarge, fragment_of, index_header
 from ..errors import CloudCkptError, CorruptCheckpoint, NotFound, PreconditionFailed
 from ..options import CheckpointerOptions
 from ..storage.nofollow import private_dir
@@ -213,19 +217,27 @@ class RankWriter:
             loaded = self._loaded if owned is None and planner is None and step is not None else None
             writer = self._writer(work, on_file, loaded, owned is not None)
             with quiet_dcp():
-                try:
-                    self._dcp_save(writer, state_dict, owned or (planner if loaded is None else ResumedSavePlanner(
-                        loaded.final_plan)))
-                except BaseException as e:
-                    if not isinstance(_unwrap_dcp(e), ResumeMismatch):
-                        raise
-                    # every rank got the coordinator's ResumeMismatch (nothing was written yet): every
-                    # rank saves whole, now and from now on
-                    log.info("%s: %s; planning this save as a first save", step, _unwrap_dcp(e))
-                    self._loaded = None
-                    owned = self._owners_planner(step, planner)
-                    writer = self._writer(work, on_file, None, owned is not None)
-                    self._dcp_save(writer, state_dict, owned or planner)
+                chosen = owned or (planner if loaded is None else ResumedSavePlanner(loaded.final_plan))
+                while True:
+                    try:
+                        self._dcp_save(writer, state_dict, chosen)
+                        break
+                    except BaseException as e:
+                        why = _unwrap_dcp(e)
+                        # every rank got it, nothing was written yet. ResumeMismatch: every rank saves as a
+                        # first save, now and from now on. SharedItemsTooLarge: from every rank's plan, the
+                        # replicated items balanced over their holders (the plan cached for later saves)
+                        if isinstance(why, ResumeMismatch) and isinstance(chosen, ResumedSavePlanner):
+                            self._loaded = None
+                            owned = self._owners_planner(step, planner)
+                        elif isinstance(why, SharedItemsTooLarge) and chosen is owned is not None:
+                            owned = None
+                        else:
+                            raise
+                        log.info("%s: %s; planning this save %s", step, why,
+                                 "by owners" if owned is not None else "from every rank's plan")
+                        chosen = owned or planner
+                        writer = self._writer(work, on_file, None, owned is not None)
             if owned is not None:
                 header_bytes = self._assemble(step, work, writer, owned, uploads, on_file)
                 on_commit = lambda ref, marker: self._keep_saved(ref, marker, owned, writer.results,  # noqa: E731
@@ -288,7 +300,7 @@ class RankWriter:
         if not self.coord.any_rank([self._loaded is None], "plan by owners or from the loaded step")[0]:
             return None
         self._loaded = None
-        return OwnersSavePlanner(self.coord)
+        return OwnersSavePlanner(self.coord, shared_limit=MIN_PIECE_BYTES)
 
     def _assemble(self, step: StepRef, work: str, writer: UploadingWriter, owned: OwnersSavePlanner, uploads: list,
                   on_file: Any) -> bytes | None:

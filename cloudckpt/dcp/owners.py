@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
+from .._torch_compat import element_size
 from ..checkpoint.layout import shard_writer
 from ..dist import Coordinator
 from ..errors import ShapeMismatch
@@ -141,9 +142,18 @@ def _writer(fqn: str, offsets: Any, holders: list[int], how: str) -> int:
     return holders[zlib.crc32(f"{fqn}|{offsets}".encode()) % len(holders)]
 
 
-def _decide(received: list[list[tuple]], world: int, how: str) -> tuple[dict, dict, list[list[tuple]]]:
+class SharedItemsTooLarge(Exception):
+    """An owner found a chunk held by several ranks larger than the planning's
+    ``shared_limit``: such a chunk is better written in pieces by its holders, balanced
+    by bytes (``_torch_compat.balanced_dedup``, which needs every plan), than whole by
+    one holder. Raised on every rank before anything is written."""
+
+
+def _decide(received: list[list[tuple]], world: int, how: str,
+            shared_limit: int | None = None) -> tuple[dict, dict, list[list[tuple]]]:
     """The owner's work on every record sent to it: (its Metadata entries, its
-    planner_data entries, for each rank the (position, index hint) of the items it writes)."""
+    planner_data entries, for each rank the (position, index hint) of the items it writes).
+    Raises ShapeMismatch, or SharedItemsTooLarge (``shared_limit`` bytes)."""
     by_key: dict[str, list[tuple[int, tuple]]] = {}
     for rank, recs in enumerate(received):
         for rec in recs:
@@ -179,6 +189,14 @@ def _decide(received: list[list[tuple]], world: int, how: str) -> tuple[dict, di
                                     f"different sizes ({list(same[0][1][3])}, {list(rec[3])})")
             same.append((r, rec))
         _check_chunks(fqn, first[5], [(o, hs[0][1][3]) for o, hs in chunks.items()], world)
+        if shared_limit is not None:
+            size = element_size(first[4].dtype)
+            big = next((hs for hs in chunks.values() if len({r for r, _ in hs}) > 1
+                        and math.prod(hs[0][1][3]) * size > shared_limit), None)
+            if big is not None:
+                raise SharedItemsTooLarge(f"save: {fqn!r}: a chunk of {math.prod(big[0][1][3]) * size} bytes is held "
+                                          f"by ranks {sorted({r for r, _ in big})[:8]}; over {shared_limit} bytes, "
+                                          "its holders write it in pieces, planned from every rank's plan")
         chosen = []  # (writer, position in its plan, offsets, sizes)
         for offsets, hs in chunks.items():
             w = _writer(fqn, offsets, sorted({r for r, _ in hs}), how)
@@ -192,17 +210,19 @@ def _decide(received: list[list[tuple]], world: int, how: str) -> tuple[dict, di
 
 
 def plan_by_owners(coord: Coordinator, local_plan: SavePlan, *, writer: str = "spread",
-                   limit: int = PAYLOAD_LIMIT) -> OwnedPlan:
+                   limit: int = PAYLOAD_LIMIT, shared_limit: int | None = None) -> OwnedPlan:
     """Every rank: the global planning of a save by owners (the module docstring), from
     this rank's ``local_plan``. Raises on every rank what any owner found
-    (ShapeMismatch naming the key), CollectiveError or PeerLost."""
+    (ShapeMismatch naming the key; SharedItemsTooLarge: a chunk held by several ranks
+    over ``shared_limit`` bytes, None: no limit), CollectiveError or PeerLost."""
     if writer not in WRITERS:
         raise ValueError(f"writer={writer!r}: use one of {WRITERS}")
     world = coord.world_size
     received = coord.all_to_all_objects(_records(local_plan, world), "send the save plan's records to their owners",
                                         limit=limit)
     sent, got = coord.exchanged
-    sdm, paths, writes = coord.agree("owners check the save plan", lambda: _decide(received, world, writer))
+    sdm, paths, writes = coord.agree("owners check the save plan",
+                                     lambda: _decide(received, world, writer, shared_limit))
     mine = coord.all_to_all_objects(writes, "tell each rank what it writes", limit=limit)
     sent2, got2 = coord.exchanged
     hints = dict(p for per_owner in mine for p in per_owner)
@@ -355,16 +375,17 @@ class OwnersSavePlanner(DefaultSavePlanner):
     Metadata entries for :func:`fragment_of`, ``local_plan`` this rank's local plan;
     ``gathered`` on the coordinator, the bytes of the plans DCP gathered (pickled)."""
 
-    def __init__(self, coord: Coordinator, *, writer: str = "spread", **kwargs: Any):
+    def __init__(self, coord: Coordinator, *, writer: str = "spread", shared_limit: int | None = None,
+                 **kwargs: Any):
         super().__init__(**kwargs)
-        self.coord, self.writer = coord, writer
+        self.coord, self.writer, self.shared_limit = coord, writer, shared_limit
         self.owned: OwnedPlan | None = None
         self.local_plan: SavePlan | None = None
         self.gathered = 0
 
     def create_local_plan(self) -> SavePlan:
         self.local_plan = super().create_local_plan()
-        self.owned = plan_by_owners(self.coord, self.local_plan, writer=self.writer)
+        self.owned = plan_by_owners(self.coord, self.local_plan, writer=self.writer, shared_limit=self.shared_limit)
         return SavePlan([])
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
