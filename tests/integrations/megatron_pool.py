@@ -83,7 +83,7 @@ class McorePool:
 
     def close(self) -> None:
         """End the pool: its ranks leave when stdin closes; what is still running after 2 s
-        (Megatron's own helper processes wind down slowly; they hold nothing) is killed."""
+        (a helper process Megatron started in a rank) is killed."""
         if self.proc is None:
             return
         try:

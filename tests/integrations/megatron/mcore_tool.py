@@ -473,6 +473,10 @@ def _pool_rank(rank: int, inbox, answers) -> None:
             answers.put((rank, "ok", out.getvalue()))
         except BaseException:  # noqa: BLE001 - the answer carries it
             answers.put((rank, "error", out.getvalue() + traceback.format_exc()))
+    answers.close()
+    answers.join_thread()  # every answer sent
+    sys.stderr.flush()
+    os._exit(0)  # nothing to clean: Megatron's helper processes wind down for seconds otherwise
 
 
 def serve(world: int) -> int:
