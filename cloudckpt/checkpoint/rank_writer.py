@@ -87,7 +87,7 @@ class RankOutcome:
 class RankResult:
     """A rank's outcome for AGREE: ``result()`` returns it or raises the rank's error.
     ``committed(step, marker)``: the save calls it on every rank once the step is
-    committed (collective where the writer asked for it; never raises)."""
+    committed (no collective; never raises)."""
 
     def __init__(self, entries: list, t0: float, error: BaseException | None,
                  on_commit: Callable[[StepRef, Any], None] | None = None):

@@ -125,8 +125,8 @@ def save(coord: Any, engine: TransferEngine, options: CheckpointerOptions, step:
         marker = None if reports is None else attempt.marker(  # the coordinator's, until COMMIT hands it on
             [r.part for r in reports if r.part is not None], [o for r in reports for o in r.shared],
             ephemeral=ephemeral, torch_version=torch.__version__)
-        if not commit:
-            pending, attempt = PendingCommit(coord, attempt, marker), None  # it owns the lock from here
+        if not commit:  # it owns the lock from here
+            pending, attempt = PendingCommit(coord, attempt, marker, lambda m: outcome.committed(step, m)), None
             return pending
         marker = coord.on_coordinator("commit", lambda: attempt.commit(marker))
         outcome.committed(step, marker)  # R: the writer may keep the step's structure for its next saves
@@ -186,9 +186,11 @@ class PendingCommit:
     call them on every rank of the checkpointer, once.
     """
 
-    def __init__(self, coord: Any, attempt: StepCommit, marker: Marker | None):
+    def __init__(self, coord: Any, attempt: StepCommit, marker: Marker | None,
+                 committed: Callable[[Marker], None] | None = None):
         self._coord = coord
         self._attempt = attempt
+        self._committed = committed  # every rank, once committed: the writer's RankResult.committed
         self.dir = attempt.dir
         self.marker = marker
 
@@ -205,6 +207,8 @@ class PendingCommit:
         except BaseException:
             self.abort()
             raise
+        if self._committed is not None:
+            self._committed(self.marker)
         return self.marker
 
     def abort(self) -> None:

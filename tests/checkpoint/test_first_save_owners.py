@@ -213,9 +213,9 @@ def _die_mid_assembly(rank, world, url, work, report):
     from cloudckpt import Checkpointer
     from cloudckpt.dist import Coordinator
 
-    with Checkpointer(work_dir=os.path.join(work, "a"), collective_timeout=10) as ck:
+    with Checkpointer(work_dir=os.path.join(work, "a"), collective_timeout=5) as ck:
         ck.save(f"{url}/step1", _state(world))
-    with Checkpointer(work_dir=os.path.join(work, "b"), collective_timeout=10) as ck:
+    with Checkpointer(work_dir=os.path.join(work, "b"), collective_timeout=5) as ck:
         if rank == 1:
             Coordinator.send_bytes = lambda self, data, dst: os.kill(os.getpid(), signal.SIGKILL)
         try:
