@@ -1,11 +1,11 @@
-"""CPU time per test file, with every process a test started: ``CLOUDCKPT_TEST_CPU=DIR``
+"""CPU time per test file, with every process a test started: ``TEST_CPU_REPORT=DIR``
 makes each pytest process (each xdist worker) write ``DIR/cpu-<worker>.tsv`` with one
 line per test file: the CPU-seconds (user + system) of the test process and of every
 process below it (ranks, sandbox tries, servers, CLI subprocesses) while the file's
 tests ran, and their wall seconds. What the suite's time is spent on, to see which files
 to make cheaper (issue: the suite's time)::
 
-    CLOUDCKPT_TEST_CPU=/tmp/cpu make test
+    TEST_CPU_REPORT=/tmp/cpu make test
     sort -t$'\\t' -k2 -rn /tmp/cpu/cpu-*.tsv | head -30
 
 A process's own CPU and that of the children it reaped are read from
