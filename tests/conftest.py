@@ -84,10 +84,9 @@ LONGEST_FIRST = {
 
 
 def pytest_configure(config):
-    if os.environ.get("TEST_CPU_REPORT"):  # CPU-seconds per test file (cpu_report.py)
-        from cpu_report import CpuReport
+    from cpu_report import register
 
-        config.pluginmanager.register(CpuReport(os.environ["TEST_CPU_REPORT"]), "cloudckpt-cpu-report")
+    register(config)  # with $TEST_CPU_REPORT: CPU-seconds per test file (cpu_report.py)
     if hasattr(config.option, "loadscopereorder"):  # xdist: keep the order below (not "most tests first")
         config.option.loadscopereorder = False
 
