@@ -31,7 +31,9 @@ owners' records, which it writes and uploads. A state holding a chunk on several
 ranks larger than ``MIN_PIECE_BYTES`` (DDP's, HSDP's tensors) is planned from every
 rank's plan instead (``owners.SharedItemsTooLarge``, found by its owner before anything
 is written): its holders then write it in pieces balanced by bytes
-(``_torch_compat.balanced_dedup``). Once the step is committed
+(``_torch_compat.balanced_dedup``); smaller replicated chunks go to a holder picked by a
+hash of the key, values and chunks of at most ``SMALL_SHARED_BYTES`` to the lowest
+holder, as ``balanced_dedup`` does. Once the step is committed
 (``RankResult.committed``), each rank keeps what it planned and wrote
 (:class:`SavedStructure`; rank 0 also the header and where ``.metadata`` is) and the
 saves after it are planned from that, as after a load of the step: no plan gathered,
@@ -57,7 +59,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
-from .._torch_compat import MIN_PIECE_BYTES, ResumedSavePlanner, ResumeMismatch, caching_save_planner
+from .._torch_compat import (
+    MIN_PIECE_BYTES,
+    SMALL_SHARED_BYTES,
+    ResumedSavePlanner,
+    ResumeMismatch,
+    caching_save_planner,
+)
 from ..dcp import UploadingWriter
 from ..dcp.assemble import TRAILER, header
 from ..dcp.assemble_store import assemble_in_store
@@ -300,7 +308,7 @@ class RankWriter:
         if not self.coord.any_rank([self._loaded is None], "plan by owners or from the loaded step")[0]:
             return None
         self._loaded = None
-        return OwnersSavePlanner(self.coord, shared_limit=MIN_PIECE_BYTES)
+        return OwnersSavePlanner(self.coord, shared_limit=MIN_PIECE_BYTES, small=SMALL_SHARED_BYTES)
 
     def _assemble(self, step: StepRef, work: str, writer: UploadingWriter, owned: OwnersSavePlanner, uploads: list,
                   on_file: Any) -> bytes | None:

@@ -149,8 +149,8 @@ class SharedItemsTooLarge(Exception):
     one holder. Raised on every rank before anything is written."""
 
 
-def _decide(received: list[list[tuple]], world: int, how: str,
-            shared_limit: int | None = None) -> tuple[dict, dict, list[list[tuple]]]:
+def _decide(received: list[list[tuple]], world: int, how: str, shared_limit: int | None = None,
+            small: int = 0) -> tuple[dict, dict, list[list[tuple]]]:
     """The owner's work on every record sent to it: (its Metadata entries, its
     planner_data entries, for each rank the (position, index hint) of the items it writes).
     Raises ShapeMismatch, or SharedItemsTooLarge (``shared_limit`` bytes)."""
@@ -171,7 +171,7 @@ def _decide(received: list[list[tuple]], world: int, how: str,
                                 f"(ranks {sorted(r for r, _ in held)})")
         if True in kinds:  # a value pickled to bytes, the same on every holder: one writer
             holders = sorted({r for r, _ in held})
-            w = _writer(fqn, None, holders, how)
+            w = _writer(fqn, None, holders, "lowest" if small else how)
             writes[w].append((next(rec[6] for r, rec in held if r == w), None))
             sdm[fqn] = BytesStorageMetadata()
             continue
@@ -198,8 +198,10 @@ def _decide(received: list[list[tuple]], world: int, how: str,
                                           f"by ranks {sorted({r for r, _ in big})[:8]}; over {shared_limit} bytes, "
                                           "its holders write it in pieces, planned from every rank's plan")
         chosen = []  # (writer, position in its plan, offsets, sizes)
+        esize = element_size(first[4].dtype)
         for offsets, hs in chunks.items():
-            w = _writer(fqn, offsets, sorted({r for r, _ in hs}), how)
+            tiny = math.prod(hs[0][1][3]) * esize <= small
+            w = _writer(fqn, offsets, sorted({r for r, _ in hs}), "lowest" if tiny else how)
             chosen.append((w, next(rec[6] for r, rec in hs if r == w), offsets, hs[0][1][3]))
         chosen.sort(key=lambda c: (c[0], c[1]))  # DCP's order: the writers' plans, rank by rank
         for hint, (w, pos, _, _) in enumerate(chosen):
@@ -210,9 +212,12 @@ def _decide(received: list[list[tuple]], world: int, how: str,
 
 
 def plan_by_owners(coord: Coordinator, local_plan: SavePlan, *, writer: str = "spread",
-                   limit: int = PAYLOAD_LIMIT, shared_limit: int | None = None) -> OwnedPlan:
+                   limit: int = PAYLOAD_LIMIT, shared_limit: int | None = None, small: int = 0) -> OwnedPlan:
     """Every rank: the global planning of a save by owners (the module docstring), from
-    this rank's ``local_plan``. Raises on every rank what any owner found
+    this rank's ``local_plan``. ``small``: a value held by several ranks, and a chunk of
+    at most ``small`` bytes, goes to its lowest holder whatever ``writer`` says
+    (``balanced_dedup``'s rule: a loading rank finds a job's scalars in rank 0's files and
+    manifest part, not in every rank's). Raises on every rank what any owner found
     (ShapeMismatch naming the key; SharedItemsTooLarge: a chunk held by several ranks
     over ``shared_limit`` bytes, None: no limit), CollectiveError or PeerLost."""
     if writer not in WRITERS:
@@ -222,7 +227,7 @@ def plan_by_owners(coord: Coordinator, local_plan: SavePlan, *, writer: str = "s
                                         limit=limit)
     sent, got = coord.exchanged
     sdm, paths, writes = coord.agree("owners check the save plan",
-                                     lambda: _decide(received, world, writer, shared_limit))
+                                     lambda: _decide(received, world, writer, shared_limit, small))
     mine = coord.all_to_all_objects(writes, "tell each rank what it writes", limit=limit)
     sent2, got2 = coord.exchanged
     hints = dict(p for per_owner in mine for p in per_owner)
@@ -376,16 +381,17 @@ class OwnersSavePlanner(DefaultSavePlanner):
     ``gathered`` on the coordinator, the bytes of the plans DCP gathered (pickled)."""
 
     def __init__(self, coord: Coordinator, *, writer: str = "spread", shared_limit: int | None = None,
-                 **kwargs: Any):
+                 small: int = 0, **kwargs: Any):
         super().__init__(**kwargs)
-        self.coord, self.writer, self.shared_limit = coord, writer, shared_limit
+        self.coord, self.writer, self.shared_limit, self.small = coord, writer, shared_limit, small
         self.owned: OwnedPlan | None = None
         self.local_plan: SavePlan | None = None
         self.gathered = 0
 
     def create_local_plan(self) -> SavePlan:
         self.local_plan = super().create_local_plan()
-        self.owned = plan_by_owners(self.coord, self.local_plan, writer=self.writer, shared_limit=self.shared_limit)
+        self.owned = plan_by_owners(self.coord, self.local_plan, writer=self.writer, shared_limit=self.shared_limit,
+                                    small=self.small)
         return SavePlan([])
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
