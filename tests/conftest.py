@@ -61,6 +61,7 @@ LONGEST_FIRST = {
     "tests/integrations/test_megatron_bridge.py": 40,
     "tests/integrations/test_megatron_folders.py": 40,
     "tests/dcp/test_assemble_store.py": 50,
+    "tests/checkpoint/test_first_save_owners.py": 25,
     "tests/checkpoint/test_local_tier.py": 185,
     "tests/cli/test_cli_words.py": 170,
     "tests/integrations/test_lightning_resume.py": 125,

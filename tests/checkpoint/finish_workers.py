@@ -40,6 +40,10 @@ def saves(rank, world_size, root, work_dir, fail_step=None, keep_bytes=None):
     after it."""
     import os
 
+    from cloudckpt.checkpoint.rank_writer import RankWriter
+
+    # DCP's plan cache and rank 0's finish: the path of a state whose replicated chunks owners decline
+    RankWriter.owners_first_save = False
     if keep_bytes is not None:
         dcp_writer.KEEP_METADATA_BYTES = keep_bytes
     seen: list = []

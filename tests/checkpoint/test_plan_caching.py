@@ -28,6 +28,10 @@ def save_repeatedly(rank, world_size, folder, work_dir):
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     from cloudckpt import Checkpointer
+    from cloudckpt.checkpoint.rank_writer import RankWriter
+
+    # DCP's plan cache: the path of a state whose replicated chunks owners decline (DDP, HSDP)
+    RankWriter.owners_first_save = False
 
     usable: list[bool] = []
     original = DefaultSavePlanner.create_local_plan
