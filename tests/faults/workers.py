@@ -132,12 +132,15 @@ def _job_rank(rank, world_size, init_file, env, fn, args):
 
 
 class Job:
-    """``world_size`` spawned ranks running ``fn``; the test kills them like a scheduler."""
+    """``world_size`` spawned ranks running ``fn``; the test kills them like a scheduler.
+    Started as ``run_ranks`` starts its ranks: in the suite, forked from the warm
+    forkserver and made what a spawned rank is (tests/warm_ranks.py); each is still a
+    process of its own, killed and reaped like one."""
 
     def __init__(self, world_size: int, fn, *args, env: dict, tmp: str):
-        import torch.multiprocessing as mp
+        from cloudckpt.testing import multiprocess
 
-        ctx = mp.get_context("spawn")
+        ctx = multiprocess.mp.get_context("spawn")
         init = os.path.join(tmp, "init")
         self.procs = [ctx.Process(target=_job_rank, args=(r, world_size, init, env, fn, args), daemon=True)
                       for r in range(world_size)]
