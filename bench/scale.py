@@ -1032,7 +1032,7 @@ def gloo_worker(rank, world_size, folder, work, tensors):
     dcp_utils._DistWrapper.gather_object = gather
     ck = Checkpointer(work_dir=work)
     path = f"{folder}/step{STEP}"
-    for s in (STEP + 1, STEP):  # the second save repeats the first's structure: DCP's plan cache answers
+    for s in (STEP + 1, STEP):  # the first planned by owners, the second from the first's structure
         sent.append(0)
         got["agree"] = 0  # the last save's
         ck.save(f"{folder}/step{s}", sd)

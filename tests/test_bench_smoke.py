@@ -197,8 +197,9 @@ def test_smoke_scale_runs_every_phase_and_agrees_with_real_ranks(tmp_path):
     assert c["sim"]["error"] is None and c["sim"]["metadata_parse_cpu_s"] is not None, c["sim"]
     # the simulated collectives carry what the real ones carry: an ordinary rank's load, step by step
     assert c["load_payloads_agree"], (c["real"][1]["load_collectives"], c["sim"]["load_collectives"])
-    # a repeated save of the same structure sends less in DCP's gathers (the plan cache answers)
-    assert all(r["dcp_gather_sent_bytes"][1] < r["dcp_gather_sent_bytes"][0] for r in c["real"]), c["real"]
+    # a job's first save is planned by owners and the next from its structure: DCP's own gathers
+    # carry no plan either time (300 tensors' plans are tens of KB)
+    assert all(max(r["dcp_gather_sent_bytes"]) <= 400 for r in c["real"]), c["real"]
     assert "| 4 |" in (tmp_path / "scale_quick.md").read_text()
 
 

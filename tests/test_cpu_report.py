@@ -27,7 +27,8 @@ def test_the_report_counts_a_childs_cpu_for_its_file_and_not_a_wait(tmp_path):
     (tmp_path / "test_burn.py").write_text(BURN)
     (tmp_path / "test_idle.py").write_text(IDLE)
     out = tmp_path / "report"
-    env = {**os.environ, "TEST_CPU_REPORT": str(out),
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}  # not a worker: cpu-main
+    env = {**env, "TEST_CPU_REPORT": str(out),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "cpu_report", "-p", "no:cacheprovider",
                         "test_burn.py", "test_idle.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
