@@ -51,7 +51,7 @@ LONGEST_FIRST = {
     "tests/security/test_hostile_share1.py": 300,
     "tests/security/test_hostile_share2.py": 300,
     "tests/security/test_corpus.py": 300,
-    "tests/faults/test_kill.py": 285,
+    "tests/faults/test_kill.py": 75,
     "tests/integrations/test_hf.py": 260,
     "tests/integrations/test_olmo_core_trainer.py": 40,
     "tests/storage/test_conformance.py": 245,
