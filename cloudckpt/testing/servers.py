@@ -135,8 +135,19 @@ class _Server:
             self.tmp = None
 
     def __enter__(self):
-        self.start()
-        return self
+        """``start()``, started again on fresh ports (up to 3 times) when it lost a port
+        race: a port that was free a moment before the server binds it may be taken by
+        another process of the machine in between. Any other failure is raised at once."""
+        for attempt in range(3):
+            try:
+                self.start()
+                return self
+            except RuntimeError as e:
+                self.stop()
+                lost_race = "address already in use" in str(e) or "is not available" in str(e)
+                if not lost_race or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def __exit__(self, *exc) -> None:
         self.stop()
