@@ -75,10 +75,9 @@ from ..options import CheckpointerOptions
 from ..storage.nofollow import private_dir
 from ..transfer import TransferEngine, TransferResult, crc32c_file
 from . import layout
-from .committed import CommittedStep
 from .entries import ObjectEntry
 from .step import StepRef
-from .structure import LoadedStructure
+from .structure import LoadedStructure, SavedStructure
 
 log = logging.getLogger(__name__)
 
@@ -111,61 +110,6 @@ class RankResult:
     def committed(self, step: StepRef, marker: Any) -> None:
         if self._on_commit is not None:
             self._on_commit(step, marker)
-
-
-class SavedStructure:
-    """The structure of a step that a save planned by owners committed, kept by each rank
-    for the job's next saves as a loaded step's is (``LoadedStructure``, the same
-    members the writer uses): a rank whose local plan is the one it made then writes
-    the items it wrote then (:meth:`final_plan`), each expected where it was; rank 0
-    holds the step's index header and where its ``.metadata`` is. Nothing crosses ranks
-    to make it; ranks that disagree on keeping it are found by the next save."""
-
-    def __init__(self, step: StepRef, marker: Any, rank: int, local: list, final: list, results: list,
-                 header_bytes: bytes | None):
-        self._key = _plan_key(local)
-        self._final = list(final)
-        self._expected = {wr.index: (wr.storage_data.relative_path, wr.storage_data.offset, wr.storage_data.length)
-                          for wr in results}
-        self.header_bytes = header_bytes
-        self.usable = True  # False once the coordinator cannot place .metadata from it
-        self._committed = CommittedStep(step, marker) if rank == 0 else None
-        self.metadata_entry = marker.object(layout.DCP_METADATA) if rank == 0 else None
-        self.metadata_sources = [(self._committed.step.metadata_url, None)] if self.metadata_entry else []
-        self._metadata: Any = None
-        if rank == 0 and (self.metadata_entry is None or header_bytes is None):
-            raise ValueError("the step's marker lists no .metadata, or rank 0 holds no index header")
-
-    def placed(self, url: str, version: str | None) -> None:
-        """The coordinator placed a copy of the step's ``.metadata`` at ``url``: copy from it next."""
-        self.metadata_sources = [(url, version), *[s for s in self.metadata_sources if s[0] != url]][:2]
-
-    def metadata(self) -> Any:
-        """The coordinator: the step's whole DCP ``Metadata`` (read and checked once), for a
-        save whose write results moved."""
-        if self._metadata is None:
-            self._metadata = self._committed.metadata()
-        return self._metadata
-
-    def final_plan(self, items: list) -> "tuple | str":
-        """This rank's write items of the kept step and where each lay, if ``items`` (its
-        local plan now) are the ones it planned then; else why not."""
-        if not self.usable:
-            return "the coordinator could not place the saved step's .metadata"
-        if _plan_key(items) != self._key:
-            return "the state differs from the step this job saved by owners"
-        return list(self._final), dict(self._expected)
-
-
-def _plan_key(items: list) -> list:
-    """What a local plan's items say of the state: keys, kinds, sizes, properties, chunks."""
-    out = []
-    for it in items:
-        td = it.tensor_data
-        out.append((it.index.fqn, None if it.index.offset is None else tuple(it.index.offset), it.type,
-                    None if td is None else (tuple(td.size), td.properties, tuple(td.chunk.offsets),
-                                             tuple(td.chunk.sizes))))
-    return out
 
 
 class RankWriter:
@@ -247,7 +191,7 @@ class RankWriter:
                         chosen = owned or planner
                         writer = self._writer(work, on_file, None, owned is not None)
             if owned is not None:
-                header_bytes = self._assemble(step, work, writer, owned, uploads, on_file)
+                header_bytes = self._assemble(step, writer, owned, uploads)
                 on_commit = lambda ref, marker: self._keep_saved(ref, marker, owned, writer.results,  # noqa: E731
                                                                  header_bytes)
             index_part = writer.write_index_part(self.coord.rank)
@@ -310,8 +254,8 @@ class RankWriter:
         self._loaded = None
         return OwnersSavePlanner(self.coord, shared_limit=MIN_PIECE_BYTES, small=SMALL_SHARED_BYTES)
 
-    def _assemble(self, step: StepRef, work: str, writer: UploadingWriter, owned: OwnersSavePlanner, uploads: list,
-                  on_file: Any) -> bytes | None:
+    def _assemble(self, step: StepRef, writer: UploadingWriter, owned: OwnersSavePlanner,
+                  uploads: list) -> bytes | None:
         """Every rank, after DCP's save planned by owners: ``.metadata`` assembled in the
         store from every rank's fragment, then the DCP index header built on rank 0 from
         the owners' records, written and uploaded (the module docstring); the header's
@@ -328,11 +272,7 @@ class RankWriter:
             uploads.append((layout.DCP_METADATA, done))
         got = index_header(coord, owned.owned, writer.results, dcp_version=CURRENT_DCP_VERSION)
         if got is not None:
-            path = os.path.join(work, layout.INDEX_HEADER)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "wb") as f:
-                f.write(got)
-            on_file(path)
+            writer.put_index_header(got)
         return got
 
     def _dcp_save(self, writer: UploadingWriter, state_dict: dict, planner: Any) -> None:

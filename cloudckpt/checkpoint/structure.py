@@ -15,6 +15,11 @@ byte for byte: rank 0 copies the one inside the store and writes the other from 
 bytes the load handed it. The ranks agree in DCP's own plan step, which then carries a
 few bytes a rank (``_torch_compat.ResumedSavePlanner``); a rank that finds its state
 changed makes every rank fall back to a full save (never a silently wrong step).
+
+:class:`SavedStructure` does the same for a step this job saved with the planning done
+by owners (dcp/owners.py): each rank keeps its local plan, the items it wrote and where,
+and rank 0 the step's index header and ``.metadata`` entry, so the saves that follow
+are planned from that step as from a loaded one.
 """
 
 from __future__ import annotations
@@ -28,29 +33,52 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from . import layout
+from .committed import CommittedStep
 from .layout import shard_writer as _owner
 
 Plan = tuple  # (final write items, {MetadataIndex: (file, offset, length) in the loaded step})
 
 
-class LoadedStructure:
+class _KeptStep:
+    """What the coordinator needs of a kept step to give the next step its ``.metadata``:
+    the manifest's entry for it, where a copy with its bytes is (``(url, version)``,
+    newest first), and the step's DCP ``Metadata`` read once when results moved.
+    ``usable`` turns False once the coordinator cannot place ``.metadata`` from it
+    (every rank then plans its next save otherwise). ``committed``: the step's
+    CommittedStep (needed on the coordinator only)."""
+
+    def __init__(self, committed: Any, rank: int):
+        self.committed = committed
+        self.usable = True
+        self._metadata: Any = None
+        entry = committed.marker.object(layout.DCP_METADATA) if rank == 0 else None
+        self.metadata_sources = [(committed.step.metadata_url, None)] if entry is not None else []
+        self.metadata_entry = entry
+
+    def placed(self, url: str, version: str | None) -> None:
+        """The coordinator placed a copy of the step's ``.metadata`` at ``url``: copy from it next."""
+        self.metadata_sources = [(url, version), *[s for s in self.metadata_sources if s[0] != url]][:2]
+
+    def metadata(self) -> Any:
+        """The coordinator: the step's whole DCP ``Metadata`` (read, checked and unpickled
+        once), for a save whose write results moved."""
+        if self._metadata is None:
+            self._metadata = self.committed.metadata()
+        return self._metadata
+
+
+class LoadedStructure(_KeptStep):
     """One rank's view of the step it loaded (``committed``: the load's CommittedStep),
     for its next saves; :meth:`of` returns None for a step it cannot serve (another
     world size, no DCP index, no manifest)."""
 
     def __init__(self, committed: Any, rank: int):
-        self.committed = committed
+        super().__init__(committed, rank)
         self.rank = rank
         self.header = committed.header()
         self.header_bytes = committed.header_bytes()
-        self.usable = True  # False once the coordinator cannot place .metadata from it (every rank then saves whole)
         self._part: dict | None = None
         self._owned: dict[int, int] = {}  # layout id -> chunks this rank wrote
-        self._metadata: Any = None  # the coordinator: the loaded .metadata, once a save needed it
-        entry = committed.marker.object(layout.DCP_METADATA) if rank == 0 else None
-        # the coordinator: where a .metadata with the loaded bytes is ((url, version) newest first), its size, CRC32C
-        self.metadata_sources = [(committed.step.metadata_url, None)] if entry is not None else []
-        self.metadata_entry = entry
 
     @classmethod
     def of(cls, committed: Any, rank: int, world_size: int) -> "LoadedStructure | None":
@@ -60,17 +88,6 @@ class LoadedStructure:
         if rank == 0 and m.object(layout.DCP_METADATA) is None:
             return None
         return cls(committed, rank)
-
-    def placed(self, url: str, version: str | None) -> None:
-        """The coordinator placed a copy of the loaded ``.metadata`` at ``url``: copy from it next."""
-        self.metadata_sources = [(url, version), *[s for s in self.metadata_sources if s[0] != url]][:2]
-
-    def metadata(self) -> Any:
-        """The coordinator: the loaded step's whole DCP ``Metadata`` (read, checked and
-        unpickled once), for a save whose write results moved."""
-        if self._metadata is None:
-            self._metadata = self.committed.metadata()
-        return self._metadata
 
     def _own_part(self) -> dict:
         if self._part is None:
@@ -165,4 +182,44 @@ class LoadedStructure:
         return None
 
 
-__all__ = ["LoadedStructure"]
+class SavedStructure(_KeptStep):
+    """The structure of a step that a save planned by owners committed, kept by each rank
+    for the job's next saves as a loaded step's is (the same members the writer uses):
+    a rank whose local plan is the one it made then writes the items it wrote then
+    (:meth:`final_plan`), each expected where it was; rank 0 holds the step's index
+    header and where its ``.metadata`` is. Nothing crosses ranks to make it; ranks that
+    disagree on keeping it are found by the next save."""
+
+    def __init__(self, step: Any, marker: Any, rank: int, local: list, final: list, results: list,
+                 header_bytes: bytes | None):
+        super().__init__(CommittedStep(step, marker) if rank == 0 else None, rank)
+        if rank == 0 and (self.metadata_entry is None or header_bytes is None):
+            raise ValueError("the step's marker lists no .metadata, or rank 0 holds no index header")
+        self._key = _plan_key(local)
+        self._final = list(final)
+        self._expected = {wr.index: (wr.storage_data.relative_path, wr.storage_data.offset, wr.storage_data.length)
+                          for wr in results}
+        self.header_bytes = header_bytes
+
+    def final_plan(self, items: list) -> "Plan | str":
+        """This rank's write items of the kept step and where each lay, if ``items`` (its
+        local plan now) are the ones it planned then; else why not."""
+        if not self.usable:
+            return "the coordinator could not place the saved step's .metadata"
+        if _plan_key(items) != self._key:
+            return "the state differs from the step this job saved by owners"
+        return list(self._final), dict(self._expected)
+
+
+def _plan_key(items: list) -> list:
+    """What a local plan's items say of the state: keys, kinds, sizes, properties, chunks."""
+    out = []
+    for it in items:
+        td = it.tensor_data
+        out.append((it.index.fqn, None if it.index.offset is None else tuple(it.index.offset), it.type,
+                    None if td is None else (tuple(td.size), td.properties, tuple(td.chunk.offsets),
+                                             tuple(td.chunk.sizes))))
+    return out
+
+
+__all__ = ["LoadedStructure", "SavedStructure"]

@@ -348,10 +348,15 @@ class UploadingWriter(FileSystemWriter):
                 _link_or_copy(meta_path, merged.file + ".tmp")
                 os.replace(merged.file + ".tmp", merged.file)  # a step that linked the old one keeps it
         self.index_cache[_MERGED] = merged
+        self.put_index_header(index.header_bytes(metadata, self.index_cache))
+
+    def put_index_header(self, data: bytes) -> None:
+        """The DCP index header ``data`` written beside the DCP folder and handed on as a
+        closed file (``on_file``)."""
         path = os.path.join(os.path.dirname(str(self.path)), layout.INDEX_HEADER)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
-            f.write(index.header_bytes(metadata, self.index_cache))
+            f.write(data)
         self._on_file(path, None)
 
     def _finish_resumed(self, results) -> None:
@@ -362,14 +367,10 @@ class UploadingWriter(FileSystemWriter):
         put in is written, and its header built, as a first save does."""
         self.index_cache.pop(_MERGED, None)
         meta_path = os.path.join(str(self.path), ".metadata")
-        header = os.path.join(os.path.dirname(str(self.path)), layout.INDEX_HEADER)
-        os.makedirs(os.path.dirname(header), exist_ok=True)
         moved = [got.results for got in results if got.results is not None]
         if not moved:
             self._on_file(meta_path, None, copy_of=self._loaded)
-            with open(header, "wb") as f:
-                f.write(self._loaded.header_bytes)
-            self._on_file(header, None)
+            self.put_index_header(self._loaded.header_bytes)
             return
         loaded = self._loaded.metadata()
         storage = dict(loaded.storage_data)
@@ -381,9 +382,7 @@ class UploadingWriter(FileSystemWriter):
         with self.fs.create_stream(tmp, "wb") as f:
             pickle.dump(md, f)
         self.fs.rename(tmp, meta_path)
-        with open(header, "wb") as f:
-            f.write(index.header_bytes(md, self.index_cache))
-        self._on_file(header, None)
+        self.put_index_header(index.header_bytes(md, self.index_cache))
 
     def write_index_part(self, rank: int) -> str | None:
         """After the save: this rank's part of the DCP index (its chunks of sharded
