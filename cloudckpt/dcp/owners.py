@@ -189,16 +189,15 @@ def _decide(received: list[list[tuple]], world: int, how: str, shared_limit: int
                                     f"different sizes ({list(same[0][1][3])}, {list(rec[3])})")
             same.append((r, rec))
         _check_chunks(fqn, first[5], [(o, hs[0][1][3]) for o, hs in chunks.items()], world)
+        esize = element_size(first[4].dtype)
         if shared_limit is not None:
-            size = element_size(first[4].dtype)
             big = next((hs for hs in chunks.values() if len({r for r, _ in hs}) > 1
-                        and math.prod(hs[0][1][3]) * size > shared_limit), None)
+                        and math.prod(hs[0][1][3]) * esize > shared_limit), None)
             if big is not None:
-                raise SharedItemsTooLarge(f"save: {fqn!r}: a chunk of {math.prod(big[0][1][3]) * size} bytes is held "
+                raise SharedItemsTooLarge(f"save: {fqn!r}: a chunk of {math.prod(big[0][1][3]) * esize} bytes is held "
                                           f"by ranks {sorted({r for r, _ in big})[:8]}; over {shared_limit} bytes, "
                                           "its holders write it in pieces, planned from every rank's plan")
         chosen = []  # (writer, position in its plan, offsets, sizes)
-        esize = element_size(first[4].dtype)
         for offsets, hs in chunks.items():
             tiny = math.prod(hs[0][1][3]) * esize <= small
             w = _writer(fqn, offsets, sorted({r for r, _ in hs}), "lowest" if tiny else how)

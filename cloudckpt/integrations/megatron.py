@@ -172,6 +172,17 @@ def _errors() -> dict:
     return _ERRORS
 
 
+@contextmanager
+def _megatron_not_a_checkpoint(checkpoint_dir: Any) -> Iterator[None]:
+    """NotACheckpoint raised inside as MegatronNotACheckpoint (Megatron's
+    ``CheckpointingException`` too), naming ``checkpoint_dir``."""
+    try:
+        yield
+    except NotACheckpoint as e:
+        raise _errors()["MegatronNotACheckpoint"](f"{checkpoint_dir} is not a distributed checkpoint "
+                                                  f"(no committed cloudckpt step): {e}") from e
+
+
 def _typed(v: Any) -> Any:
     """Megatron's DCP containers (``CheckpointableShardedTensor``, ``LocalShardsContainer``)
     are tensor wrappers made without a dtype (float32 whatever they hold); the same
@@ -419,20 +430,14 @@ def _load_strategy_class():
         def _open(self, checkpoint_dir):
             """The committed step (collective); MegatronNotACheckpoint when it is not one."""
             ckpt = self._ckpt()
-            try:
+            with _megatron_not_a_checkpoint(checkpoint_dir):
                 return loading.open_step(ckpt.coord, ckpt.engine, ckpt.options, ckpt._step(str(checkpoint_dir)))
-            except NotACheckpoint as e:
-                raise _errors()["MegatronNotACheckpoint"](f"{checkpoint_dir} is not a distributed checkpoint "
-                                                          f"(no committed cloudckpt step): {e}") from e
 
         def _shapes(self, checkpoint_dir):
             """DCP Metadata of every key of the step, from cloudckpt's index. Not collective."""
             ckpt = self._ckpt()
-            try:
+            with _megatron_not_a_checkpoint(checkpoint_dir):
                 step = CommittedStep.open(ckpt._step(str(checkpoint_dir)), verify=ckpt.options.verify_checksums)
-            except NotACheckpoint as e:
-                raise _errors()["MegatronNotACheckpoint"](f"{checkpoint_dir} is not a distributed checkpoint "
-                                                          f"(no committed cloudckpt step): {e}") from e
             return step.shapes()
 
         def load_tensors_metadata(self, checkpoint_dir, metadata=None):

@@ -212,7 +212,7 @@ class _ChunkIndex:
             # every item the header holds itself (values too, exported or not) inside its shard file,
             # as a load checks it: a header that places one past its file is a damaged step
             for rank in sorted(_header_item_writers(header) - ranks):
-                self.files.update(_shard_sizes(c.rank_objects(rank)))
+                self.files.update((rel, o.size) for rel, o in _shards(c.rank_objects(rank)).items())
             index.check_items(header, self.files)
             self.db.execute("CREATE INDEX chunk_t ON chunk (t)")
             self.db.commit()
@@ -221,11 +221,8 @@ class _ChunkIndex:
             raise
 
     def _add_rank(self, c: CommittedStep, header, rank: int, held, parted: dict) -> None:
-        from ..checkpoint import layout as step_layout
-
         objects = c.rank_objects(rank)
-        prefix = step_layout.MODEL_DIR + "/"
-        shards = {p[len(prefix):]: o for p, o in objects.items() if p.startswith(prefix)}
+        shards = _shards(objects)
         files = {rel: o.size for rel, o in shards.items()}
         self.files.update(files)
         crcs = {(rel, x[0], x[1]): x[2] for rel, o in shards.items() for x in o.chunks}
@@ -401,12 +398,12 @@ def _header_item_writers(header) -> set[int]:
     return {shard_writer(item[0]) for item in items}
 
 
-def _shard_sizes(objects: dict) -> dict[str, int]:
-    """``{shard file under model_and_optim/: size}`` of a rank's manifest entries."""
+def _shards(objects: dict) -> dict:
+    """``{shard file under model_and_optim/: entry}`` of a rank's manifest entries."""
     from ..checkpoint import layout as step_layout
 
     prefix = step_layout.MODEL_DIR + "/"
-    return {p[len(prefix):]: o.size for p, o in objects.items() if p.startswith(prefix)}
+    return {p[len(prefix):]: o for p, o in objects.items() if p.startswith(prefix)}
 
 
 def _header(entries: list[_Entry], meta: dict[str, str]) -> bytes:
