@@ -22,22 +22,6 @@ os.environ["AWS_CONFIG_FILE"] = os.devnull
 os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
 
 
-def _started(make, attempts: int = 3):
-    """``make().start()``, started again (on fresh ports) when it lost a port race: a
-    server is given ports that were free a moment before it binds them, and another
-    process on the machine (the other xdist worker's servers) may take one in between.
-    Any other failure to start is raised at once."""
-    for attempt in range(attempts):
-        server = make()
-        try:
-            return server.start()
-        except RuntimeError as e:
-            server.stop()
-            lost_race = "address already in use" in str(e) or "is not available" in str(e)  # bind, weed's own check
-            if not lost_race or attempt == attempts - 1:
-                raise
-
-
 # The files that take longest (seconds measured alone, -n 0, on the 2-core machine), run
 # first: `make test` hands whole files to its 2 workers (--dist loadfile) in the order of
 # the collection, so the longest start first and the short ones fill in at the end, and
@@ -131,20 +115,14 @@ def warm_ranks():
 
 @pytest.fixture(scope="session")
 def seaweed():
-    s = _started(SeaweedFS)
-    try:
+    with SeaweedFS() as s:  # started again on fresh ports if it lost a port race (servers.py)
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="session")
 def fake_gcs():
-    g = _started(FakeGCS)
-    try:
+    with FakeGCS() as g:
         yield g
-    finally:
-        g.stop()
 
 
 class MotoS3:

@@ -140,14 +140,12 @@ class _Server:
         another process of the machine in between. Any other failure is raised at once."""
         for attempt in range(3):
             try:
-                self.start()
-                return self
+                return self.start()
             except RuntimeError as e:
                 self.stop()
-                lost_race = "address already in use" in str(e) or "is not available" in str(e)
+                lost_race = "address already in use" in str(e) or "is not available" in str(e)  # bind, weed's check
                 if not lost_race or attempt == 2:
                     raise
-        raise AssertionError("unreachable")  # pragma: no cover
 
     def __exit__(self, *exc) -> None:
         self.stop()
