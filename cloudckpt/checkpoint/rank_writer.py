@@ -142,11 +142,14 @@ class RankWriter:
             self._loaded = None
 
     def write(self, step: StepRef | None, work: str, state_dict: dict, train_state: Any, *,
-              planner: Any = None) -> RankResult:
+              planner: Any = None, flavour: type | None = None) -> RankResult:
         """Write this rank's files into ``work`` and upload each to ``step`` as it is
         closed (``step`` None: keep them in ``work``, with their CRC32Cs: a local step).
-        ``planner``: DCP's save planner (None: ours; the Megatron integration passes
-        Megatron's). Collective (DCP's save). Never raises: the error is in the result."""
+        ``planner``: DCP's save planner (None: ours). ``flavour``: with ``planner`` None, a
+        mixin class put before each of our planners this save uses (owners', the kept
+        structure's, the plan cache's), its methods first (the Megatron integration's:
+        byte values written as they are, keys not flattened). Collective (DCP's save).
+        Never raises: the error is in the result."""
         t0 = time.monotonic()
         uploads: list = []  # (rel, future)
         on_commit = None  # a save planned by owners: keep the step's structure once it is committed
@@ -165,14 +168,15 @@ class RankWriter:
         writer: UploadingWriter | None = None
         error: BaseException | None = None
         try:
-            owned = self._owners_planner(step, planner)
+            owned = _flavoured(self._owners_planner(step, planner), flavour)
             loaded = self._loaded if owned is None and planner is None and step is not None else None
             writer = self._writer(work, on_file, loaded, owned is not None)
             with quiet_dcp():
-                chosen = owned or (planner if loaded is None else ResumedSavePlanner(loaded.final_plan))
+                chosen = owned or (planner if loaded is None else
+                                   _flavoured(ResumedSavePlanner(loaded.final_plan), flavour))
                 while True:
                     try:
-                        self._dcp_save(writer, state_dict, chosen)
+                        self._dcp_save(writer, state_dict, chosen, flavour)
                         break
                     except BaseException as e:
                         why = _unwrap_dcp(e)
@@ -181,7 +185,7 @@ class RankWriter:
                         # replicated items balanced over their holders (the plan cached for later saves)
                         if isinstance(why, ResumeMismatch) and isinstance(chosen, ResumedSavePlanner):
                             self._loaded = None
-                            owned = self._owners_planner(step, planner)
+                            owned = _flavoured(self._owners_planner(step, planner), flavour)
                         elif isinstance(why, SharedItemsTooLarge) and chosen is owned is not None:
                             owned = None
                         else:
@@ -275,10 +279,12 @@ class RankWriter:
             writer.put_index_header(got)
         return got
 
-    def _dcp_save(self, writer: UploadingWriter, state_dict: dict, planner: Any) -> None:
-        """DCP's save through ``writer`` (``planner`` None: ours, with DCP's plan cache). Collective."""
+    def _dcp_save(self, writer: UploadingWriter, state_dict: dict, planner: Any, flavour: type | None = None) -> None:
+        """DCP's save through ``writer`` (``planner`` None: ours, with DCP's plan cache,
+        ``flavour`` put before it: ``write``). Collective."""
         if planner is None:
-            planner = caching_save_planner(f"{self.coord.world_size}:{self.coord.rank}")
+            key = f"{self.coord.world_size}:{self.coord.rank}" + (f":{flavour.__qualname__}" if flavour else "")
+            planner = _flavoured(caching_save_planner(key), flavour)
         try:
             dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=self.coord.group,
                      no_dist=self.coord.local)
@@ -384,6 +390,22 @@ class RankWriter:
 
         fut.add_done_callback(sent_it)
         return fut
+
+
+_FLAVOURED: dict = {}  # (flavour, planner class) -> the class with the flavour first
+
+
+def _flavoured(planner: Any, flavour: type | None) -> Any:
+    """``planner`` (one of ours, or None) with the mixin ``flavour`` before its class
+    (``RankWriter.write``); as it is when ``flavour`` is None."""
+    if planner is None or flavour is None:
+        return planner
+    cls = type(planner)
+    if (flavour, cls) not in _FLAVOURED:
+        _FLAVOURED[flavour, cls] = type(f"{flavour.__name__}{cls.__name__}", (flavour, cls), {})
+    out = _FLAVOURED[flavour, cls].__new__(_FLAVOURED[flavour, cls])
+    out.__dict__.update(vars(planner))  # the planner as made, its class now the flavoured one
+    return out
 
 
 @contextlib.contextmanager

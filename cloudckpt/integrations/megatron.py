@@ -17,9 +17,12 @@ Megatron's ``dist_checkpointing.serialization.save`` (factories, non-persistent
 values, the sharding check, common state as the ``ShardedObject`` ``common_state``)
 and then :class:`CloudSaveStrategy`, a ``TorchDistSaveShardedStrategy`` whose ``save``
 runs Megatron's own state-dict translation (``mcore_to_pyt_state_dict``) and
-``torch.distributed.checkpoint.save`` with Megatron's ``MCoreSavePlanner`` (its global
-Metadata kept on rank 0, as cloudckpt's own planners keep it) and cloudckpt's uploading
-writer, inside cloudckpt's commit protocol: every rank writes to
+``torch.distributed.checkpoint.save`` with cloudckpt's save planners carrying what
+Megatron's ``MCoreSavePlanner`` does (:class:`MegatronItems`) and cloudckpt's uploading
+writer, inside cloudckpt's commit protocol: a job's first save is planned by owners of the
+keys, no rank gathers every rank's plan, and ``.metadata`` is assembled in the store
+(``checkpoint/rank_writer.py``); the saves after it, and the first save after a load,
+follow the step's structure. Every rank writes to
 its own work dir, uploads are throttled and retried, rank 0 adds Megatron's
 ``metadata.json`` (an object of the step, in its manifest) and cloudckpt's marker is
 written last, so that neither Megatron nor cloudckpt ever sees the step before it is
@@ -238,10 +241,30 @@ def _strategy_bases():
     return _megatron()[5]
 
 
-def _save_pyt(ckpt: Checkpointer, url: str, number: int, pyt_state_dict: dict, planner: Any, config: dict, *,
+class MegatronItems:
+    """What Megatron's ``MCoreSavePlanner`` (megatron-core 0.19) does beyond DCP's
+    ``DefaultSavePlanner``, put before whichever of cloudckpt's save planners a save uses
+    (``RankWriter.write``'s ``flavour``): the keys as they are (``flatten_state_dict`` and
+    ``flatten_sharded_tensors`` off, so ``.metadata`` holds no planner data) and each
+    ``io.BytesIO`` value (a ``ShardedObject``, ``torch.save``'d by
+    ``mcore_to_pyt_state_dict``) written as its bytes. Nothing else: in 0.19 its global
+    plan and Metadata are DefaultSavePlanner's (no ``mcore_data``, no flattened ranges:
+    Megatron refuses ``flattened_range``), and replicas are dropped before planning
+    (``keep_only_main_replica``) or deduplicated by the planner, one writer a chunk."""
+
+    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
+        self.flatten_state_dict = self.flatten_sharded_tensors = False
+        super().set_up_planner(state_dict, *args, **kwargs)
+
+    def transform_object(self, write_item: Any, object: Any) -> Any:
+        return object if isinstance(object, io.BytesIO) else super().transform_object(write_item, object)
+
+
+def _save_pyt(ckpt: Checkpointer, url: str, number: int, pyt_state_dict: dict, config: dict, *,
               ephemeral: bool) -> None:
-    """Save the DCP state dict ``pyt_state_dict`` (Megatron's translation) with ``planner``
-    as the step ``url``, rank 0 adding Megatron's ``metadata.json`` (``config``) to
+    """Save the DCP state dict ``pyt_state_dict`` (Megatron's translation, or Megatron's
+    items as ``megatron_folders`` read them) as the step ``url`` with cloudckpt's planners
+    and :class:`MegatronItems`, rank 0 adding Megatron's ``metadata.json`` (``config``) to
     ``model_and_optim/``, all inside cloudckpt's commit protocol (the marker last).
     Collective."""
     from ..checkpoint import layout, saving
@@ -251,7 +274,7 @@ def _save_pyt(ckpt: Checkpointer, url: str, number: int, pyt_state_dict: dict, p
 
     def produce(ref, work):
         t0 = time.monotonic()
-        res = ckpt._writer.write(ref, work, pyt_state_dict, None, planner=planner)
+        res = ckpt._writer.write(ref, work, pyt_state_dict, None, flavour=MegatronItems)
         if ckpt.coord.rank != 0:
             return res
         try:  # rank 0: Megatron's metadata.json, one more object of the step (in the manifest)
@@ -265,7 +288,7 @@ def _save_pyt(ckpt: Checkpointer, url: str, number: int, pyt_state_dict: dict, p
             entries.append(ObjectEntry(rel, done.size, done.crc32c))
         except BaseException as e:  # noqa: BLE001 - carried to every rank by AGREE
             return RankResult([], t0, e)
-        return RankResult(entries, t0, None)
+        return RankResult(entries, t0, None, res.committed)  # what the writer keeps once committed, kept
 
     step = ckpt._step(url, number, named=True)
     ckpt._commit(saving.save(ckpt.coord, ckpt.engine, ckpt.options, step, produce, ephemeral=ephemeral))
@@ -274,12 +297,6 @@ def _save_pyt(ckpt: Checkpointer, url: str, number: int, pyt_state_dict: dict, p
 def _save_strategy_class():
     mtorch = _strategy_bases()
     core = _megatron()[0]
-    from .._torch_compat import _CoordinatorPlanner
-
-    class CoordinatorMCorePlanner(_CoordinatorPlanner, mtorch.MCoreSavePlanner):
-        """Megatron's save planner whose global Metadata stays on rank 0: DCP broadcasts
-        it to every rank at the end of a save, an empty Metadata is what they receive
-        (``_torch_compat.CoordinatorMetadata``)."""
 
     class CloudSaveStrategy(mtorch.TorchDistSaveShardedStrategy):
         """Megatron's ``torch_dist`` save strategy writing through cloudckpt (module docstring).
@@ -289,7 +306,8 @@ def _save_strategy_class():
                 ``settings`` at the first save, kept for the next ones, closed by :meth:`close`).
             step: the step number, for a folder not named ``step{N}`` / ``iter_{N}``.
             ephemeral: mark the steps ephemeral.
-            keep_only_main_replica: as Megatron's (only main replicas are written).
+            keep_only_main_replica: as Megatron's: only main replicas are planned (False:
+                every replica is, and the planning picks one writer for each chunk).
             **settings: ``CheckpointerOptions`` fields (``work_dir=…``) for the Checkpointer made here.
         """
 
@@ -319,9 +337,7 @@ def _save_strategy_class():
 
             pyt_state_dict = _every_rank(ckpt, "megatron translate", translate)
             config = core.CheckpointingConfig(self.backend, self.version)
-            planner = CoordinatorMCorePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
-                                              flatten_state_dict=False, flatten_sharded_tensors=False)
-            _save_pyt(ckpt, url, number, pyt_state_dict, planner, dict(config.__dict__), ephemeral=self.ephemeral)
+            _save_pyt(ckpt, url, number, pyt_state_dict, dict(config.__dict__), ephemeral=self.ephemeral)
 
         def async_save(self, sharded_state_dict, checkpoint_dir, async_strategy: str = "nvrx"):
             raise ConfigError("CloudSaveStrategy does not save asynchronously yet (async_sharded_save=True); "
@@ -495,12 +511,15 @@ def __getattr__(name: str):
 def save(sharded_state_dict: dict, url: str, *, step: int | None = None, ephemeral: bool = False,
          checkpointer: Checkpointer | None = None, validate_access_integrity: bool = True,
          content_metadata: dict | None = None, preprocess_common_before_consistancy_check: Any = None,
-         **settings: Any) -> None:
+         keep_only_main_replica: bool = True, **settings: Any) -> None:
     """Megatron's ``dist_checkpointing.save(sharded_state_dict, url)`` with every byte
     through cloudckpt: ``url`` is the step folder (``s3://…``, ``gs://…`` or a local
     folder; named ``step{N}`` or ``iter_{N}``, or pass ``step``). Collective: call on
     every rank. ``checkpointer``: a cloudckpt Checkpointer to reuse across saves (None:
-    one is made from ``settings``, ``CheckpointerOptions`` fields, and closed).
+    one is made from ``settings``, ``CheckpointerOptions`` fields, and closed; one reused
+    plans its saves after the first from that save's structure: no plan exchanged).
+    ``keep_only_main_replica``: as ``TorchDistSaveShardedStrategy``'s (False: every
+    replica is planned and one writer picked for each chunk).
 
     Raises (on every rank together): CollectiveError (Megatron's preparation failed on
     some rank, e.g. the sharding check), CheckpointExists (the step is committed),
@@ -509,7 +528,8 @@ def save(sharded_state_dict: dict, url: str, *, step: int | None = None, ephemer
     import torch
 
     with _checkpointer(checkpointer, settings) as ckpt:
-        strategy = _save_strategy_class()(ckpt, step=step, ephemeral=ephemeral)
+        strategy = _save_strategy_class()(ckpt, step=step, ephemeral=ephemeral,
+                                          keep_only_main_replica=keep_only_main_replica)
         step_number(url, step)  # the same answer on every rank: no collective needed to refuse
 
         def prepare():

@@ -281,19 +281,6 @@ def _read(f: _Folder, *, raw: bool) -> dict[str, Any]:
     return out
 
 
-def _raw_bytes_planner() -> Any:
-    """DCP's default save planner writing an ``io.BytesIO`` value as its bytes (as
-    Megatron's ``MCoreSavePlanner`` does), not as a ``torch.save`` of the BytesIO object;
-    keys as they are (Megatron's are flat)."""
-    from torch.distributed.checkpoint import DefaultSavePlanner
-
-    class RawBytesPlanner(DefaultSavePlanner):
-        def transform_object(self, write_item: Any, object: Any) -> Any:
-            return object if isinstance(object, io.BytesIO) else super().transform_object(write_item, object)
-
-    return RawBytesPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-
 def read_iteration(src: Where, *, storage_options: StorageOptions | None = None) -> dict[str, Any]:
     """The state of the Megatron ``torch_dist`` folder ``src`` (local or in a bucket) as a
     flat dict: each tensor whole (Megatron's key), each ``ShardedObject`` and the common
@@ -327,7 +314,7 @@ def import_iteration(src: Where, dest: str, *, iteration: int | None = None,
     sd = _read(f, raw=True)
     used = {".metadata", CONFIG_NAME, COMMON_PT, *(k for k in f.files if k.endswith(".distcp"))}
     with Checkpointer(distributed=False, **settings) as ckpt:
-        _save_pyt(ckpt, dest, number, sd, _raw_bytes_planner(), f.config, ephemeral=False)
+        _save_pyt(ckpt, dest, number, sd, f.config, ephemeral=False)
     return Imported(dest, number, tuple(sorted(k for k in f.files if k not in used)))
 
 

@@ -143,15 +143,26 @@ def mcore(pool: McorePool, tmp_path: Path, *args: str, saved_world: int | None =
 
 
 def test_megatron_sharded_state_saved_to_s3_loads_back_exactly_at_2_and_1_ranks(mcore_pool, s3_bucket, tmp_path):
-    """... and rank 1 receives no global Metadata at the end of the save: at 200 more
-    tensors its largest broadcast stays under 2 KB (63 KB with Megatron's planner as it is)."""
-    url = f"{s3_bucket}/run/iter_0000010"
-    out = mcore(mcore_pool, tmp_path, "save", url, "--world", "2", "--extra", "200")
-    assert 0 < int(out.split("RANK 1 LARGEST BROADCAST ")[1].split()[0]) < 2048, out[-2000:]
-    r = subprocess.run([sys.executable, "-m", "cloudckpt", "verify", url], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.startswith("OK:"), r.stdout + r.stderr
+    """... and no rank gathers every rank's plan: the first save is planned by owners (DCP's
+    plan step brings rank 0 an empty plan a rank: under 400 bytes at 200 more tensors,
+    where Megatron's planner brought it rank 1's whole plan), rank 1 receives no global
+    Metadata at the end (its largest broadcast under 2 KB), and the same Checkpointer's
+    next save follows the first one's structure (no plan gathered either); both steps load."""
+    url, again = f"{s3_bucket}/run/iter_0000010", f"{s3_bucket}/run/iter_0000011"
+    out = mcore(mcore_pool, tmp_path, "save", url, "--world", "2", "--extra", "200", "--again")
+    for n in (0, 1):
+        bcast = re.search(rf"^SAVE {n} RANK 1 LARGEST BROADCAST (\d+)$", out, re.M)
+        plan = re.search(rf"^SAVE {n} RANK 0 LARGEST PLAN GATHERED (\d+) KEPT (\w+)$", out, re.M)
+        assert bcast and plan, out[-2000:]
+        assert 0 < int(bcast.group(1)) < 2048 and 0 < int(plan.group(1)) < 400, (n, bcast.group(0), plan.group(0))
+        assert plan.group(2) == "SavedStructure", plan.group(0)  # what the owners' path keeps for the next save
+    for step in (url, again):
+        r = subprocess.run([sys.executable, "-m", "cloudckpt", "verify", step], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0 and r.stdout.startswith("OK:"), r.stdout + r.stderr
     assert "LOADED OK" in mcore(mcore_pool, tmp_path, "load", url, "--world", "2")
     assert "LOADED OK" in mcore(mcore_pool, tmp_path, "load", url, "--world", "1", saved_world=2)
+    assert "LOADED OK" in mcore(mcore_pool, tmp_path, "load", again, "--world", "1", saved_world=2)
 
 
 def test_megatron_saved_at_1_rank_loads_resharded_at_2(mcore_pool, s3_bucket, tmp_path):
@@ -160,19 +171,57 @@ def test_megatron_saved_at_1_rank_loads_resharded_at_2(mcore_pool, s3_bucket, tm
     assert "LOADED OK" in mcore(mcore_pool, tmp_path, "load", url, "--world", "2", saved_world=1)
 
 
-def test_megatron_own_loader_reads_our_step_after_download(mcore_pool, s3_bucket, tmp_path):
-    url = f"{s3_bucket}/run/iter_0000020"
-    mcore(mcore_pool, tmp_path, "save", url, "--world", "2")
-    dest = tmp_path / "dl"
+def _same_metadata(ours_path: Path, stock_path: Path) -> None:
+    """Our ``.metadata`` unpickles to the ``Metadata`` Megatron's own save writes for the
+    same state, field by field: the same entries (type, properties, size, chunks in DCP's
+    order), no planner data, the same version, the same items stored (their files may
+    differ); and not Megatron's copy of every rank's plan (``all_local_plans``)."""
+    import pickle
+
+    ours, stock = (pickle.loads(p.read_bytes()) for p in (ours_path, stock_path))
+    assert type(ours) is type(stock)
+    assert ours.planner_data is None and stock.planner_data is None
+    assert ours.version == stock.version
+    assert sorted(ours.state_dict_metadata) == sorted(stock.state_dict_metadata)
+    for fqn, entry in stock.state_dict_metadata.items():
+        assert ours.state_dict_metadata[fqn] == entry, (fqn, ours.state_dict_metadata[fqn], entry)
+    assert {(i.fqn, tuple(i.offset or ())) for i in ours.storage_data} == \
+        {(i.fqn, tuple(i.offset or ())) for i in stock.storage_data}
+    assert hasattr(stock, "all_local_plans") and not hasattr(ours, "all_local_plans")
+
+
+def _download(url: str, dest: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "cloudckpt", "download", url, str(dest)], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    folder = dest / "step20" / "model_and_optim"  # the download keeps the step folder (named by its number)
+
+
+def test_megatron_own_loader_reads_our_step_after_download_and_its_metadata_is_megatrons(mcore_pool, s3_bucket,
+                                                                                       tmp_path):
+    """A step saved at 2 ranks (planned by owners, ``.metadata`` assembled in the store)
+    is read by Megatron's own ``dist_checkpointing.load`` after ``cloudckpt download`` at 2
+    ranks and at 1 (2 -> 1), bit for bit, and its ``.metadata`` is the one Megatron's own
+    save writes for the same state (:func:`_same_metadata`). Saved with
+    ``keep_only_main_replica=False`` (every rank plans the replicated tensor and the
+    common state; Megatron's own planner refuses that setting), each replica is written
+    once: the same ``.metadata`` entries, and it loads the same."""
+    url, replicas = f"{s3_bucket}/run/iter_0000020", f"{s3_bucket}/run/iter_0000021"
+    stock = tmp_path / "stock"
+    mcore(mcore_pool, tmp_path, "save", url, "--world", "2")
+    mcore(mcore_pool, tmp_path, "save", replicas, "--world", "2", "--replicas")
+    mcore(mcore_pool, tmp_path, "save", str(stock), "--stock", "--world", "2")
+    _download(url, tmp_path / "dl")
+    _download(replicas, tmp_path / "dl")
+    folder = tmp_path / "dl" / "step20" / "model_and_optim"  # the download keeps the step folder (named by its number)
     assert json.loads((folder / "metadata.json").read_text()) == {"sharded_backend": "torch_dist",
                                                                   "sharded_backend_version": 1}
+    for step in ("step20", "step21"):
+        _same_metadata(tmp_path / "dl" / step / "model_and_optim" / ".metadata", stock / ".metadata")
     assert "LOADED OK" in mcore(mcore_pool, tmp_path, "load", str(folder), "--stock", "--world", "2")
     assert "LOADED OK" in mcore(mcore_pool, tmp_path, "load", str(folder), "--stock", "--world", "1",
                                 saved_world=2)
+    assert "LOADED OK" in mcore(mcore_pool, tmp_path, "load", str(tmp_path / "dl" / "step21" / "model_and_optim"),
+                                "--stock", "--world", "2")
 
 
 def test_megatron_own_save_is_imported_by_import_folder_as_a_verified_step(mcore_pool, s3_bucket, tmp_path):

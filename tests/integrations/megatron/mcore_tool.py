@@ -4,10 +4,14 @@ Runs with the python of .venv-megatron (scripts/setup_megatron_venv.sh) and clou
 from the source tree (PYTHONPATH). Every command starts ``--world`` ranks itself
 (spawned processes, gloo on 127.0.0.1, CPU) and exits non-zero if any rank failed.
 
-    save URL --world W [--stock]       the sharded state dict below (a dim-0 split
-        ShardedTensor, a replicated one, one ShardedObject per rank, a factory, common
-        state) saved through cloudckpt.integrations.megatron.save (--stock: Megatron's own
-        dist_checkpointing.save into the local folder URL)
+    save URL --world W [--stock] [--extra N] [--again] [--replicas]   the sharded state
+        dict below (a dim-0 split ShardedTensor, a replicated one, one ShardedObject per
+        rank, a factory, common state; --extra: N more tensors) saved through
+        cloudckpt.integrations.megatron.save (--stock: Megatron's own
+        dist_checkpointing.save into the local folder URL); --again: saved once more, by
+        the same Checkpointer, as the next iteration; --replicas: with
+        keep_only_main_replica=False. Prints what rank 1 received in broadcasts and rank
+        0 in DCP's plan gathers, per save, and whether the save kept its structure
     load URL --world W [--stock]       the same structure at world W loaded back
         (--stock: Megatron's own dist_checkpointing.load, its default strategy) and
         compared bit for bit with what any world size saved; prints "LOADED OK"
@@ -108,18 +112,24 @@ def cmd_save(a, rank, world):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    sd = sharded_sd(world, rank, fill=True)
-    for i in range(a.extra):  # more tensors: a larger global Metadata
-        sd[f"extra{i}"] = ShardedTensor.from_rank_offsets(f"extra{i}", torch.full((2,), float(i)), (0, rank, world))
+    def state() -> dict:
+        sd = sharded_sd(world, rank, fill=True)
+        for i in range(a.extra):  # more tensors: a larger global Metadata
+            sd[f"extra{i}"] = ShardedTensor.from_rank_offsets(f"extra{i}", torch.full((2,), float(i)),
+                                                              (0, rank, world))
+        return sd
+
     if a.stock:  # Megatron's own save calls torch.cuda.synchronize() and current_device(): CPU stand-ins
         torch.cuda.synchronize = lambda *args, **kwargs: None
         torch.cuda.current_device = lambda: torch.device("cpu")
         os.makedirs(a.url, exist_ok=True)
-        dist_checkpointing.save(sd, a.url)
+        dist_checkpointing.save(state(), a.url)
         return
+    from cloudckpt import Checkpointer
     from cloudckpt.integrations import megatron as cm
 
     received, real = [0], dist.broadcast_object_list
+    gathered, real_gather = [0], dist.gather_object
 
     def spy(object_list, src=0, group=None, device=None, **kw):  # what a rank other than src receives
         out = real(object_list, src=src, group=group, device=device, **kw)
@@ -127,13 +137,33 @@ def cmd_save(a, rank, world):
             received[0] = max(received[0], len(pickle.dumps(object_list)))
         return out
 
-    dist.broadcast_object_list = spy
+    def plans(*args, **kw):  # what the gathering rank receives in DCP's plan step (reduce_scatter)
+        out = real_gather(*args, **kw)
+        got = kw.get("object_gather_list", args[1] if len(args) > 1 else None)
+        f, frames = sys._getframe(1), []
+        while f is not None and len(frames) < 12:
+            frames.append(f.f_code.co_name)
+            f = f.f_back
+        if got and "reduce_scatter" in frames:
+            gathered[0] = max(gathered[0], max(len(pickle.dumps(o)) for o in got))
+        return out
+
+    dist.broadcast_object_list, dist.gather_object = spy, plans
+    urls = [a.url] + ([f"{a.url.rsplit('_', 1)[0]}_{cm.step_number(a.url) + 1:07d}"] if a.again else [])
+    seen = []
     try:
-        cm.save(sd, a.url, work_dir=a.work)
+        with Checkpointer(work_dir=a.work) as ck:
+            for url in urls:
+                received[0] = gathered[0] = 0
+                cm.save(state(), url, checkpointer=ck, keep_only_main_replica=not a.replicas)
+                seen.append((received[0], gathered[0], type(ck._writer._loaded).__name__))
     finally:
-        dist.broadcast_object_list = real
-    if rank == 1:
-        print(f"RANK 1 LARGEST BROADCAST {received[0]}", flush=True)
+        dist.broadcast_object_list, dist.gather_object = real, real_gather
+    for n, (bcast, plan, kept) in enumerate(seen):
+        if rank == 1:
+            print(f"SAVE {n} RANK 1 LARGEST BROADCAST {bcast}", flush=True)
+        if rank == 0:
+            print(f"SAVE {n} RANK 0 LARGEST PLAN GATHERED {plan} KEPT {kept}", flush=True)
 
 
 def cmd_load(a, rank, world):
@@ -415,6 +445,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int)
     ap.add_argument("--port", type=int)
     ap.add_argument("--stock", action="store_true")
+    ap.add_argument("--again", action="store_true")
+    ap.add_argument("--replicas", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--work")
     ap.add_argument("--train", nargs=argparse.REMAINDER, default=[])
