@@ -252,9 +252,9 @@ class MegatronItems:
     Megatron refuses ``flattened_range``), and replicas are dropped before planning
     (``keep_only_main_replica``) or deduplicated by the planner, one writer a chunk."""
 
-    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
         self.flatten_state_dict = self.flatten_sharded_tensors = False
-        super().set_up_planner(state_dict, *args, **kwargs)
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
     def transform_object(self, write_item: Any, object: Any) -> Any:
         return object if isinstance(object, io.BytesIO) else super().transform_object(write_item, object)

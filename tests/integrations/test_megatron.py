@@ -147,8 +147,9 @@ def test_megatron_sharded_state_saved_to_s3_loads_back_exactly_at_2_and_1_ranks(
     plan step brings rank 0 an empty plan a rank: under 400 bytes at 200 more tensors,
     where Megatron's planner brought it rank 1's whole plan), rank 1 receives no global
     Metadata at the end (its largest broadcast under 2 KB), and the same Checkpointer's
-    next save follows the first one's structure (no plan gathered either); both steps load."""
-    url, again = f"{s3_bucket}/run/iter_0000010", f"{s3_bucket}/run/iter_0000011"
+    next save follows the first one's structure (no plan gathered either), as does the
+    first save after a load (planned from the loaded step); every step loads."""
+    url, again, resaved = (f"{s3_bucket}/run/iter_00000{n}" for n in (10, 11, 12))
     out = mcore(mcore_pool, tmp_path, "save", url, "--world", "2", "--extra", "200", "--again")
     for n in (0, 1):
         bcast = re.search(rf"^SAVE {n} RANK 1 LARGEST BROADCAST (\d+)$", out, re.M)
@@ -160,9 +161,13 @@ def test_megatron_sharded_state_saved_to_s3_loads_back_exactly_at_2_and_1_ranks(
         r = subprocess.run([sys.executable, "-m", "cloudckpt", "verify", step], capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 0 and r.stdout.startswith("OK:"), r.stdout + r.stderr
-    assert "LOADED OK" in mcore(mcore_pool, tmp_path, "load", url, "--world", "2")
-    assert "LOADED OK" in mcore(mcore_pool, tmp_path, "load", url, "--world", "1", saved_world=2)
-    assert "LOADED OK" in mcore(mcore_pool, tmp_path, "load", again, "--world", "1", saved_world=2)
+    out = mcore(mcore_pool, tmp_path, "load", url, resaved, "--world", "2", "--extra", "200")
+    plan = re.search(r"^SAVE AFTER LOAD RANK 0 LARGEST PLAN GATHERED (\d+) KEPT (\w+)$", out, re.M)
+    assert "LOADED OK" in out and plan, out[-2000:]
+    assert 0 < int(plan.group(1)) < 400 and plan.group(2) == "LoadedStructure", plan.group(0)
+    for step in (url, again, resaved):
+        assert "LOADED OK" in mcore(mcore_pool, tmp_path, "load", step, "--world", "1", "--extra", "200",
+                                    saved_world=2)
 
 
 def test_megatron_saved_at_1_rank_loads_resharded_at_2(mcore_pool, s3_bucket, tmp_path):

@@ -12,9 +12,10 @@ from the source tree (PYTHONPATH). Every command starts ``--world`` ranks itself
         the same Checkpointer, as the next iteration; --replicas: with
         keep_only_main_replica=False. Prints what rank 1 received in broadcasts and rank
         0 in DCP's plan gathers, per save, and whether the save kept its structure
-    load URL --world W [--stock]       the same structure at world W loaded back
+    load URL [DEST] --world W [--stock] [--extra N]   the same structure at world W loaded back
         (--stock: Megatron's own dist_checkpointing.load, its default strategy) and
-        compared bit for bit with what any world size saved; prints "LOADED OK"
+        compared bit for bit with what any world size saved; prints "LOADED OK"; DEST:
+        then saved there by the same Checkpointer (what rank 0 gathered is printed)
     import SRC URL                      import_folder(SRC, URL)
     fail BUCKET MISSING --world W --dead-port P   saves and loads through a bucket that
         does not exist, a store that does not answer (port P), on one rank only, a step that
@@ -61,8 +62,10 @@ def expected() -> dict:
     return {"a": a, "b": torch.linspace(-1, 1, 5, dtype=torch.float64), "f": a.flip(0) * 3}
 
 
-def sharded_sd(world: int, rank: int, *, fill: bool) -> dict:
-    """The state dict at world size ``world`` (``fill``: the saved values; else zeros)."""
+def sharded_sd(world: int, rank: int, *, fill: bool, extra: int = 0) -> dict:
+    """The state dict at world size ``world`` (``fill``: the saved values; else zeros),
+    with ``extra`` more tensors (``extra{i}``: ``2 * SAVED_WORLD`` elements ``i``; a larger
+    global Metadata)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
     e = expected()
@@ -92,6 +95,9 @@ def sharded_sd(world: int, rank: int, *, fill: bool) -> dict:
     saved_world = int(os.environ.get("SAVED_WORLD", world))
     sd["objs"] = [ShardedObject("obj", {"saved_by": i, "words": ["x"] * i} if fill else None, (saved_world,), (i,),
                                 replica_id=0) for i in range(saved_world) if i % world == rank]
+    for i in range(extra):  # each of 2 * saved_world elements, split over the ranks
+        sd[f"extra{i}"] = ShardedTensor.from_rank_offsets(
+            f"extra{i}", torch.full((2 * saved_world // world,), float(i) if fill else 0.0), (0, rank, world))
     return sd
 
 
@@ -106,18 +112,52 @@ def check_loaded(state: dict, world: int, rank: int) -> None:
     saved_world = int(os.environ.get("SAVED_WORLD", world))
     want = [{"saved_by": i, "words": ["x"] * i} for i in range(saved_world) if i % world == rank]
     assert state.get("objs", []) == want, (state.get("objs"), want)  # Megatron drops an empty list
+    extras = sorted(k for k in state if k.startswith("extra"))
+    assert all(torch.equal(state[k], torch.full((2 * saved_world // world,), float(k[5:]))) for k in extras), extras
+
+
+class Collectives:
+    """While entered: the largest pickled broadcast a rank received from another
+    (``received``) and the largest plan the gathering rank received in DCP's plan step,
+    ``reduce_scatter`` (``gathered``), in bytes."""
+
+    def __init__(self):
+        self.received = self.gathered = 0
+        self.real = dist.broadcast_object_list, dist.gather_object
+
+    def _broadcast(self, object_list, src=0, group=None, device=None, **kw):
+        out = self.real[0](object_list, src=src, group=group, device=device, **kw)
+        if dist.get_rank() != src:
+            self.received = max(self.received, len(pickle.dumps(object_list)))
+        return out
+
+    def _gather(self, *args, **kw):
+        out = self.real[1](*args, **kw)
+        got = kw.get("object_gather_list", args[1] if len(args) > 1 else None)
+        f, frames = sys._getframe(1), []
+        while f is not None and len(frames) < 12:
+            frames.append(f.f_code.co_name)
+            f = f.f_back
+        if got and "reduce_scatter" in frames:
+            self.gathered = max(self.gathered, max(len(pickle.dumps(o)) for o in got))
+        return out
+
+    def __enter__(self):
+        dist.broadcast_object_list, dist.gather_object = self._broadcast, self._gather
+        return self
+
+    def __exit__(self, *exc):
+        dist.broadcast_object_list, dist.gather_object = self.real
 
 
 def cmd_save(a, rank, world):
+    import resource
+    import time
+
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     def state() -> dict:
-        sd = sharded_sd(world, rank, fill=True)
-        for i in range(a.extra):  # more tensors: a larger global Metadata
-            sd[f"extra{i}"] = ShardedTensor.from_rank_offsets(f"extra{i}", torch.full((2,), float(i)),
-                                                              (0, rank, world))
-        return sd
+        return sharded_sd(world, rank, fill=True, extra=a.extra)
 
     if a.stock:  # Megatron's own save calls torch.cuda.synchronize() and current_device(): CPU stand-ins
         torch.cuda.synchronize = lambda *args, **kwargs: None
@@ -128,54 +168,45 @@ def cmd_save(a, rank, world):
     from cloudckpt import Checkpointer
     from cloudckpt.integrations import megatron as cm
 
-    received, real = [0], dist.broadcast_object_list
-    gathered, real_gather = [0], dist.gather_object
-
-    def spy(object_list, src=0, group=None, device=None, **kw):  # what a rank other than src receives
-        out = real(object_list, src=src, group=group, device=device, **kw)
-        if dist.get_rank() != src:
-            received[0] = max(received[0], len(pickle.dumps(object_list)))
-        return out
-
-    def plans(*args, **kw):  # what the gathering rank receives in DCP's plan step (reduce_scatter)
-        out = real_gather(*args, **kw)
-        got = kw.get("object_gather_list", args[1] if len(args) > 1 else None)
-        f, frames = sys._getframe(1), []
-        while f is not None and len(frames) < 12:
-            frames.append(f.f_code.co_name)
-            f = f.f_back
-        if got and "reduce_scatter" in frames:
-            gathered[0] = max(gathered[0], max(len(pickle.dumps(o)) for o in got))
-        return out
-
-    dist.broadcast_object_list, dist.gather_object = spy, plans
+    spy = Collectives()
     urls = [a.url] + ([f"{a.url.rsplit('_', 1)[0]}_{cm.step_number(a.url) + 1:07d}"] if a.again else [])
     seen = []
-    try:
-        with Checkpointer(work_dir=a.work) as ck:
-            for url in urls:
-                received[0] = gathered[0] = 0
-                cm.save(state(), url, checkpointer=ck, keep_only_main_replica=not a.replicas)
-                seen.append((received[0], gathered[0], type(ck._writer._loaded).__name__))
-    finally:
-        dist.broadcast_object_list, dist.gather_object = real, real_gather
-    for n, (bcast, plan, kept) in enumerate(seen):
+    with spy, Checkpointer(work_dir=a.work) as ck:
+        for url in urls:
+            spy.received = spy.gathered = 0
+            sd = state()
+            rss, cpu, wall = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.process_time(), time.monotonic()
+            cm.save(sd, url, checkpointer=ck, keep_only_main_replica=not a.replicas)
+            cost = (time.process_time() - cpu, time.monotonic() - wall,
+                    (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024)
+            seen.append((spy.received, spy.gathered, type(ck._writer._loaded).__name__, cost))
+    for n, (bcast, plan, kept, (cpu, wall, grown)) in enumerate(seen):
         if rank == 1:
             print(f"SAVE {n} RANK 1 LARGEST BROADCAST {bcast}", flush=True)
         if rank == 0:
             print(f"SAVE {n} RANK 0 LARGEST PLAN GATHERED {plan} KEPT {kept}", flush=True)
+            print(f"SAVE {n} RANK 0 COST cpu {cpu:.2f} s wall {wall:.2f} s peak RSS growth {grown:.1f} MiB",
+                  flush=True)
 
 
 def cmd_load(a, rank, world):
     from megatron.core import dist_checkpointing
 
-    sd = sharded_sd(world, rank, fill=False)
+    sd = sharded_sd(world, rank, fill=False, extra=a.extra)
     if a.stock:
         state = dist_checkpointing.load(sd, a.url)
     else:
+        from cloudckpt import Checkpointer
         from cloudckpt.integrations import megatron as cm
 
-        state = cm.load(sd, a.url, work_dir=a.work)
+        with Checkpointer(work_dir=a.work) as ck:
+            state = cm.load(sd, a.url, checkpointer=ck)
+            if a.dest is not None:  # the job's first save after the load, by the same Checkpointer
+                with Collectives() as spy:
+                    cm.save(sharded_sd(world, rank, fill=True, extra=a.extra), a.dest, checkpointer=ck)
+                if rank == 0:
+                    print(f"SAVE AFTER LOAD RANK 0 LARGEST PLAN GATHERED {spy.gathered} "
+                          f"KEPT {type(ck._writer._loaded).__name__}", flush=True)
     check_loaded(state, world, rank)
     if rank == 0:
         print("LOADED OK", flush=True)
