@@ -111,7 +111,9 @@ def _overlap(a: tuple, b: tuple) -> bool:
 
 def _check_chunks(fqn: str, size: tuple, chunks: list[tuple], world: int) -> None:
     """Raise ShapeMismatch unless every chunk (offsets, sizes) is inside ``size``, no two
-    overlap (a sweep along the longest dimension, DCP's own) and, with more than one
+    overlap (a sweep along one dimension: the one whose chunk starts differ most, the
+    longest of those; along a dimension every chunk spans, as a row-sharded tensor's
+    columns, every chunk would meet every other: R x R checks) and, with more than one
     rank, they cover it."""
     volume = 0
     for offsets, sizes in chunks:
@@ -121,7 +123,7 @@ def _check_chunks(fqn: str, size: tuple, chunks: list[tuple], world: int) -> Non
                                 f"of {list(size)}; a tensor under one key must have the same shape on every rank")
         volume += math.prod(sizes)
     if len(chunks) > 1 and size:
-        d = max(range(len(size)), key=lambda k: size[k])
+        d = max(range(len(size)), key=lambda k: (len({c[0][k] for c in chunks}), size[k]))
         active: list[tuple[int, int]] = []
         for k in sorted(range(len(chunks)), key=lambda k: (chunks[k][0][d], chunks[k][0])):
             start = chunks[k][0][d]

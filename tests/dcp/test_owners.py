@@ -160,3 +160,24 @@ def test_one_process_plans_what_stock_dcp_plans_alone():
     owned = plan_by_owners(Coordinator(local=True), local)
     assert [_key(i) for i in owned.plan.items] == [_key(i) for i in plans[0].items]
     assert owned.state_dict_metadata == md.state_dict_metadata and owned.planner_data == md.planner_data
+
+
+def test_the_overlap_sweep_of_row_shards_of_a_wide_tensor_is_linear_in_the_chunks(monkeypatch):
+    """A Shard(0) tensor wider than tall (Llama-3-70B's ``wk`` of 1,024 x 8,192, ``w2`` of
+    8,192 x 28,672) on 4,096 ranks: 1,024 one-row chunks and the empty chunk of the ranks
+    past the rows. The owner's sweep runs along the rows, where the chunks' starts differ,
+    so each chunk meets the few that share its rows (along the columns every chunk spans,
+    it met every other: half a million checks here, 134 M for ``w2`` at 16,384 ranks).
+    An overlap is still found."""
+    from cloudckpt.dcp import owners
+    from cloudckpt.errors import ShapeMismatch
+
+    checks = []
+    overlap = owners._overlap
+    monkeypatch.setattr(owners, "_overlap", lambda a, b: checks.append(1) or overlap(a, b))
+    size = (1024, 8192)
+    chunks = [((r, 0), (1, 8192)) for r in range(1024)] + [((1024, 0), (0, 8192))]
+    owners._check_chunks("wk", size, chunks, 4096)
+    assert len(checks) <= 2 * len(chunks)
+    with pytest.raises(ShapeMismatch, match="overlap"):
+        owners._check_chunks("wk", size, chunks[:700] + [((699, 0), (2, 8192))] + chunks[701:], 4096)
