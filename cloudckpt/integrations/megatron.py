@@ -634,5 +634,5 @@ def import_folder(src: str, url: str, *, step: int | None = None, **settings: An
     return import_iteration(src, url, iteration=step_number(url, step), **settings).url
 
 
-__all__ = ["SUPPORTED", "import_folder", "load", "load_sharded_metadata", "load_tensors_metadata", "save",
-           "step_number"]
+__all__ = ["SUPPORTED", "MegatronItems", "import_folder", "load", "load_sharded_metadata", "load_tensors_metadata",
+           "save", "step_number"]
