@@ -5,9 +5,14 @@
   ``cloudckpt.integrations.megatron.save`` to SeaweedFS is a committed step whose manifest
   lists Megatron's ``metadata.json``, and loads back bit for bit at 2 ranks, at 1 (2 -> 1)
   and saved at 1, at 2 (1 -> 2);
+- no rank gathers every rank's plan: a first save is planned by owners, the next one and
+  the first save after a load follow the step's structure (what rank 0 receives in DCP's
+  plan step is counted);
 - Megatron's own ``dist_checkpointing.load`` (its default strategy) reads our step after
-  ``cloudckpt download``; a folder Megatron's own ``dist_checkpointing.save`` wrote is
-  imported by ``import_folder`` as a step that verifies;
+  ``cloudckpt download`` (2 -> 2 and 2 -> 1), and its ``.metadata`` equals, entry for
+  entry, the one Megatron's own save writes (also with ``keep_only_main_replica=False``);
+  a folder Megatron's own ``dist_checkpointing.save`` wrote is imported by
+  ``import_folder`` as a step that verifies;
 - a tiny GPTModel (local layer spec) saved at tensor parallel 2 and loaded at 1 gives the
   same logits, saved at pipeline parallel 2 and loaded at 1 the same weights and logits
   (slow);
