@@ -214,14 +214,23 @@ def test_megatron_own_loader_reads_our_step_after_download_and_its_metadata_is_m
     save writes for the same state (:func:`_same_metadata`). Saved with
     ``keep_only_main_replica=False`` (every rank plans the replicated tensor and the
     common state; Megatron's own planner refuses that setting), each replica is written
-    once: the same ``.metadata`` entries, and it loads the same."""
-    url, replicas = f"{s3_bucket}/run/iter_0000020", f"{s3_bucket}/run/iter_0000021"
+    once: the same ``.metadata`` entries, and it loads the same. Planned from every rank's
+    plan gathered on rank 0 instead (DCP's global planning, how Megatron's saves were
+    planned before), the same state's ``.metadata`` is equal in every field, where each
+    item is stored included."""
+    import pickle
+
+    url, replicas, gathered = (f"{s3_bucket}/run/iter_00000{n}" for n in (20, 21, 22))
     stock = tmp_path / "stock"
     mcore(mcore_pool, tmp_path, "save", url, "--world", "2")
     mcore(mcore_pool, tmp_path, "save", replicas, "--world", "2", "--replicas")
+    mcore(mcore_pool, tmp_path, "save", gathered, "--world", "2", "--gathered")
     mcore(mcore_pool, tmp_path, "save", str(stock), "--stock", "--world", "2")
-    _download(url, tmp_path / "dl")
-    _download(replicas, tmp_path / "dl")
+    for step in (url, replicas, gathered):
+        _download(step, tmp_path / "dl")
+    ours, planned_on_0 = (pickle.loads((tmp_path / "dl" / s / "model_and_optim" / ".metadata").read_bytes())
+                          for s in ("step20", "step22"))
+    assert vars(ours) == vars(planned_on_0) and len(ours.storage_data) >= 8, (vars(ours), vars(planned_on_0))
     folder = tmp_path / "dl" / "step20" / "model_and_optim"  # the download keeps the step folder (named by its number)
     assert json.loads((folder / "metadata.json").read_text()) == {"sharded_backend": "torch_dist",
                                                                   "sharded_backend_version": 1}

@@ -10,8 +10,10 @@ from the source tree (PYTHONPATH). Every command starts ``--world`` ranks itself
         cloudckpt.integrations.megatron.save (--stock: Megatron's own
         dist_checkpointing.save into the local folder URL); --again: saved once more, by
         the same Checkpointer, as the next iteration; --replicas: with
-        keep_only_main_replica=False. Prints what rank 1 received in broadcasts and rank
-        0 in DCP's plan gathers, per save, and whether the save kept its structure
+        keep_only_main_replica=False; --gathered: planned from every rank's plan gathered
+        on rank 0 (DCP's global planning, ``RankWriter.owners_first_save = False``).
+        Prints what rank 1 received in broadcasts and rank 0 in DCP's plan gathers, per
+        save, and whether the save kept its structure
     load URL [DEST] --world W [--stock] [--extra N]   the same structure at world W loaded back
         (--stock: Megatron's own dist_checkpointing.load, its default strategy) and
         compared bit for bit with what any world size saved; prints "LOADED OK"; DEST:
@@ -172,6 +174,7 @@ def cmd_save(a, rank, world):
     urls = [a.url] + ([f"{a.url.rsplit('_', 1)[0]}_{cm.step_number(a.url) + 1:07d}"] if a.again else [])
     seen = []
     with spy, Checkpointer(work_dir=a.work) as ck:
+        ck._writer.owners_first_save = not a.gathered
         for url in urls:
             spy.received = spy.gathered = 0
             sd = state()
@@ -478,6 +481,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--stock", action="store_true")
     ap.add_argument("--again", action="store_true")
     ap.add_argument("--replicas", action="store_true")
+    ap.add_argument("--gathered", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--work")
     ap.add_argument("--train", nargs=argparse.REMAINDER, default=[])
