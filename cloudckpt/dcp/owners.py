@@ -90,15 +90,22 @@ class OwnedPlan:
 
 # a record: (fqn, is_bytes, chunk offsets, chunk sizes, properties, tensor size, position, flattened path)
 def _records(plan: SavePlan, world: int) -> list[list[tuple]]:
+    """The plan's records, by owner. Equal properties are one object (pickled once a
+    payload: the records of a 70B model's 2,892 keys carry one TensorProperties, not one
+    each), as are equal tensor sizes."""
     paths = plan.planner_data if isinstance(plan.planner_data, dict) else {}
     out: list[list[tuple]] = [[] for _ in range(world)]
+    same: dict = {}
     for pos, item in enumerate(plan.items):
         fqn = item.index.fqn
         td = item.tensor_data
         if item.type == WriteItemType.BYTE_IO:
             rec = (fqn, True, None, None, None, None, pos, paths.get(fqn))
         else:
-            rec = (fqn, False, tuple(td.chunk.offsets), tuple(td.chunk.sizes), td.properties, tuple(td.size), pos,
+            p = td.properties
+            props = same.setdefault((p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory), p)
+            size = tuple(td.size)
+            rec = (fqn, False, tuple(td.chunk.offsets), tuple(td.chunk.sizes), props, same.setdefault(size, size), pos,
                    paths.get(fqn))
         out[owner_of(fqn, world)].append(rec)
     return out
@@ -179,7 +186,7 @@ def _decide(received: list[list[tuple]], world: int, how: str, shared_limit: int
             continue
         _, first = held[0]
         for r, rec in held:
-            if rec[4] != first[4] or rec[5] != first[5]:
+            if (rec[4] is not first[4] and rec[4] != first[4]) or rec[5] != first[5]:
                 raise ShapeMismatch(f"save: {fqn!r} is {list(first[5])} {first[4].dtype} on rank {held[0][0]} but "
                                     f"{list(rec[5])} {rec[4].dtype} on rank {r}; a tensor under one key must have the "
                                     "same shape, dtype and layout on every rank")
@@ -207,8 +214,10 @@ def _decide(received: list[list[tuple]], world: int, how: str, shared_limit: int
         chosen.sort(key=lambda c: (c[0], c[1]))  # DCP's order: the writers' plans, rank by rank
         for hint, (w, pos, _, _) in enumerate(chosen):
             writes[w].append((pos, hint))
+        sizes: dict[tuple, torch.Size] = {}  # the chunks of one size share their torch.Size
         sdm[fqn] = TensorStorageMetadata(first[4], torch.Size(first[5]), [
-            ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for _, _, o, s in chosen])
+            ChunkStorageMetadata(torch.Size(o), sizes.get(s) or sizes.setdefault(s, torch.Size(s)))
+            for _, _, o, s in chosen])
     return sdm, paths, writes
 
 

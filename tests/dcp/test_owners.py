@@ -181,3 +181,21 @@ def test_the_overlap_sweep_of_row_shards_of_a_wide_tensor_is_linear_in_the_chunk
     assert len(checks) <= 2 * len(chunks)
     with pytest.raises(ShapeMismatch, match="overlap"):
         owners._check_chunks("wk", size, chunks[:700] + [((699, 0), (2, 8192))] + chunks[701:], 4096)
+
+
+def test_a_payload_of_records_carries_one_properties_object_per_kind():
+    """An owner unpickles R payloads of records (16,384 at 16,384 ranks): equal tensor
+    properties are one object in a rank's records, pickled once a payload, not once a key."""
+    import pickle
+
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from cloudckpt.dcp import owners
+
+    state = {f"w{k}": torch.zeros(4, 4) for k in range(50)} | {"h": torch.zeros(2, dtype=torch.float16)}
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, None, True)
+    (recs,) = owners._records(planner.create_local_plan(), 1)
+    assert len(recs) == 51 and len({id(r[4]) for r in recs}) == 2  # float32 and float16
+    assert {r[4].dtype for r in pickle.loads(pickle.dumps(recs))} == {torch.float32, torch.float16}
+    assert len(pickle.dumps(recs)) < 51 * 100
