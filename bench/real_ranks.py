@@ -96,8 +96,9 @@ class Probe:
     ``dcp plan`` / ``dcp write`` (the frames of its ``reduce_scatter`` / ``all_reduce``)."""
 
     CALLS = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "all_reduce",
-             "broadcast", "gather", "scatter", "all_gather", "all_to_all_single")
-    COORD = ("on_coordinator", "all_ranks", "to_coordinator", "agree", "ask_coordinator")
+             "broadcast", "gather", "scatter", "all_gather", "all_to_all_single", "send", "recv")
+    COORD = ("on_coordinator", "all_ranks", "to_coordinator", "agree", "ask_coordinator", "all_to_all_objects",
+             "all_gather_ints", "any_rank")
 
     def __init__(self):
         self.tls = threading.local()
@@ -141,8 +142,8 @@ class Probe:
         from cloudckpt import dist
 
         def nbytes(x) -> int:
-            if isinstance(x, (list, tuple)):
-                return sum(nbytes(v) for v in x)
+            if isinstance(x, (list, tuple)):  # a list of objects (or tensors) each sent on its own
+                return sum(nbytes(v) if hasattr(v, "element_size") else len(pickle.dumps(v)) for v in x)
             if hasattr(x, "element_size"):
                 return int(x.numel() * x.element_size())
             try:
@@ -168,14 +169,31 @@ class Probe:
                 first, second = (args + [None, None])[:2]
                 root = kw.get("dst", kw.get("src", kw.get("group_dst", kw.get("group_src", 0))))
                 out = orig(*a, **kw)
-                if op == "gather_object":  # (obj, object_gather_list)
-                    self._count(op, 0 if me == root else size(first), size(second) - size(first) if me == root else 0)
+                if op == "gather_object":  # (obj, object_gather_list): each object pickled on its own
+                    mine = size([first])
+                    self._count(op, 0 if me == root else mine, size(second) - mine if me == root else 0)
                 elif op == "scatter_object_list":  # (scatter_object_output_list, scatter_object_input_list)
-                    self._count(op, size(second) if me == root else 0, size(first))
+                    own = size(first)  # the root keeps its own entry: it is not sent
+                    self._count(op, size(second) - own if me == root else 0, 0 if me == root else own)
                 elif op == "broadcast_object_list":
                     self._count(op, size(first) * (n - 1) if me == root else 0, 0 if me == root else size(first))
                 elif op == "all_gather_object":  # (object_list, obj)
                     self._count(op, size(second), size(first) - size(second))
+                elif op == "all_to_all_single":  # (output, input)
+                    self._count(op, size(second), size(first))
+                elif op == "all_gather":  # (tensor_list, tensor)
+                    self._count(op, size(second), size(first) - size(second))
+                elif op in ("gather", "scatter"):  # (tensor, list on the root): the root's list, others' own
+                    mine, many = size(first), size(second) if me == root else 0
+                    others = max(0, many - mine)  # the root's list, its own entry left out
+                    if op == "gather":
+                        self._count(op, 0 if me == root else mine, others if me == root else 0)
+                    else:
+                        self._count(op, others if me == root else 0, 0 if me == root else mine)
+                elif op == "broadcast":  # the root sends to every other rank
+                    self._count(op, size(first) * (n - 1) if me == root else 0, 0 if me == root else size(first))
+                elif op in ("send", "recv"):
+                    self._count(op, size(first) if op == "send" else 0, size(first) if op == "recv" else 0)
                 else:
                     self._count(op, size(first), size(first))
                 return out
@@ -186,7 +204,9 @@ class Probe:
 
         def step(orig, name):
             def wrapped(coord, *a, **kw):
-                t = self._enter(a[0] if a and isinstance(a[0], str) else name)
+                # the step's name: its first string argument (all_to_all_objects, any_rank: the second)
+                named = kw.get("step") or next((x for x in a[:2] if isinstance(x, str)), None)
+                t = self._enter(named or name)
                 try:
                     return orig(coord, *a, **kw)
                 finally:

@@ -4,6 +4,8 @@ and for the coordinator (rank 0) of an R-rank job whose R - 1 peers are simulate
     .venv/bin/python -m bench.scale                       # R = 64 ... 16,384, the 70B shape
     .venv/bin/python -m bench.scale --quick               # a smoke run: tiny shape, R = 4, 16
     .venv/bin/python -m bench.scale --confirm             # + real gloo ranks (R = 2, 4, 8) on the T-tensor shape
+    .venv/bin/python -m bench.scale --phases first --first-reps 3          # a job's first save only, R = 64 ... 16,384
+    .venv/bin/python -m bench.scale --confirm-first bench/results/real_ranks_owners.json  # its real-rank check
 
 The shape: Llama-3-70B with AdamW, fp32 (80 layers, 723 parameters; weights,
 ``exp_avg`` and ``exp_avg_sq`` sharded on dim 0 over every rank: 2,169 sharded tensors,
@@ -36,6 +38,19 @@ functions with the simulated peers:
 - ``maintain``: ``retention.Maintenance`` after a save with N kept steps (copies of
   this step's marker), once on a fresh manager and once in steady state; store
   calls counted.
+- ``first`` (bench/scale_first.py): a job's first save planned by owners, as
+  ``checkpoint/rank_writer.py`` runs it, on rank 0 and on the owner of the most keys
+  (the owners' all-to-alls, DCP's plan and write steps, ``.metadata`` assembled in the
+  store with S3's part rules, the index header from the owners), then the job's
+  repeated save planned from that step; the peers' payloads are built with the
+  library's own functions. ``finish`` beside it is stock DCP's path (every write result
+  gathered on rank 0), where it fits.
+- ``resumed``: a restart's first save, planned from the step ``save`` committed
+  (``LoadedStructure``), then its next save, on ranks 0 and 1.
+
+``--confirm-first`` runs the ``first`` phase at each R of a ``bench/real_ranks.py``
+result on its state and compares, collective by collective, the bytes each rank sends
+and receives, and the planning and metadata CPU.
 
 A phase whose input would not fit the ``--mem-gib`` budget on this machine is not run
 (the row says so, with the estimate). Results: ``bench/results/scale.{json,md}``
@@ -72,26 +87,30 @@ RANKS = [64, 256, 1024, 4096, 16384]
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """Parameters ``(name, global shape)``; each has a weight and two AdamW moments,
-    sharded on dim 0 over every rank, and one replicated ``step`` scalar."""
+    sharded on dim 0 over every rank, and one replicated ``step`` scalar (``optim``
+    False: the weights only, under ``{"model": {name: tensor}}``, as bench/real_ranks.py's)."""
 
     name: str
     params: tuple
+    optim: bool = True
 
     @property
     def sharded(self) -> int:
-        return 3 * len(self.params)
+        return (3 if self.optim else 1) * len(self.params)
 
     def tensors(self):
         """``(fqn, global shape, elements)`` of every sharded tensor, in save order."""
         for p, shape in self.params:
             n = math.prod(shape)
             yield f"model.{p}", shape, n
-            yield f"optim.state.{p}.exp_avg", shape, n
-            yield f"optim.state.{p}.exp_avg_sq", shape, n
+            if self.optim:
+                yield f"optim.state.{p}.exp_avg", shape, n
+                yield f"optim.state.{p}.exp_avg_sq", shape, n
 
     def scalars(self):
         for p, _ in self.params:
-            yield f"optim.state.{p}.step"
+            if self.optim:
+                yield f"optim.state.{p}.step"
 
     def total_bytes(self) -> int:
         return sum(4 * n for _, _, n in self.tensors()) + 8 * len(self.params)
@@ -116,12 +135,22 @@ def small(tensors: int, rows: int = 64, cols: int = 16) -> Shape:
     return Shape(f"small-T{tensors}", tuple((f"p{i}.weight", (rows, cols)) for i in range(max(1, tensors // 3))))
 
 
+def per_rank(tensors: int, rows: int, cols: int, R: int) -> Shape:
+    """bench/real_ranks.py's state at R ranks: ``tensors`` weights of ``(rows R, cols)``,
+    each rank's shard ``rows x cols``, no optimizer."""
+    return Shape(f"perrank-T{tensors}x{rows}x{cols}-R{R}",
+                 tuple((f"layer{t}.weight", (rows * R, cols)) for t in range(tensors)), optim=False)
+
+
 def shape_named(name: str) -> Shape:
     if name in ("llama3-70b", "llama3-70b+adamw-fp32"):
         return llama3_70b()
     m = re.fullmatch(r"small-T(\d+)", name)
     if m:
         return small(int(m.group(1)))
+    m = re.fullmatch(r"perrank-T(\d+)x(\d+)x(\d+)-R(\d+)", name)
+    if m:
+        return per_rank(*map(int, m.groups()))
     raise SystemExit(f"unknown shape {name!r}")
 
 
@@ -683,7 +712,11 @@ def _sharded_target(shape: Shape, R: int, r: int) -> dict:
         lo, hi = rows_of(gshape, R, r)
         local = torch.empty((hi - lo, *gshape[1:]), device="meta")
         stride = tuple(math.prod(gshape[i + 1:]) for i in range(len(gshape)))
-        sd[fqn] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(gshape), stride=stride)
+        dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(gshape), stride=stride)
+        if shape.optim:
+            sd[fqn] = dt
+        else:  # nested as bench/real_ranks.py's: DCP's planner_data path ("model", name)
+            sd.setdefault("model", {})[fqn.split(".", 1)[1]] = dt
     for fqn in shape.scalars():
         sd[fqn] = torch.zeros((), dtype=torch.int64)
     return sd
@@ -957,10 +990,22 @@ def phase_maintain(args) -> dict:
     return out
 
 
+def phase_first(args) -> dict:
+    from bench.scale_first import phase_first
+
+    return phase_first(args)
+
+
+def phase_resumed(args) -> dict:
+    from bench.scale_first import phase_resumed
+
+    return phase_resumed(args)
+
+
 PHASES = {"save": phase_save, "resume": phase_resume, "load": phase_load, "load_with": phase_load_with,
           "export": phase_export, "stock": phase_stock,
           "finish": phase_finish,
-          "maintain": phase_maintain}
+          "maintain": phase_maintain, "first": phase_first, "resumed": phase_resumed}
 
 
 def _child(args) -> None:
@@ -974,9 +1019,9 @@ def _child(args) -> None:
 
 
 def run_phase(phase: str, shape: str, R: int, work: str, *, kept: int = 0, timeout: float = 3600,
-              mem_gib: float = 10.0) -> dict:
+              mem_gib: float = 10.0, rank: int = 0) -> dict:
     argv = [sys.executable, "-m", "bench.scale", "--child", phase, "--shape", shape, "--ranks", str(R), "--work", work,
-            "--kept", str(kept), "--mem-gib", str(mem_gib)]
+            "--kept", str(kept), "--mem-gib", str(mem_gib), "--rank", str(rank)]
     t = time.perf_counter()
     p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t
@@ -1104,6 +1149,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--kept", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--max-ranks", type=int, default=RANKS[-1])
     ap.add_argument("--quick", action="store_true", help="smoke run: the small shape at R = 4, 16")
     ap.add_argument("--mem-gib", type=float, default=10.0, help="skip a phase whose estimate is above this")
@@ -1112,9 +1158,14 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated R to run (default: every R up to --max-ranks)")
     ap.add_argument("--load-reps", type=int, default=1,
                     help="run the load prologue this many times per R and report the run of median CPU")
+    ap.add_argument("--first-reps", type=int, default=1,
+                    help="run the first-save phase this many times per R and rank; report the run of median CPU")
+    ap.add_argument("--confirm-first", metavar="REAL_JSON", default=None,
+                    help="compare the first-save phase with a bench/real_ranks.py result (its R and state); "
+                         "writes results/scale_confirm_first.{json,md}")
     ap.add_argument("--confirm-only", action="store_true",
                     help="run only the real-rank confirmation and put it into the existing results/scale.json")
-    ap.add_argument("--phases", default="load,load_with,export,stock,finish,maintain",
+    ap.add_argument("--phases", default="load,load_with,export,stock,finish,maintain,first,resumed",
                     help="comma-separated phases besides save and resume (always run)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--tmp", default=None)
@@ -1122,6 +1173,22 @@ def main() -> None:
     if args.child:
         args.phase = args.child
         _child(args)
+        return
+    if args.confirm_first:
+        from bench.scale_first import confirm_first, confirm_report
+
+        tmp = tempfile.mkdtemp(prefix="cloudckpt-scale-")
+        try:
+            rows = confirm_first(args.confirm_first, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        res = {"command": ".venv/bin/python -m bench.scale " + " ".join(sys.argv[1:]), "real": args.confirm_first,
+               "rows": rows, "machine": {"cpus": os.cpu_count(), "loadavg": loadavg()}, "git": git_state(),
+               "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        out = Path(args.out_dir)
+        (out / "scale_confirm_first.json").write_text(json.dumps(res, indent=1))
+        (out / "scale_confirm_first.md").write_text(confirm_report(res))
+        print(confirm_report(res))
         return
     if args.confirm_only:
         out = Path(args.out_dir)
@@ -1141,7 +1208,9 @@ def main() -> None:
     if args.only:
         ranks = [int(x) for x in args.only.split(",")]
     kept = [3] if args.quick else [10, 100]
-    wanted = set(args.phases.split(",")) | {"save", "resume"}  # the load phases read what these leave
+    wanted = set(args.phases.split(","))
+    if wanted - {"first"}:
+        wanted |= {"save", "resume"}  # the other phases read the step these leave
     tmp = args.tmp or tempfile.mkdtemp(prefix="cloudckpt-scale-")
     rows = []
     for R in ranks:
@@ -1149,8 +1218,17 @@ def main() -> None:
         row = {"ranks": R, "items": estimate_items(shape, R), "estimate_gb": round(est, 1)}
         print(f"R={R}: {row['items']:,} DCP items", file=sys.stderr, flush=True)
         work = tempfile.mkdtemp(dir=tmp, prefix=f"R{R}-")
-        row["inputs"] = run_phase("inputs", shape.name, R, work, mem_gib=args.mem_gib)
-        if "error" not in row["inputs"]:
+        if "first" in wanted:  # a fresh job's first save by owners, then a repeated save: rank 0, an owner
+            from bench.scale_first import busiest_owner
+
+            pairs = []  # an owner's run reads what rank 0's left (its broadcasts): one folder a pair
+            for _ in range(args.first_reps):
+                d = tempfile.mkdtemp(dir=work)
+                pairs.append([run_phase("first", shape.name, R, d, rank=r) for r in (0, busiest_owner(shape, R))])
+            row["first"] = {"rank0": _median_run([a for a, _ in pairs], "first"),
+                            "owner": _median_run([b for _, b in pairs], "first")}
+        row["inputs"] = run_phase("inputs", shape.name, R, work, mem_gib=args.mem_gib) if "save" in wanted else {}
+        if "save" in wanted and "error" not in row["inputs"]:
             for phase in ("save", "resume", "load", "load_with", "export", "stock", "finish"):
                 if phase in wanted:
                     row[phase] = run_phase(phase, shape.name, R, work, mem_gib=args.mem_gib)
@@ -1161,6 +1239,9 @@ def main() -> None:
                 ok = [r for r in runs if "error" not in r]
                 row["load"] = dict(min(ok, key=lambda r: abs(r["cpu_s"] - statistics.median(x["cpu_s"] for x in ok))))
                 row["load"]["cpu_s_runs"] = [r["cpu_s"] for r in ok]
+            if "resumed" in wanted and "error" not in row["save"]:  # the first save after a resume of the step saved
+                row["resumed"] = {who: run_phase("resumed", shape.name, R, work, mem_gib=args.mem_gib, rank=r)
+                                  for who, r in (("rank0", 0), ("rank1", 1))}
             if "error" not in row["save"] and "maintain" in wanted:
                 for n in kept:
                     row[f"maintain_N{n}"] = run_phase("maintain", shape.name, R, work, kept=n)
@@ -1179,11 +1260,23 @@ def main() -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "scale_quick" if args.quick else "scale" if not args.only else "scale_" + "_".join(map(str, ranks))
-    if not args.quick and wanted != set(ap.get_default("phases").split(",")) | {"save", "resume"}:
+    if not args.quick and wanted - {"save", "resume"} != set(ap.get_default("phases").split(",")):
         stem += "_" + "_".join(sorted(wanted - {"save", "resume"}))
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     (out / f"{stem}.md").write_text(report(result))
     print(report(result))
+
+
+def _median_run(runs: list[dict], key: str) -> dict:
+    """Of runs of one phase, the run of median CPU-s (``key``'s), with every run's CPU-s;
+    a failed run if none succeeded."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    cpus = sorted(r[key]["cpu_s"] for r in ok)
+    best = dict(next(r for r in ok if r[key]["cpu_s"] == cpus[(len(cpus) - 1) // 2]))
+    best["cpu_s_runs"] = [r[key]["cpu_s"] for r in ok]
+    return best
 
 
 def _mb(n) -> str:
@@ -1250,6 +1343,10 @@ def report(res: dict) -> str:
     if reps:
         lines += ["", "The load prologue's CPU-s, every run (the table shows the run of median CPU): "
                   + "; ".join(f"R = {r:,}: {', '.join(f'{x:.3f}' for x in xs)}" for r, xs in reps) + "."]
+    if any(row.get("first") for row in res["rows"]):
+        from bench.scale_first import report_first
+
+        lines += report_first(res)
     if res["confirm"]:
         lines += ["", "Real gloo ranks against the simulation, same shape and R"
                   + (f" (`{res['confirm_command']}`)" if res.get("confirm_command") else "") + ":", "",
