@@ -33,6 +33,7 @@ google-cloud-storage only for an s3:// or gs:// URL.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -94,7 +95,10 @@ def _add_common(p: argparse.ArgumentParser, *, suppress: bool) -> None:
     g.add_argument("--debug", action="store_true", default=d(False), help="show tracebacks and cloudckpt debug logs")
 
 
+@functools.cache
 def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser, built once per process (parsing does not change it;
+    building it is 150 ``add_argument`` calls)."""
     p = argparse.ArgumentParser(
         prog="cloudckpt",
         description="Look at and manage cloudckpt checkpoints in local folders, s3:// and gs://.",
@@ -168,6 +172,14 @@ def _resolve_local_paths(args) -> None:
             setattr(args, name, resolve(value))
 
 
+def _set_level(name: str, level: int) -> None:
+    """``setLevel`` where the level changes: each call clears every logger's cache (thousands
+    of loggers where torch and transformers are imported)."""
+    lg = logging.getLogger(name)
+    if lg.level != level:
+        lg.setLevel(level)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. What it prints is escaped: a name from a checkpoint or a
     listing never sends a control character to the terminal (:mod:`.output`)."""
@@ -180,10 +192,10 @@ def _main(argv: Sequence[str] | None) -> int:
     args.json = args.json or args.json_pretty
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.debug:
-        logging.getLogger("cloudckpt").setLevel(logging.DEBUG)
+        _set_level("cloudckpt", logging.DEBUG)
     # The SDKs' debug logs include signed request headers: never enable them here.
     for noisy in ("botocore", "boto3", "s3transfer", "urllib3", "google"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+        _set_level(noisy, logging.ERROR)
     try:
         _resolve_local_paths(args)
         return args.func(args)

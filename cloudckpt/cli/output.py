@@ -130,9 +130,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence
                 out.append(v.ljust(widths[i]))
         return "  ".join(out).rstrip()
 
-    print(line(list(headers)))
-    for r in cells:
-        print(line(r))
+    sys.stdout.write("\n".join([line(list(headers)), *(line(r) for r in cells)]) + "\n")  # one escaping pass
 
 
 class Bar:

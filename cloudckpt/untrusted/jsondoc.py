@@ -35,7 +35,11 @@ _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 def nesting_depth(data: bytes) -> int:
     """The deepest nesting of ``[``/``{`` in ``data`` outside JSON strings (linear time,
     no recursion; unbalanced input gives a bound, the parser then refuses it)."""
-    brackets = _STRINGS.sub(b"", data).translate(_BRACKETS, _NOT_BRACKETS)
+    return _depth(_STRINGS.sub(b"", data))
+
+
+def _depth(outside_strings: bytes) -> int:
+    brackets = outside_strings.translate(_BRACKETS, _NOT_BRACKETS)
     depth = deepest = 0
     for c in brackets:
         if c in (0x5B, 0x7B):
@@ -55,10 +59,9 @@ def _constant(name: str) -> Any:
     raise _Refused(f"the non-finite number {name}")
 
 
-def _int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise _Refused(f"an integer of {len(text)} digits (at most {MAX_INT_DIGITS})")
-    return int(text)
+# an integer of more than MAX_INT_DIGITS digits, outside strings: a run of digits that is
+# not a fraction, an exponent or a mantissa (the number's own parser sees those: _float)
+_LONG_INT = re.compile(rb"(?<![0-9.eE+])(?<![eE]-)[0-9]{%d,}(?![0-9.eE])" % (MAX_INT_DIGITS + 1))
 
 
 def _float(text: str) -> float:
@@ -80,12 +83,18 @@ def loads_json(data: bytes, *, url: str, what: str, limit: int, max_depth: int =
     if len(data) > limit:
         raise CorruptCheckpoint(f"{url}: the {what} is larger than {limit} bytes; refusing to parse it "
                                 "(no honest one is that large): remove or restore it")
-    depth = nesting_depth(data)
+    outside = _STRINGS.sub(b"", data)  # integers are parsed by json's C scanner: their length is checked here
+    depth = _depth(outside)
     if depth > max_depth:
         raise CorruptCheckpoint(f"{url}: the {what} is nested {depth} levels deep (at most {max_depth}); "
                                 "refusing to parse it: remove or restore it")
+    long = _LONG_INT.search(outside)
+    if long:
+        n = len(long.group())
+        raise CorruptCheckpoint(f"{url}: the {what} holds an integer of {n} digits (at most {MAX_INT_DIGITS}); "
+                                "refusing it: remove or restore it")
     try:
-        return json.loads(data, parse_constant=_constant, parse_int=_int, parse_float=_float)
+        return json.loads(data, parse_constant=_constant, parse_float=_float)
     except _Refused as e:
         raise CorruptCheckpoint(f"{url}: the {what} holds {e}; refusing it: remove or restore it") from None
     except (ValueError, RecursionError) as e:  # not JSON, not UTF-8
