@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
+import time
 import uuid
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from .sandbox import BOMB, CRASH, HANG, OK, REFUSED, UNTYPED
 from .tries import CLASSES, ENTRY_POINTS, PLANTED, Try, plant
 
 HERE = Path(__file__).parent
+ROOT = HERE.parents[1]  # the sandbox's working directory
 FINDINGS = (CRASH, BOMB, HANG, UNTYPED)
 MAX_TIMEOUT = 60.0
 
@@ -249,20 +252,91 @@ def _raw_escape(tmp: str, root: str) -> None:
     cli("list", root)
 
 
+@pytest.mark.parametrize("fresh", [False, True], ids=["runner", "fresh-fork"])
 @pytest.mark.parametrize("fn,outcome,limits", [
     ("_segv", CRASH, {}), ("_allocate", BOMB, {}), ("_touch_rss", BOMB, {"rss_limit": 512 << 20}),
     ("_disk", BOMB, {"fsize_limit": 16 << 20}), ("_sleep", HANG, {"timeout": 1.0}), ("_untyped", UNTYPED, {}),
     ("_typed", REFUSED, {}), ("_touch_outside", UNTYPED, {}), ("_raw_escape", UNTYPED, {}),
 ], ids=lambda v: v if isinstance(v, str) else "")
-def test_the_sandbox_tells_each_finding_apart(fn, outcome, limits, sandbox, tmp_path):
-    """The runner's own oracle: a SIGSEGV, an allocation past the address space, a peak
-    RSS or a file past their limits, a hang, an untyped error, a change outside and a
-    raw escape printed by the CLI are each reported as what they are."""
+def test_the_sandbox_tells_each_finding_apart(fn, outcome, limits, fresh, sandbox, tmp_path):
+    """The sandbox's own oracle, in a shared runner and in a fork of its own: a SIGSEGV,
+    an allocation past the address space, a peak RSS or a file past their limits, a
+    hang, an untyped error, a change outside and a raw escape printed by the CLI are
+    each reported as what they are; and the next try of the runner still runs."""
     plant(str(tmp_path))
-    r = sandbox.run(f"tests.security.test_hostile:{fn}", tmp=str(tmp_path), root=str(tmp_path / "saves"), **limits)
+    r = sandbox.run(f"tests.security.test_hostile:{fn}", tmp=str(tmp_path), root=str(tmp_path / "saves"),
+                    fresh=fresh, **limits)
     assert r.outcome == outcome, r
     if fn in ("_touch_outside", "_raw_escape"):
         assert r.error.endswith({"_touch_outside": "OutsideTouched", "_raw_escape": "TerminalInjection"}[fn]), r
+    after = sandbox.run("tests.security.test_hostile:_sees", tmp=str(tmp_path), root="")
+    assert after.outcome == OK and after.value["clean"], after
+
+
+def _leave(tmp: str, root: str, what: str) -> int:
+    """A try that returns ok and leaves ``what`` behind in its process; returns its pid."""
+    import threading
+
+    import cloudckpt.cli
+
+    if what == "name":
+        cloudckpt.cli.exit_code = lambda e: 0  # a monkeypatch never undone
+    elif what == "env":
+        os.environ["HOSTILE_LEFT_BEHIND"] = "1"
+    elif what == "thread":
+        threading.Thread(target=time.sleep, args=(30,), daemon=True, name="left-behind").start()
+    elif what == "cwd":
+        os.chdir(tmp)
+    elif what == "signal":
+        signal.signal(signal.SIGUSR1, lambda *_: None)
+    return os.getpid()
+
+
+def _sees(tmp: str, root: str) -> dict:
+    """What the next try of a runner finds: nothing any try before it left behind."""
+    import threading
+
+    import cloudckpt.cli
+
+    clean = cloudckpt.cli.exit_code.__name__ == "exit_code" and "HOSTILE_LEFT_BEHIND" not in os.environ and \
+        threading.active_count() == 1 and os.getcwd() == str(ROOT) and \
+        signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    return {"pid": os.getpid(), "clean": clean}
+
+
+@pytest.mark.parametrize("what", ["nothing", "name", "env", "thread", "cwd", "signal"])
+def test_a_runner_that_a_try_changed_takes_no_other_try(what, sandbox, tmp_path):
+    """A try that leaves its process changed (a name rebound, the environment, a thread,
+    the working directory, a signal handler) ends its runner: the next try runs in a
+    fresh fork of the zygote and sees none of it; one that changed nothing shares it."""
+    first = sandbox.run("tests.security.test_hostile:_leave", tmp=str(tmp_path), root="", what=what)
+    assert first.outcome == OK, first
+    nxt = sandbox.run("tests.security.test_hostile:_sees", tmp=str(tmp_path), root="")
+    assert nxt.outcome == OK and nxt.value["clean"], (what, nxt)
+    assert (nxt.value["pid"] == first.value) == (what == "nothing"), (what, first.value, nxt.value)
+
+
+# every 40th try: the same answer in a runner (after the tries before it there) and in a fork of its own
+PARITY = TRIES[::40]
+
+
+def test_a_runner_answers_every_try_as_a_fresh_fork_does(sandbox, tmp_path, request):
+    """The tries run in shared runners (sandbox.py); a sample of them, one in 40 across
+    every class and entry point, gives the same outcome and error type in a fork of its
+    own (``HOSTILE_FRESH_FORKS=1`` runs every try so)."""
+    differ = []
+    for i, t in enumerate(PARITY):
+        answers = []
+        for fresh in (False, True):
+            tmp = tmp_path / f"{i}-{fresh}"
+            tmp.mkdir()
+            outside = plant(str(tmp))
+            root = f"{tmp}/saves" if t.backend == "local" else f"{request.getfixturevalue('bucket')}/{uuid.uuid4().hex}"
+            r = sandbox.run(t.target, timeout=t.timeout, tmp=str(tmp), root=root, fresh=fresh, **t.kwargs)
+            answers.append((r.outcome, r.error, _planted_changed(outside)))
+        if answers[0] != answers[1]:
+            differ.append((try_id(t), answers))
+    assert len(PARITY) > 50 and not differ, differ
 
 
 def test_a_broken_or_malformed_hostile_module_fails_the_collection_naming_it(tmp_path, monkeypatch):
@@ -338,7 +412,7 @@ def summary() -> str:
         corpus.expected(c, e) == REFUSED for c in corpus.CASES for e in corpus.CORPUS_ENTRIES
         for _ in range(1 if c.local_only else 2))
     cases = len({(t.klass, t.case) for t in TRIES})
-    return (f"**{hostile + runs} runs**, each in its own sandboxed process: {hostile} tries of {cases} cases in "
+    return (f"**{hostile + runs} runs**, each in a sandboxed process: {hostile} tries of {cases} cases in "
             f"classes 1-10 and {runs} runs of the second-round corpus ({len(corpus.CASES)} cases); {refused} refused "
             f"with a typed error, {hostile + runs - refused} handled. **0 crashes, 0 bombs, 0 hangs, 0 untyped "
             "errors, 0 changes to files outside the folders given.**")
