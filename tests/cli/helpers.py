@@ -41,6 +41,22 @@ class Result:
         return lines[0]
 
 
+def _runner():
+    """``subprocess.run``, or in the suite its stand-in that forks ``python -m cloudckpt``
+    from the ranks' warm forkserver (tests/warm_ranks.py ``WarmModules``: a process of its
+    own, with the command's environment, working directory, argv, stdin from /dev/null
+    and its own stdout and stderr, without a Python start-up and the SDKs' imports
+    each time). ``CLI_SPAWN=1`` runs the real interpreter, as the import-time tests do."""
+    from cloudckpt.testing import multiprocess
+
+    spawn = multiprocess.mp
+    if os.environ.get("CLI_SPAWN") == "1" or type(spawn).__name__ != "WarmSpawn":
+        return subprocess.run
+    from warm_ranks import WarmModules
+
+    return WarmModules(spawn, prefixes=("cloudckpt",)).run
+
+
 def cli(*args: str, env: dict | None = None, timeout: float = 120) -> Result:
     """Run ``python -m cloudckpt ARGS`` with the current environment (plus ``env``)."""
     import time
@@ -48,8 +64,8 @@ def cli(*args: str, env: dict | None = None, timeout: float = 120) -> Result:
     full_env = dict(os.environ)
     full_env.update(env or {})
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "cloudckpt", *map(str, args)], env=full_env, capture_output=True,
-                       text=True, timeout=timeout)
+    p = _runner()([sys.executable, "-m", "cloudckpt", *map(str, args)], env=full_env, capture_output=True, text=True,
+                  timeout=timeout)
     return Result(p.returncode, p.stdout, p.stderr, time.perf_counter() - t0)
 
 
