@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import pickle
 import zlib
 from bisect import bisect_right, insort
 from collections import Counter
@@ -274,8 +275,8 @@ def index_header(coord: Coordinator, owned: OwnedPlan, write_results: list, *, d
     3. (coordinator -> owners) for each distinct layout of the job, the first owner that
        has it sends it, with its chunks' items where only one tensor uses it
        (``Coordinator.ask_coordinator``: a few integers a rank);
-    4. (owners -> coordinator) those layouts; the coordinator writes the header
-       (``index.header_from_layouts``).
+    4. (owners -> coordinator) those layouts, point to point from the owners asked; the
+       coordinator writes the header (``index.header_from_layouts``).
 
     The coordinator receives the header's own size (``T + layouts x R``), never a chunk
     list per tensor, and no rank holds the global Metadata."""
@@ -298,8 +299,7 @@ def index_header(coord: Coordinator, owned: OwnedPlan, write_results: list, *, d
         return chosen["asks"]
 
     asked = coord.ask_coordinator("which owner sends each layout of the DCP index header", [], answer)
-    sent = coord.to_coordinator("the layouts of the DCP index header", lambda: [
-        (k, kept[k][0], kept[k][1] if single else None) for k, single in zip(asked[::2], asked[1::2], strict=True)])
+    sent = _layouts_to_coordinator(coord, asked, kept, chosen.get("asks"), limit)
     if sent is None:
         return None
     gid = chosen["gid"]
@@ -312,6 +312,41 @@ def index_header(coord: Coordinator, owned: OwnedPlan, write_results: list, *, d
         tensors += [t if t[3] < 0 else [*t[:3], gid[digests[t[3]]], None] for t in tens]
         values += vals
     return header_from_layouts(dcp_version, tensors, values, layouts)
+
+
+def _layouts_to_coordinator(coord: Coordinator, asked: list[int], kept: list, asks: list | None,
+                            limit: int) -> list | None:
+    """Step 4 of :func:`index_header`: each owner asked for layouts sends them to the
+    coordinator point to point; the coordinator returns every rank's list (None
+    elsewhere). Not a gather of objects: torch's pads every rank's payload to the
+    largest, and a layout holds R chunks (R x R on the coordinator and the wire). An
+    owner that cannot build its payload sends its error, which the coordinator raises."""
+    if not coord.is_coordinator:
+        if not asked:
+            return None
+        try:
+            mine: tuple = (True, _asked_layouts(asked, kept))
+        except Exception as e:
+            coord.send_bytes(pickle.dumps((False, f"{type(e).__name__}: {e}")), 0)
+            raise
+        coord.send_bytes(pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL), 0)
+        return None
+    out: list = [_asked_layouts(asked, kept)]
+    for r in range(1, coord.world_size):
+        if not asks or not asks[r]:
+            out.append([])
+            continue
+        ok, got = pickle.loads(coord.recv_bytes(r, limit=limit))
+        if not ok:
+            raise RuntimeError(f"save: rank {r} could not send the layouts of the DCP index header it was asked "
+                               f"for ({got}); a cloudckpt bug")
+        out.append(got)
+    return out
+
+
+def _asked_layouts(asked: list[int], kept: list) -> list:
+    """``(layout id, its key, its items where one tensor uses it)`` of each layout asked for."""
+    return [(k, kept[k][0], kept[k][1] if single else None) for k, single in zip(asked[::2], asked[1::2], strict=True)]
 
 
 def _offsets(offset: Any) -> tuple | None:
@@ -405,8 +440,6 @@ class OwnersSavePlanner(DefaultSavePlanner):
         return SavePlan([])
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        import pickle
-
         self.gathered = len(pickle.dumps(all_plans))
         return all_plans, Metadata(state_dict_metadata={})
 

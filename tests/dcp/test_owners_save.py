@@ -69,6 +69,7 @@ def _keeping_writer(folder: str):
 
 
 def _dcp_save_with_owners(rank: int, world: int, root: str) -> dict:
+    import torch.distributed as tdist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
@@ -81,6 +82,8 @@ def _dcp_save_with_owners(rank: int, world: int, root: str) -> dict:
 
     coord = Coordinator(timeout=120)
     out = {}
+    gathers: list = []  # gathers of objects while the index header is made (each pads to the largest payload)
+    gather_object = tdist.gather_object
     for layout in LAYOUTS:
         folder = os.path.join(root, layout)
         state = build_state(layout, world)
@@ -89,14 +92,19 @@ def _dcp_save_with_owners(rank: int, world: int, root: str) -> dict:
         url = os.path.join(folder, ".metadata")
         assemble_in_store(coord, open_store(url), url, fragment_of(planner.owned, writer.results),
                           header=header(version=CURRENT_DCP_VERSION), trailer=TRAILER)
-        built = index_header(coord, planner.owned, writer.results, dcp_version=CURRENT_DCP_VERSION)
+        tdist.gather_object = lambda *a, _at=layout, **kw: gathers.append(_at) or gather_object(*a, **kw)
+        try:
+            built = index_header(coord, planner.owned, writer.results, dcp_version=CURRENT_DCP_VERSION)
+        finally:
+            tdist.gather_object = gather_object
         target = _zeroed(build_state(layout, world))
         dcp.load(target, checkpoint_id=folder)
         headers = None
         if rank == 0:  # the owners' header, and the one the global Metadata gives (index.header_bytes)
             with open(url, "rb") as f:
                 headers = (_canonical(built), _canonical(index.header_bytes(pickle.load(f))))
-        out[layout] = (_same(_locals(state), _locals(target)), planner.gathered, len(writer.results), headers)
+        out[layout] = (_same(_locals(state), _locals(target)), planner.gathered, len(writer.results), headers,
+                       gathers.count(layout))
     return out
 
 
@@ -119,6 +127,9 @@ def test_inside_stock_dcp_save_the_owners_planner_gathers_a_few_bytes_a_rank_and
         assert ours == from_metadata, layout  # the owners' index header is the global Metadata's
         assert ours["tensors"] and (layout != "fsdp" or ours["layouts"]), layout
         assert all(r[layout][3] is None for r in ranks[1:])
+        # the owners' entries are gathered; the layouts (R chunks each) come point to point from the owners
+        # asked: a gather of objects pads every rank's payload to the largest, R x R bytes at R ranks
+        assert all(r[layout][4] == 1 for r in ranks), (layout, [r[layout][4] for r in ranks])
 
 
 def _save_and_load(rank: int, world: int, root: str) -> dict:
