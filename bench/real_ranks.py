@@ -215,6 +215,20 @@ class Probe:
 
         for name in self.COORD:
             self._patch(dist.Coordinator, name, lambda orig, name=name: step(orig, name))
+
+        def p2p(orig):  # a transfer outside any named step (the index header's layouts to rank 0) gets a name
+            def wrapped(coord, *a, **kw):
+                if self._stack():
+                    return orig(coord, *a, **kw)
+                t = self._enter("point to point (outside a named step)")
+                try:
+                    return orig(coord, *a, **kw)
+                finally:
+                    self._leave(t)
+            return wrapped
+
+        for name in ("send_bytes", "recv_bytes"):
+            self._patch(dist.Coordinator, name, p2p)
         wrapper = saver._DistWrapper  # DCP's named collective steps ("plan", "write")
 
         def dcp_step(orig):

@@ -56,7 +56,7 @@ RECORDS = "send the save plan's records to their owners"
 DECISIONS = "tell each rank what it writes"
 PLACES = "send where each item was written to the owner of its key"
 ENTRIES = "the owners' entries of the DCP index header"
-LAYOUTS = "the layouts of the DCP index header"
+LAYOUTS = "point to point (outside a named step)"  # the layouts of the index header, asked owners to rank 0
 ASK_LAYOUTS = "which owner sends each layout of the DCP index header"
 
 
@@ -286,6 +286,11 @@ class OwnersSim(SimCoordinator):
     def recv_bytes(self, src: int, *, limit: int) -> bytes:
         from cloudckpt.dcp.assemble import TRAILER
 
+        if self.current == LAYOUTS:  # an owner asked for layouts of the index header sends them
+            data = self._synth(lambda: pickle.dumps((True, self.peers.layouts_sent(src)),
+                                                    protocol=pickle.HIGHEST_PROTOCOL))
+            self.count(self.current, 0, 8 + len(data))
+            return data
         last = len(TRAILER) if src == self.world_size - 1 else 0  # the trailer: the run's first rank adds it
         data = self._synth(lambda: bytes(self.peers.fragment_sizes[src] - last))
         self.count(self.current, 0, 8 + len(data))
@@ -306,7 +311,7 @@ class OwnersSim(SimCoordinator):
     def to_coordinator(self, step: str, fn, *, error=None):
         from cloudckpt import dist
 
-        hooked = step.startswith("upload the pieces of") or step in (ENTRIES, LAYOUTS)
+        hooked = step.startswith("upload the pieces of") or step == ENTRIES
         self.current = step
         if self.rank != 0 or not hooked:
             return super().to_coordinator(step, fn, error=error)
@@ -323,8 +328,6 @@ class OwnersSim(SimCoordinator):
     def _peer_value(self, step: str, r: int):
         if step == ENTRIES:
             return self.peers.header_entries(r)
-        if step == LAYOUTS:
-            return self.peers.layouts_sent(r)
         return self._pieces().get(r)
 
     def _pieces(self) -> dict:
@@ -353,10 +356,12 @@ class OwnersSim(SimCoordinator):
             n = max(len(v) for v in replies)
             self.peers.asks = replies
             self.count(step, 8 + 8 * (R - 1) + 8 * (n + 1) * (R - 1), 8 + 8 * (len(request) + 1) * (R - 1))
+            self.current = LAYOUTS
             return replies[0]
         replies = self._synth(lambda: pickle.loads(Path(path).read_bytes()))
         n = max(len(v) for v in replies)
         self.count(step, 8 + 8 * (len(request) + 1), 8 + 8 + 8 * (n + 1))
+        self.current = LAYOUTS
         return replies[self.rank]
 
 
@@ -726,13 +731,24 @@ PLANNING = ("any_rank", "plan by owners or from the loaded step", "dcp plan", RE
             "upload the pieces", "complete the assembly", PLACES, ENTRIES, ASK_LAYOUTS, LAYOUTS)
 
 
+def _names_url(step: str) -> bool:
+    """A step whose payload holds the object's URL (an Assembly, an ObjectInfo), broadcast
+    to R - 1 ranks: the simulation's local path and the real ranks' S3 URL differ in length."""
+    return any(x in step for x in ("begin the assembly", "complete the assembly"))
+
+
 #: (step, rank, 0 out / 1 in) where bench/real_ranks.py's count is not the wire's: an ordinary rank
 #: sizes what a broadcast gave it by pickling it again, and the CoordinatorMetadata rank 0 sends
 #: (74 bytes) unpickles as a plain Metadata (159 bytes)
 PROBE_REPICKLES = {("repeated save: dcp write", 1, 1)}
 
 
-def confirm_first(real_path: str, tmp: str) -> list[dict]:
+def _median_of(runs: list[dict]) -> dict:
+    ok = sorted((r for r in runs if "error" not in r), key=lambda r: r["first"]["cpu_s"])
+    return ok[(len(ok) - 1) // 2] if ok else runs[0]
+
+
+def confirm_first(real_path: str, tmp: str, reps: int = 3) -> list[dict]:
     """For each R of a bench/real_ranks.py result (``real_path``), the simulation of
     ranks 0 and 1 of the same state (``per_rank``): every collective step of the first
     save and of the repeated save, bytes out / in per rank, real against simulated; and
@@ -750,8 +766,13 @@ def confirm_first(real_path: str, tmp: str) -> list[dict]:
         R = int(R_text)
         work = tempfile.mkdtemp(dir=tmp, prefix=f"first-R{R}-")
         shape = f"perrank-T{tensors}x{rows}x{cols}-R{R}"
-        sims = [run_phase("first", shape, R, work, rank=r) for r in (0, 1)]
-        row = {"ranks": R, "steps": {}, "cpu": {}}
+        runs = []
+        for _ in range(reps):  # CPU-s vary from run to run here (a shared machine, GC passes): the median run
+            d = tempfile.mkdtemp(dir=work)
+            runs.append([run_phase("first", shape, R, d, rank=r) for r in (0, 1)])
+        sims = [_median_of([p[w] for p in runs]) for w in (0, 1)]
+        row = {"ranks": R, "steps": {}, "cpu": {}, "sim_cpu_runs": [[x.get("first", {}).get("cpu_s") for x in p]
+                                                                     for p in runs]}
         for who, sim in zip((0, 1), sims, strict=True):
             if "error" in sim:
                 row["error"] = sim["error"]
@@ -766,7 +787,8 @@ def confirm_first(real_path: str, tmp: str) -> list[dict]:
                 real_cpu = sum(v for k, v in steps.items() if any(_norm(k).startswith(p) for p in PLANNING))
                 row["cpu"].setdefault(phase, {})[who] = {"real": round(real_cpu, 3), "sim": sim[sphase]["cpu_s"]}
         row["bytes_agree"] = all(
-            v["real"] is not None and all(abs(a - b) <= 0.05 * max(a, b) + 64 or (step, who, k) in PROBE_REPICKLES
+            v["real"] is not None and all(abs(a - b) <= 0.05 * max(a, b) + 64 * (R if _names_url(step) else 1)
+                                          or (step, who, k) in PROBE_REPICKLES
                                           for k, (a, b) in enumerate(zip(v["real"], v["sim"], strict=True)))
             for step, per in row["steps"].items() for who, v in per.items())
         out.append(row)
@@ -905,7 +927,8 @@ def confirm_report(res: dict) -> str:
              "by bench/real_ranks.py) | simulated. Within 5 % + 64 bytes: "
              + ", ".join(f"R = {r['ranks']}: {r['bytes_agree']}" for r in rows)
              + " (but an ordinary rank's `in` of the repeated save's `dcp write`: the real count pickles again the "
-             "CoordinatorMetadata it received, 159 bytes for the 74 sent).", "",
+             "CoordinatorMetadata it received, 159 bytes for the 74 sent; and 64 bytes a rank where the payload "
+             "holds the URL of `.metadata`: a local path here, an S3 URL there).", "",
              "| step | " + " | ".join(f"R = {r['ranks']}" for r in rows) + " |", "|---|" + "---|" * len(rows)]
 
     def pair(v) -> str:
