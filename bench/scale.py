@@ -1343,7 +1343,7 @@ def report(res: dict) -> str:
     if reps:
         lines += ["", "The load prologue's CPU-s, every run (the table shows the run of median CPU): "
                   + "; ".join(f"R = {r:,}: {', '.join(f'{x:.3f}' for x in xs)}" for r, xs in reps) + "."]
-    if any(row.get("first") for row in res["rows"]):
+    if any(row.get("first") or row.get("resumed") for row in res["rows"]):
         from bench.scale_first import report_first
 
         lines += report_first(res)

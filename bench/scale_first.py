@@ -320,9 +320,12 @@ class OwnersSim(SimCoordinator):
             raise mine.error
         blobs = self._synth(lambda: [pickle.dumps(dist._Outcome(True, self._peer_value(step, r), None, None))
                                      for r in range(1, self.world_size)])
-        self.count(step, len(pickle.dumps(None)) * (self.world_size - 1), sum(len(b) for b in blobs))
+        # torch's gather_object pads every rank's payload to the largest: R of them arrive, in one buffer
+        widest = max([len(pickle.dumps(dist._Outcome(True, mine.value, None, None)))] + [len(b) for b in blobs])
+        padded = bytearray(widest * self.world_size)
+        self.count(step, len(pickle.dumps(None)) * (self.world_size - 1), widest * (self.world_size - 1))
         values = [mine.value] + [pickle.loads(b).value for b in blobs]
-        del blobs
+        del blobs, padded
         return values
 
     def _peer_value(self, step: str, r: int):
@@ -842,8 +845,7 @@ def targets(rows: list[dict]) -> list[str]:
     return out
 
 
-def report_first(res: dict) -> list[str]:
-    rows = [r for r in res["rows"] if r.get("first")]
+def _first_tables(rows: list[dict]) -> list[str]:
     lines = ["", "## A job's first save, planned by owners (bench/scale_first.py)", "",
              "Rank 0 and the owner of the most keys, each in its own process: planning and metadata of the save "
              "(no tensor byte written), then the job's repeated save planned from the step it made. CPU-s / peak MB "
@@ -896,6 +898,12 @@ def report_first(res: dict) -> list[str]:
                 got.append(f"{c[k][0]:,} / {c[k][1]:,}" if k in c else "-")
             cells.append("; ".join(got))
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def report_first(res: dict) -> list[str]:
+    rows = [r for r in res["rows"] if r.get("first")]
+    lines = _first_tables(rows) if rows else []
     res_rows = [r for r in res["rows"] if r.get("resumed")]
     if res_rows:
         lines += ["", "A restart: the job's first save after its load (planned from the loaded step), then its next "
