@@ -189,6 +189,16 @@ def test_smoke_scale_runs_every_phase_and_agrees_with_real_ranks(tmp_path):
     assert row["stock"]["items"] == row["inputs"]["items"] == row["items"]
     m = row["maintain_N3"]
     assert m["fresh"]["pruned"] == m["steady"]["pruned"] == 1 and m["steady"]["store_calls"] <= 10, m
+    # a job's first save planned by owners (rank 0, the busiest owner), then its repeated save planned from the
+    # step it made: every result where the first save put it; a restart's saves planned from the loaded step
+    for who in ("rank0", "owner"):
+        f = row["first"][who]
+        assert "error" not in f and f["repeated"]["same_places"], (who, f)
+        assert f["first"]["collectives"]["send the save plan's records to their owners"][1] > 0, f
+    for who in ("rank0", "rank1"):
+        r = row["resumed"][who]
+        assert "error" not in r and r["first"]["same_places"] and r["next"]["same_places"], (who, r)
+        assert r["last_rank_verdict"] == "planned from the loaded step", r
     (c,) = res["confirm"]
     real = [r["agree_received_bytes"] for r in c["real"]]
     sim = c["sim"]["agree_received_bytes"]
