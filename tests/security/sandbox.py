@@ -245,6 +245,17 @@ def _status() -> dict[str, int]:
     return out
 
 
+def _settle(limit: float = 0.2) -> None:
+    """Give threads a try's code ended a moment to exit (a transfer engine closes its
+    pool without joining it: its idle threads exit by themselves)."""
+    import threading
+
+    deadline = time.monotonic() + limit
+    for t in threading.enumerate():
+        if t is not threading.current_thread():
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
 def _state() -> tuple:
     """What a try could leave behind for the next one in a shared process, in a form
     that compares: the environment, the working directory, threads, signal handlers,
@@ -298,6 +309,7 @@ def _runner(requests: int, results: int, as_limit: int, fsize_limit: int, base: 
         st = _status()
         out["cpu_seconds"] = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
         out["max_rss_mb"] = st["VmHWM"] / (1 << 20)
+        _settle()
         after = _state()
         out["reused"] = n < RUNNER_TRIES and out["outcome"] in (OK, REFUSED) and _same_state(before, after) and \
             st["VmRSS"] - base["VmRSS"] < RUNNER_GROWTH and st["VmSize"] - base["VmSize"] < RUNNER_GROWTH
