@@ -9,10 +9,10 @@ demo: setup
 
 test: setup
 	.venv/bin/ruff check .
-	.venv/bin/python -m pytest -q -ra -n 3 --dist loadfile
+	.venv/bin/python -m pytest -q -ra -n 2 --dist loadfile
 
 test-fast: setup
-	.venv/bin/python -m pytest -q -ra -n 3 --dist loadfile -m "not slow"
+	.venv/bin/python -m pytest -q -ra -n 2 --dist loadfile -m "not slow"
 
 lint: setup
 	.venv/bin/ruff check .
