@@ -633,7 +633,8 @@ def _serve(proto) -> None:
         wait = z.next_deadline()
         if wait is not None:
             wait = max(0.0, wait - time.monotonic())
-        ready = set(select.select(z.fds(), [], [], wait)[0]) if z.fds() else set()
+        fds = z.fds()
+        ready = set(select.select(fds, [], [], wait)[0]) if fds else set()
         if 0 in ready:
             data = os.read(0, 1 << 16)
             if not data:
