@@ -103,9 +103,17 @@ class LoadedStructure(_KeptStep):
             else:
                 got = self._owned.get(t.layout)
                 if got is None:
-                    got = self._owned[t.layout] = len(h.layouts[t.layout].chunks_of(self.rank))
+                    lay = h.layouts[t.layout]
+                    ks = lay.chunks_of(self.rank)
+                    if lay.cuts is None and ks:  # boxes may list empty chunks: those count as empty items
+                        ks = [s for s in lay.boxes(ks)[1] if math.prod(s)]
+                    got = self._owned[t.layout] = len(ks)
                 n += got
         return n + sum(_owner(item[0]) == self.rank for item in h.values.values())
+
+    def _owned_empty(self) -> int:
+        """Empty chunks this rank wrote in the loaded step (its part lists them; no layout does)."""
+        return sum(1 for v in self._own_part().values() if not math.prod(v[0]))
 
     def final_plan(self, items: list) -> "Plan | str":
         """This rank's write items as the loaded step placed them (its own, and the
@@ -133,7 +141,8 @@ class LoadedStructure(_KeptStep):
             why = self._tensor_items(it, part, out, expected)
             if why:
                 return why
-        if len(out) != self._owned_chunks():
+        empty = sum(1 for it in out if it.tensor_data is not None and not math.prod(it.tensor_data.chunk.sizes))
+        if len(out) - empty != self._owned_chunks() or empty != self._owned_empty():
             return "the loaded step gives this rank chunks that its state does not hold"
         return out, expected
 
@@ -144,8 +153,12 @@ class LoadedStructure(_KeptStep):
         off, sz = tuple(td.chunk.offsets), tuple(td.chunk.sizes)
         if t is None or t.dtype != td.properties.dtype or tuple(t.size) != tuple(td.size):
             return f"{fqn!r} is not a tensor of that dtype and size in the loaded step"
-        if not math.prod(sz):
-            return f"{fqn!r} has an empty chunk here"
+        if not math.prod(sz):  # no layout holds it: the rank whose part lists it wrote it (with no bytes)
+            got = part.get((fqn, off))
+            if got is not None and tuple(got[0]) == sz:
+                out.append(it)
+                expected[it.index] = tuple(got[1:])
+            return None
         if t.layout < 0:  # stored whole
             if any(off) or sz != tuple(t.size):
                 return f"{fqn!r} was stored whole; this rank holds a chunk of it"
@@ -159,6 +172,8 @@ class LoadedStructure(_KeptStep):
         covered = 0
         for k, lo, s, owner in zip(ks, los, sizes, lay.owners_of(ks) if ks else [], strict=True):
             lo, s = tuple(lo), tuple(s)
+            if not math.prod(s):  # an empty chunk overlaps nothing: its writer holds it as an empty item
+                continue
             if any(a < b or a + n > b + m for a, n, b, m in zip(lo, s, off, sz, strict=True)):
                 return f"{fqn!r}: a chunk of the loaded step straddles this rank's chunk"
             covered += math.prod(s)

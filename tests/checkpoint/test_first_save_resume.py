@@ -2,14 +2,15 @@
 job's plans (checkpoint/structure.py).
 
 On real gloo ranks against SeaweedFS: a job saves step 1 (DTensor shards, a replicated
-tensor large enough to be cut into pieces, a small replicated one and a plain value);
-a new job loads it and saves step 2. What rank 0 receives in DCP's plan gather is a few
-hundred bytes instead of every rank's plan, the step's ``.metadata`` is a copy of the
-loaded one made in the store, and step 2 loads bit for bit with ours and with stock
-``dcp.load`` from a downloaded folder. A value whose bytes grew moves the write results:
-the ``.metadata`` is then built from the loaded one. A state whose structure changed
-falls back to a first save (planned by owners, dcp/owners.py, who decline here: the
-replicated tensor is written in pieces balanced from every rank's plan), and that step
+tensor large enough to be cut into pieces, a small replicated one, a plain value, and a
+tensor with fewer rows than ranks, so that one rank's shard is empty); a new job loads
+it and saves step 2. What rank 0 receives in DCP's plan gather is a few hundred bytes
+instead of every rank's plan, the step's ``.metadata`` is a copy of the loaded one made
+in the store, and step 2 loads bit for bit with ours and with stock ``dcp.load`` from a
+downloaded folder. A value whose bytes grew moves the write results: the ``.metadata``
+is then built from the loaded one. A state whose structure changed falls back to a
+first save (planned by owners, dcp/owners.py, who decline here: the replicated tensor
+is written in pieces balanced from every rank's plan), and that step
 loads too (test_first_save_owners.py: a state the owners plan)."""
 
 from __future__ import annotations
@@ -37,14 +38,22 @@ def _state(world_size: int, *, zero: bool, bump: float = 0.0, wider: bool = Fals
         local = torch.zeros(ROWS, cols) if zero else torch.full((ROWS, cols), t * 100.0 + rank + bump)
         model[f"layer{t}.weight"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
                                                        shape=torch.Size((world_size * ROWS, cols)), stride=(cols, 1))
+    # fewer rows than ranks: the last rank's shard is empty (a chunk no layout of the index holds)
+    rows = 1 if rank < world_size - 1 else 0
+    local = torch.zeros(rows, cols) if zero else torch.full((rows, cols), 50.0 + rank + bump)
+    model["tiny.weight"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                              shape=torch.Size((world_size - 1, cols)), stride=(cols, 1))
     big = torch.zeros(BIG // 100, 100) if zero else torch.arange(float(BIG)).reshape(-1, 100) + bump
     small = torch.zeros(3) if zero else torch.tensor([1.0, 2.0, 3.0]) + bump
     return {"model": model, "extra": {"big": big, "small": small, "count": "" if zero else value}}
 
 
 def _values_ok(sd: dict, rank: int, *, bump: float, value: str) -> bool:
-    ok = all(torch.equal(v.to_local(), torch.full((ROWS, COLS), t * 100.0 + rank + bump))
-             for t, v in enumerate(sd["model"].values()))
+    ok = all(torch.equal(sd["model"][f"layer{t}.weight"].to_local(), torch.full((ROWS, COLS), t * 100.0 + rank + bump))
+             for t in range(TENSORS))
+    tiny = sd["model"]["tiny.weight"]
+    rows = 1 if rank < tiny.device_mesh.size() - 1 else 0
+    ok &= torch.equal(tiny.to_local(), torch.full((rows, COLS), 50.0 + rank + bump))
     ok &= torch.equal(sd["extra"]["big"], torch.arange(float(BIG)).reshape(-1, 100) + bump)
     ok &= torch.equal(sd["extra"]["small"], torch.tensor([1.0, 2.0, 3.0]) + bump)
     return ok and sd["extra"]["count"] == value
@@ -123,12 +132,15 @@ def _stock_load(folder: str, bump: float, value: str, world_size: int) -> None:
     """Stock DCP, one process, reads the downloaded step whole (every shard assembled)."""
     import torch.distributed.checkpoint as dcp
 
-    sd = {"model": {f"layer{t}.weight": torch.zeros(world_size * ROWS, COLS) for t in range(TENSORS)},
+    sd = {"model": {**{f"layer{t}.weight": torch.zeros(world_size * ROWS, COLS) for t in range(TENSORS)},
+                    "tiny.weight": torch.zeros(world_size - 1, COLS)},
           "extra": {"big": torch.zeros(BIG // 100, 100), "small": torch.zeros(3), "count": ""}}
     dcp.load(sd, storage_reader=dcp.FileSystemReader(os.path.join(folder, "model_and_optim")), no_dist=True)
     for t in range(TENSORS):
         want = torch.cat([torch.full((ROWS, COLS), t * 100.0 + r + bump) for r in range(world_size)])
         assert torch.equal(sd["model"][f"layer{t}.weight"], want), t
+    want = torch.cat([torch.full((1, COLS), 50.0 + r + bump) for r in range(world_size - 1)])
+    assert torch.equal(sd["model"]["tiny.weight"], want)
     assert torch.equal(sd["extra"]["big"], torch.arange(float(BIG)).reshape(-1, 100) + bump)
     assert torch.equal(sd["extra"]["small"], torch.tensor([1.0, 2.0, 3.0]) + bump)
     assert sd["extra"]["count"] == value
@@ -195,8 +207,9 @@ def load_wider(rank, world_size, url):
     with Checkpointer(work_dir=os.path.join(os.environ["TMPDIR_LOAD"], f"r{rank}")) as ck:
         sd = _state(world_size, zero=True, wider=True)
         ck.load(f"{url}/step2", sd)
-        return all(torch.equal(v.to_local(), torch.full((ROWS, COLS + 1), t * 100.0 + rank + 1.0))
-                   for t, v in enumerate(sd["model"].values()))
+        return all(torch.equal(sd["model"][f"layer{t}.weight"].to_local(), torch.full((ROWS, COLS + 1),
+                                                                                    t * 100.0 + rank + 1.0))
+                   for t in range(TENSORS))
 
 
 def test_a_changed_structure_falls_back_to_a_first_save(s3_bucket, tmp_path):
