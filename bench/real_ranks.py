@@ -7,15 +7,19 @@ real gloo ranks against SeaweedFS on 127.0.0.1, in two jobs per R:
   rank 0, as before owners), then a ``repeated save`` (step 2; planned from step 1's
   structure, ``.metadata`` copied in the store; ``gather``: DCP's plan cache);
 - job 2, a restart: ``load`` of step 2 (checked bit-exact), then ``save after resume``
-  (step 3: the first save of the job, planned from the loaded step).
+  (step 3: the first save of the job, planned from the loaded step), then the
+  ``calibration``: every rank, started together, saves its shards with stock DCP alone
+  (no process group) to a folder of its own: work that is the same at every R, so its
+  growth is what R processes sharing this machine's cores cost, not the library.
 
     .venv/bin/python -m bench.real_ranks                      # R = 2, 4, 8; T = 4,000 (8 x 16)
     .venv/bin/python -m bench.real_ranks --ranks 2,8 --shards 400x8x16 --profile
     .venv/bin/python -m bench.real_ranks --first-save gather --stem real_ranks_gather
 
-Per rank and phase: CPU seconds of the main thread (``time.thread_time``) and of the
-process (every thread), peak RSS growth (the resident set sampled every 2 ms from
-``/proc/self/statm`` during the phase, minus its size before), CPU per named collective
+Per rank and phase: CPU seconds of the main thread (``time.thread_time``), of the
+process (every thread but the probe's RSS sampler) and of each thread by name, peak RSS
+growth (the resident set sampled every 2 ms from ``/proc/self/statm`` during the phase,
+minus its size before), CPU per named collective
 step (``dist.Coordinator``'s, and DCP's own ``plan`` and ``write``), and the bytes each
 ``torch.distributed`` call sends and receives, by step. ``--profile``: cProfile of the
 main thread of every rank; the functions whose own time grew most from the smallest R
@@ -38,9 +42,10 @@ import time
 from pathlib import Path
 
 from bench.common import ROOT, git_state, loadavg
+from bench.real_load import _by_name, _threads
 
 MiB = 1 << 20
-PHASES = ("first save", "repeated save", "load", "save after resume")
+PHASES = ("first save", "repeated save", "load", "save after resume", "calibration")
 
 
 def state(world_size: int, tensors: int, rows: int, cols: int, zero: bool = False) -> dict:
@@ -72,7 +77,7 @@ class RssPeak:
 
     def __enter__(self) -> "RssPeak":
         self.base = self.peak = self._rss()
-        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t = threading.Thread(target=self._run, daemon=True, name="rss-sampler")
         self._t.start()
         return self
 
@@ -242,6 +247,17 @@ class Probe:
 
         for name in ("reduce_scatter", "all_reduce", "all_gather"):
             self._patch(wrapper, name, dcp_step)
+
+        def dcp_barrier(orig):  # DCP's closing barrier when it runs with no collective (planned by owners)
+            def wrapped(self_, *a, **kw):
+                t = self._enter("dcp write")
+                try:
+                    return orig(self_, *a, **kw)
+                finally:
+                    self._leave(t)
+            return wrapped
+
+        self._patch(wrapper, "barrier", dcp_barrier)
         return self
 
     def uninstall(self) -> None:
@@ -258,6 +274,7 @@ def _measure(phase: str, fn, prof_dir: str | None, rank: int) -> dict:
     gc.collect()
     with RssPeak() as rss:
         t, p = time.thread_time(), time.process_time()
+        threads = _threads()
         if prof:
             prof.enable()
         try:
@@ -268,8 +285,12 @@ def _measure(phase: str, fn, prof_dir: str | None, rank: int) -> dict:
             probe.uninstall()
         # what the probe spent sizing objects (pickling a gather's every plan on rank 0) is left out
         thread, proc = time.thread_time() - t - probe.overhead, time.process_time() - p - probe.overhead
+        by_thread = _by_name(threads, _threads())
+        by_thread["(ended)"] = round(max(0.0, time.process_time() - p - sum(by_thread.values())), 3)
+        proc -= by_thread.get("rss-sampler", 0.0)  # the probe's sampler is not the phase's
     out = {"thread_cpu_s": round(thread, 3), "process_cpu_s": round(proc, 3), "rss_growth_mib": rss.growth_mib,
-           "steps": {k: round(v, 3) for k, v in probe.cpu.items()}, "calls": probe.calls}
+           "steps": {k: round(v, 3) for k, v in probe.cpu.items()}, "calls": probe.calls,
+           "threads": by_thread}
     out["steps"]["(outside)"] = round(thread - sum(probe.cpu.values()), 3)
     if prof:
         out["pstats"] = os.path.join(prof_dir, f"{phase.replace(' ', '_')}-rank{rank}.pstats")
@@ -302,7 +323,24 @@ def resumed_job(rank, world_size, url, work, tensors, rows, cols, prof_dir):
                               for i, v in enumerate(sd["model"].values()))
         out["save after resume"] = _measure("save after resume", lambda: ck.save(f"{url}/step3", sd), prof_dir,
                                             rank)
+    out["calibration"] = _calibrate(rank, sd, work, prof_dir)
     return out
+
+
+def _calibrate(rank: int, sd: dict, work: str, prof_dir: str | None) -> dict:
+    """What this machine makes of R processes working at once, with no process group in
+    the work: every rank, started together, saves its own shards (plain tensors) with
+    stock DCP in one process to a folder of its own. Its work is the same at every R, so
+    its CPU's growth from the smallest R is the machine's (R ranks and the store's server
+    sharing two cores), not the library's."""
+    import torch.distributed as tdist
+    import torch.distributed.checkpoint as dcp
+
+    local = {"model": {k: v.to_local().clone() for k, v in sd["model"].items()}}
+    folder = os.path.join(work, f"calibration-r{rank}")
+    tdist.barrier()
+    return _measure("calibration", lambda: dcp.save(local, storage_writer=dcp.FileSystemWriter(folder),
+                                                    no_dist=True), prof_dir, rank)
 
 
 def _top(path: str) -> dict[str, tuple[float, int]]:
@@ -357,8 +395,10 @@ def report(res: dict, meta: dict) -> str:
              f"Command: `{meta['command']}`  ", f"Measured {meta['when']} on {meta['cpus']} CPUs "
              f"(load average before {meta['load_before']}).", "",
              "Median rank (main-thread CPU-s / process CPU-s / peak RSS growth MiB), and rank 0:", "",
-             "| phase | " + " | ".join(f"R = {R}" for R in Rs) + f" | x ({hi} / {lo}) |",
-             "|---|" + "---|" * (len(Rs) + 1)]
+             "| phase | " + " | ".join(f"R = {R}" for R in Rs) + f" | x ({hi} / {lo}) | x CPU over calibration's |",
+             "|---|" + "---|" * (len(Rs) + 2)]
+    cal = _median(res[hi], "calibration", "thread_cpu_s") / _median(res[lo], "calibration", "thread_cpu_s")
+    calp = _median(res[hi], "calibration", "process_cpu_s") / _median(res[lo], "calibration", "process_cpu_s")
     for ph in PHASES:
         for who in ("median", "rank 0"):
             cells, first, last = [], None, None
@@ -373,9 +413,14 @@ def report(res: dict, meta: dict) -> str:
                 first = v if first is None else first
                 last = v
             ratio = " / ".join(f"{b / a:.2f}" if a else "-" for a, b in zip(first, last, strict=True))
-            lines.append(f"| {ph}, {who} | " + " | ".join(cells) + f" | {ratio} |")
-    lines += ["", f"Bit-exact loads: {all(r['bitexact'] for R in Rs for r in res[R])}.", ""]
-    for ph in PHASES:
+            norm = (f"{last[0] / first[0] / cal:.2f} / {last[1] / first[1] / calp:.2f}"
+                    if first[0] and first[1] and ph != "calibration" else "-")
+            lines.append(f"| {ph}, {who} | " + " | ".join(cells) + f" | {ratio} | {norm} |")
+    lines += ["", "Calibration: every rank, started together, saves its own shards with stock DCP alone (no "
+              "process group, a local folder): the same work at every R, so its growth is the machine's. The last "
+              "column divides each phase's growth (main thread / process) by the calibration's.", "",
+              f"Bit-exact loads: {all(r['bitexact'] for R in Rs for r in res[R])}.", ""]
+    for ph in PHASES[:-1]:
         steps = sorted({s for R in Rs for r in res[R] for s in r[ph]["steps"]})
         lines += [f"## {ph}: per step, main-thread CPU-s (rank 0; rank 1) and bytes out / in (rank 0; rank 1)", "",
                   "| step | " + " | ".join(f"R = {R}" for R in Rs) + " |", "|---|" + "---|" * len(Rs)]

@@ -265,7 +265,12 @@ class RankWriter:
         the owners' records, written and uploaded (the module docstring); the header's
         bytes on rank 0, None elsewhere. Collective; raises on every rank what any rank met."""
         coord, url = self.coord, step.url_of(layout.DCP_METADATA)
-        mine = coord.agree("the .metadata fragments of " + step.url, lambda: fragment_of(owned.owned, writer.results))
+        def fragment() -> bytes:
+            if writer.error is not None:  # DCP ran with no collective: this rank's write failed
+                raise writer.error
+            return fragment_of(owned.owned, writer.results)
+
+        mine = coord.agree("the .metadata fragments of " + step.url, fragment)
         t0 = time.monotonic()
         info = assemble_in_store(coord, step.store, url, mine, trailer=TRAILER,
                                  header=header(planner_data=owned.flatten_state_dict, version=CURRENT_DCP_VERSION))
@@ -286,8 +291,10 @@ class RankWriter:
             key = f"{self.coord.world_size}:{self.coord.rank}" + (f":{flavour.__qualname__}" if flavour else "")
             planner = _flavoured(caching_save_planner(key), flavour)
         try:
+            # planned by owners: DCP's gathers of plans and of results would carry nothing (its
+            # coordinator makes no Metadata), so DCP runs with none (one barrier at its end)
             dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=self.coord.group,
-                     no_dist=self.coord.local)
+                     no_dist=self.coord.local, use_collectives=not isinstance(planner, OwnersSavePlanner))
         except BaseException:
             writer.abandoned()
             raise

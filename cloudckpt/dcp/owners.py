@@ -28,11 +28,12 @@ holds what it writes and the Metadata entries it owns: with its own write result
 make its ``.metadata`` fragment (:func:`fragment_of`, dcp/assemble.py).
 
 Inside ``dcp.save``: :class:`OwnersSavePlanner` runs the above in DCP's local plan
-step, so DCP's own gather of plans carries an empty plan a rank and its coordinator
-makes no Metadata; its storage writer must then keep its write results (return an
-empty list to DCP's gather) and write no ``.metadata`` in ``finish``: after the save
-every rank passes ``fragment_of(planner.owned, its results)`` to
-``assemble_store.assemble_in_store``.
+step and hands DCP an empty plan, so its coordinator makes no Metadata: the caller runs
+``dcp.save(..., use_collectives=False)`` (DCP's gathers of plans and of write results
+would carry nothing; DCP ends with one barrier), its storage writer keeps its write
+results and its errors (raised on every rank after the save) and writes no
+``.metadata`` in ``finish``: after the save every rank passes
+``fragment_of(planner.owned, its results)`` to ``assemble_store.assemble_in_store``.
 """
 
 from __future__ import annotations
@@ -416,14 +417,15 @@ def _choose_layouts(records: list) -> dict:
 
 class OwnersSavePlanner(DefaultSavePlanner):
     """DCP's DefaultSavePlanner with the global planning done by owners, inside
-    ``dcp.save(..., planner=OwnersSavePlanner(coord), process_group=coord.group)``:
-    ``create_local_plan`` runs :func:`plan_by_owners` (its collectives on ``coord``'s
-    group, on every rank in DCP's local step) and hands DCP an empty plan;
-    ``create_global_plan`` (the coordinator) returns the plans as they are with an empty
-    Metadata; ``finish_plan`` gives each rank its owned plan under the storage prefix
-    DCP's writer chose. ``owned`` (an :class:`OwnedPlan`) then holds this rank's
-    Metadata entries for :func:`fragment_of`, ``local_plan`` this rank's local plan;
-    ``gathered`` on the coordinator, the bytes of the plans DCP gathered (pickled)."""
+    ``dcp.save(..., planner=OwnersSavePlanner(coord), process_group=coord.group,
+    use_collectives=False)``: ``create_local_plan`` runs :func:`plan_by_owners` (its
+    collectives on ``coord``'s group, on every rank in DCP's local step) and hands DCP an
+    empty plan; ``create_global_plan`` (every rank, on its own plan) returns the plans as
+    they are with an empty Metadata; ``finish_plan`` gives each rank its owned plan under
+    the storage prefix DCP's writer chose. ``owned`` (an :class:`OwnedPlan`) then holds
+    this rank's Metadata entries for :func:`fragment_of`, ``local_plan`` this rank's
+    local plan; ``gathered``, the bytes of the plans DCP's global step was handed
+    (pickled: every rank's, where DCP runs with collectives)."""
 
     def __init__(self, coord: Coordinator, *, writer: str = "spread", shared_limit: int | None = None,
                  small: int = 0, **kwargs: Any):

@@ -200,9 +200,11 @@ class UploadingWriter(FileSystemWriter):
     copy_of=loaded)`` when every rank's results are where the loaded step had them
     (no file is written; the caller copies it in the store). ``owners``: a save planned
     by owners (dcp/owners.py, ``OwnersSavePlanner``): the rank keeps its write results
-    (:attr:`results`; DCP's gather of results carries an empty list) and ``finish``
-    writes neither ``.metadata`` nor the index header: after the save every rank
-    assembles them (``owners.fragment_of`` / ``assemble_store``, ``owners.index_header``)."""
+    (:attr:`results`), DCP runs with no collective (``use_collectives=False``), a
+    write's error is kept in :attr:`error` instead of raised (the caller raises it on
+    every rank), and ``finish`` writes neither ``.metadata`` nor the index header:
+    after the save every rank assembles them (``owners.fragment_of`` /
+    ``assemble_store``, ``owners.index_header``)."""
 
     def __init__(
         self,
@@ -233,9 +235,23 @@ class UploadingWriter(FileSystemWriter):
         self._resumed = False  # this save was planned from the loaded step (ResumedSavePlanner)
         self._owners = owners
         self.results: list = []  # a save planned by owners: this rank's WriteResults
+        self.error: BaseException | None = None  # a save planned by owners: what writing raised here
         self._lock = threading.Lock()
 
     def write_data(self, plan, planner):
+        if not self._owners:
+            return self._write_plan(plan, planner)
+        # planned by owners, DCP runs with no collective: a rank that raised here would leave
+        # its peers waiting; its error is kept (``error``) and raised by every rank after the save
+        try:
+            return self._write_plan(plan, planner)
+        except BaseException as e:  # noqa: BLE001 - raised on every rank by the caller's agree
+            self.error = e
+            out: Future = Future()
+            out.set_result([])
+            return out
+
+    def _write_plan(self, plan, planner):
         # More, smaller files than stock DCP (one per thread) so uploads start while
         # later files are still being written; bounded to keep request counts low.
         items = plan.items
