@@ -4,8 +4,9 @@ every rank's fragment (checkpoint/rank_writer.py).
 
 On real gloo ranks against SeaweedFS, one run a world size: 2 ranks save step 1 fresh
 (sharded, uneven, column-sharded and replicated DTensors, a plain tensor every rank
-holds, plain values); DCP's plan gather on rank 0 carries empty plans. Assemblies that
-fail (a piece's upload, the complete, a rank's fragment) leave nothing visible at
+holds, plain values); DCP gathers no plan (it runs with no collective). Saves that
+fail (a piece's upload, the complete, a rank's fragment, one rank's shard files) raise
+on every rank and leave nothing visible at
 step 2 and no pending upload; the job's next save, planned from step 1's structure
 (no plan gathered either), commits, and so does one whose value grew (its write results
 moved: rank 0 writes ``.metadata`` from step 1's with them).
@@ -74,13 +75,14 @@ def _failing(rank: int, how: str):
     import contextlib
 
     from cloudckpt.checkpoint import rank_writer
+    from cloudckpt.dcp.writer import UploadingWriter
     from cloudckpt.storage.s3 import S3Store
 
     def boom(*a, **k):
         raise RuntimeError(f"injected: {how} fails on rank {rank}")
 
     target = {"put_piece": (S3Store, "put_piece", 0), "complete": (S3Store, "_complete_assembly", 0),
-              "fragment": (rank_writer, "fragment_of", 1)}[how]
+              "fragment": (rank_writer, "fragment_of", 1), "write": (UploadingWriter, "_write_plan", 1)}[how]
     if rank != target[2]:
         return contextlib.nullcontext()
     return _patched(target[0], target[1], boom)
@@ -111,7 +113,7 @@ def save_two(rank, world, url, work, stock_dir):
         with _PlanGather() as first:
             ck.save(f"{url}/step1", _state(world))
         kept = ck._writer._loaded is not None  # step 1's structure, for the job's next saves
-        for how in ("put_piece", "complete", "fragment"):
+        for how in ("put_piece", "complete", "fragment", "write"):
             with Checkpointer(work_dir=os.path.join(work, how)) as other, _failing(rank, how):
                 try:
                     other.save(f"{url}/step2", _state(world))
@@ -183,10 +185,12 @@ def test_a_first_save_is_planned_by_owners_assembled_in_the_store_and_loads_ever
     env = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
     url = f"{s3_bucket}/run"
     two = run_ranks(2, save_two, url, str(tmp_path / "w2"), str(tmp_path / "stock2"), env=env)
-    assert two[0]["first"] < 400, two[0]  # DCP's plan gather: empty plans only
+    assert two[0]["first"] == 0, two[0]  # DCP gathers no plan: it runs with no collective
     assert all(r["kept"] for r in two)
     assert two[0]["later"] < 400, two[0]  # the job's next save: planned from step 1's structure, no plan
-    for how in ("put_piece", "complete", "fragment"):
+    # rank 1's shard files cannot be written ("write"): DCP runs with no collective there, yet rank 0
+    # raises rank 1's error too, in the agreement that follows DCP's save
+    for how in ("put_piece", "complete", "fragment", "write"):
         assert f"injected: {how} fails on rank" in two[0]["failed"].get(how, ""), (how, two[0]["failed"])
     store = open_store(url)
     left = [e.url for e in store.list(f"{url}/step2/", delimiter=None) if not e.is_prefix]
