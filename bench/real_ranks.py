@@ -336,11 +336,14 @@ def _calibrate(rank: int, sd: dict, work: str, prof_dir: str | None) -> dict:
     import torch.distributed as tdist
     import torch.distributed.checkpoint as dcp
 
+    from cloudckpt.checkpoint.rank_writer import quiet_dcp
+
     local = {"model": {k: v.to_local().clone() for k, v in sd["model"].items()}}
     folder = os.path.join(work, f"calibration-r{rank}")
     tdist.barrier()
-    return _measure("calibration", lambda: dcp.save(local, storage_writer=dcp.FileSystemWriter(folder),
-                                                    no_dist=True), prof_dir, rank)
+    with quiet_dcp():  # DCP warns that it saves in one process: intended
+        return _measure("calibration", lambda: dcp.save(local, storage_writer=dcp.FileSystemWriter(folder),
+                                                        no_dist=True), prof_dir, rank)
 
 
 def _top(path: str) -> dict[str, tuple[float, int]]:
