@@ -598,10 +598,32 @@ def _peak_hwm() -> int:
     return _peak()
 
 
+class _GcClock:
+    """The CPU seconds the garbage collector has run in this process (``total``)."""
+
+    def __init__(self):
+        import gc
+
+        self.total, self._at = 0.0, None
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._at = time.process_time()
+        elif self._at is not None:
+            self.total += time.process_time() - self._at
+            self._at = None
+
+
+GC_CLOCK = _GcClock()
+
+
 class Meter:
     """CPU, wall time and peak RSS of a phase; ``gc_cpu_s``: the CPU of the garbage
-    collector's runs inside it (a collection of the whole heap lands on whichever step
-    allocates past its threshold: a step's figure can hold one)."""
+    collector's runs inside it (``minus_gc``: those the synthesis of the peers' values
+    set off; a collection of the whole heap lands on whichever step allocates past its
+    threshold, and a simulated rank's heap holds the peers' synthesized values), and
+    ``cpu_s_without_gc``: the rest, which compares across R."""
 
     def __enter__(self):
         import gc
@@ -609,29 +631,20 @@ class Meter:
         gc.collect()
         self.base = _rss()
         _reset_peak()
-        self.gc_cpu, self._gc_at = 0.0, None
-        gc.callbacks.append(self._gc)
+        self.gc_cpu = GC_CLOCK.total
         self.cpu = time.process_time()
         self.wall = time.perf_counter()
         return self
 
-    def _gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_at = time.process_time()
-        elif self._gc_at is not None:
-            self.gc_cpu += time.process_time() - self._gc_at
-            self._gc_at = None
-
     def __exit__(self, *exc):
-        import gc
-
         self.cpu = time.process_time() - self.cpu
         self.wall = time.perf_counter() - self.wall
+        self.gc_cpu = GC_CLOCK.total - self.gc_cpu
         self.peak = _peak_hwm()
-        gc.callbacks.remove(self._gc)
 
-    def report(self, minus_cpu: float = 0.0) -> dict:
-        return {"cpu_s": round(self.cpu - minus_cpu, 3), "gc_cpu_s": round(self.gc_cpu, 3),
+    def report(self, minus_cpu: float = 0.0, minus_gc: float = 0.0) -> dict:
+        cpu, gc_cpu = self.cpu - minus_cpu, max(0.0, self.gc_cpu - minus_gc)
+        return {"cpu_s": round(cpu, 3), "gc_cpu_s": round(gc_cpu, 3), "cpu_s_without_gc": round(cpu - gc_cpu, 3),
                 "peak_rss_above_base_mb": round((self.peak - self.base) / 1e6, 1),
                 "peak_rss_mb": round(self.peak / 1e6, 1)}
 

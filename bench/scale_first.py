@@ -228,15 +228,19 @@ class OwnersSim(SimCoordinator):
     def __init__(self, rank: int, world_size: int, payload_dir: str, peers: Peers):
         super().__init__(rank, world_size, payload_dir)
         self.peers = peers
+        self.synth_gc = 0.0  # the collector's CPU inside the synthesis (part of synth_cpu)
         self.exchanged = (0, 0)
         self.current = ""  # the step a point-to-point transfer runs in
 
     def _synth(self, fn):
-        t = time.process_time()
+        from bench.scale import GC_CLOCK
+
+        t, g = time.process_time(), GC_CLOCK.total
         try:
             return fn()
         finally:
             self.synth_cpu += time.process_time() - t
+            self.synth_gc += GC_CLOCK.total - g
 
     def count(self, step: str, out: int, got: int) -> None:
         self.sent[step] = self.sent.get(step, 0) + out
@@ -592,14 +596,15 @@ def phase_first(args) -> dict:
         with steps("keep the saved structure"):
             kept = SavedStructure(step, marker, rank, planner.local_plan.items, planner.owned.plan.items, results,
                                   header_bytes)
-    first = {"steps": steps.cpu, **m.report(minus_cpu=sim.synth_cpu), "items_written": len(results),
+    first = {"steps": steps.cpu, **m.report(minus_cpu=sim.synth_cpu, minus_gc=sim.synth_gc),
+             "items_written": len(results),
              "owned_keys": len(peers.keys_of.get(rank, [])), "metadata_bytes": sum(peers.fragment_sizes or [0]),
              "collectives": _bytes(sim)}
     if rank == 0:
         first["header_bytes"] = len(header_bytes)
         first["pieces"] = len(sim._pieces()) + 1
     # the repeated save: planned from the step just saved
-    synth0 = sim.synth_cpu
+    synth0, gc0 = sim.synth_cpu, sim.synth_gc
     sim.sent, sim.received = {}, {}
     steps2 = Steps(sim)
     places = {wr.index: (wr.storage_data.relative_path, wr.storage_data.offset, wr.storage_data.length)
@@ -607,7 +612,7 @@ def phase_first(args) -> dict:
     with Meter() as m2:
         got = _resumed_save(sim, steps2, sd, kept, rank, Path(args.work) / f"w{rank}" / "again" / layout.MODEL_DIR,
                             lambda p: places)
-    repeated = {"steps": steps2.cpu, **m2.report(minus_cpu=sim.synth_cpu - synth0), **got,
+    repeated = {"steps": steps2.cpu, **m2.report(minus_cpu=sim.synth_cpu - synth0, minus_gc=sim.synth_gc - gc0), **got,
                 "collectives": _bytes(sim)}
     ck.close()
     return {"rank": rank, "first": first, "repeated": repeated}
@@ -684,10 +689,11 @@ def phase_resumed(args) -> dict:
     step = StepRef.of(str(Path(args.work) / "run" / f"step{STEP}"))
     committed = CommittedStep.open(step)
     committed.header()  # parsed by the load (its prologue: bench.scale's load phase)
+    committed.index_part(rank)  # read by the load (its own chunks: the same world size), kept by the step
     out: dict = {"rank": rank}
     kept = None
     for name in ("first", "next"):  # the job's first save after the load, then its next save (the same structure)
-        steps, synth0 = Steps(sim), sim.synth_cpu
+        steps, synth0, gc0 = Steps(sim), sim.synth_cpu, sim.synth_gc
         sim.sent, sim.received = {}, {}
         with Meter() as m:
             if kept is None:
@@ -697,7 +703,8 @@ def phase_resumed(args) -> dict:
                     return {"error": "the loaded step cannot be planned from (LoadedStructure.of: None)"}
             got = _resumed_save(sim, steps, sd, kept, rank, Path(args.work) / f"w{rank}" / name / layout.MODEL_DIR,
                                 lambda p: p.expected)
-        out[name] = {"steps": steps.cpu, **m.report(minus_cpu=sim.synth_cpu - synth0), **got,
+        out[name] = {"steps": steps.cpu, **m.report(minus_cpu=sim.synth_cpu - synth0, minus_gc=sim.synth_gc - gc0),
+                     **got,
                      "collectives": _bytes(sim)}
     # the last rank: its items from this rank's with its rows
     last = args.ranks - 1
@@ -840,19 +847,21 @@ def targets(rows: list[dict]) -> list[str]:
         out.append(f"rank 0 at R = 4,096: {f['cpu_s']:.2f} CPU-s (target <= 10), {f['peak_rss_above_base_mb']:.0f} MB "
                    f"above its baseline, {f['peak_rss_mb']:.0f} MB resident (target <= 1,000): "
                    + ("met" if f["cpu_s"] <= 10 and f["peak_rss_mb"] <= 1000 else "NOT met"))
-    beyond = [(R, who, v["first"]["cpu_s"] - v["repeated"]["cpu_s"]) for R, d in first.items()
-              for who, v in d.items() if _ok(v)]
+    beyond = [(R, who, v["first"]["cpu_s"] - v["repeated"]["cpu_s"],
+               v["first"].get("cpu_s_without_gc", 0.0) - v["repeated"].get("cpu_s_without_gc", 0.0))
+              for R, d in first.items() for who, v in d.items() if _ok(v)]
     if beyond:
-        R, who, worst = max(beyond, key=lambda x: x[2])
+        R, who, worst, bare = max(beyond, key=lambda x: x[2])
         out.append(f"largest first save beyond the repeated save, any simulated rank, any R: {worst:.2f} CPU-s "
-                   f"({who} at R = {R:,}; target <= 1): " + ("met" if worst <= 1 else "NOT met"))
+                   f"({who} at R = {R:,}; {bare:.2f} without the garbage collector; target <= 1): "
+                   + ("met" if worst <= 1 else "NOT met"))
     if len(first) > 1:
         lo, hi = min(first), max(first)
         a, b = first[lo]["rank0"]["first"]["cpu_s"], first[hi]["rank0"]["first"]["cpu_s"]
         ga, gb = (first[R]["rank0"]["first"].get("gc_cpu_s", 0.0) for R in (lo, hi))
         out.append(f"rank 0's first save at R = {hi:,} against {lo:,}: {b:.2f} / {a:.2f} CPU-s = x{b / a:.2f} "
-                   f"(target <= x1.5; of which the garbage collector {gb:.2f} / {ga:.2f}): "
-                   + ("met" if b <= 1.5 * a else "NOT met"))
+                   f"(target <= x1.5; of which the garbage collector {gb:.2f} / {ga:.2f}, without it "
+                   f"x{(b - gb) / max(a - ga, 1e-9):.2f}): " + ("met" if b <= 1.5 * a else "NOT met"))
     for r in rows:
         for who, got in (r.get("resumed") or {}).items():
             if _ok(got):

@@ -112,6 +112,7 @@ class CommittedStep:
         self._header_bytes = header
         self._metadata_bytes = metadata
         self._header: index.Header | None = None
+        self._parts: dict[int, dict | None] = {}  # index parts read whole (a load's: the ranks it reads from)
         self._set_marker(marker)
 
     @classmethod
@@ -221,8 +222,13 @@ class CommittedStep:
         parsed, with every chunk the header gives that rank found in it inside ``files``
         (``{shard file: size}``; None: the files the marker lists); None when the step has
         none and the rank wrote no chunk. ``objects``: the rank's manifest entries
-        (``rank_objects``) instead of the parts this step keeps. Raises
-        CorruptCheckpoint, UnsafeCheckpoint."""
+        (``rank_objects``) instead of the parts this step keeps. A part read with neither
+        (a load's: the few ranks it reads from) is kept, for the first save after the
+        load to plan from (checkpoint/structure.py). Raises CorruptCheckpoint,
+        UnsafeCheckpoint."""
+        plain = files is None and objects is None
+        if plain and rank in self._parts:  # read by the load; the first save after it plans from it again
+            return self._parts[rank]
         rel, url = layout.index_part_name(rank), self.step.index_part_url(rank)
         entry = self.entry(rel) if objects is None else objects.get(rel)
         part = None
@@ -234,6 +240,8 @@ class CommittedStep:
             part = index.parse_part(data, url=url, rank=rank)
         if files is not None:
             index.check_part(self.header(), rank, part, files)
+        if plain:  # a load reads the parts of the few ranks it overlaps: kept for its next save
+            self._parts[rank] = part
         return part
 
     def plan_metadata(self, sel: Selection) -> Any:

@@ -110,10 +110,29 @@ def resume_and_save(rank, world_size, url, work, *, bump=1.0, wider=False, value
         ck.load(f"{url}/step1", sd)
         loaded_ok = _values_ok(sd, rank, bump=0.0, value="seven")
         new = _state(world_size, zero=False, bump=bump, wider=wider, value=value)
-        with _PlanGather() as g:
+        with _PlanGather() as g, _PartReads() as reads:
             ck.save(f"{url}/step2", new)
             ck.save(f"{url}/step3", new)  # a later save keeps the loaded step's plan
-    return {"loaded_ok": loaded_ok, "largest": g.largest, "calls": g.calls}
+    return {"loaded_ok": loaded_ok, "largest": g.largest, "calls": g.calls, "part_reads": reads.n}
+
+
+class _PartReads:
+    """How many DCP index parts this process reads from the store."""
+
+    def __enter__(self):
+        from cloudckpt.checkpoint import committed
+
+        self.mod, self.real, self.n = committed, committed.read_checked, 0
+
+        def counting(*a, **kw):
+            self.n += kw.get("what") == "DCP index part"
+            return self.real(*a, **kw)
+
+        committed.read_checked = counting
+        return self
+
+    def __exit__(self, *exc):
+        self.mod.read_checked = self.real
 
 
 def load_back(rank, world_size, url, bump, value):
@@ -167,6 +186,7 @@ def test_the_first_save_after_a_resume_gathers_no_plans_and_loads_bit_exact(s3_b
     assert fresh[0]["calls"] == 1 and fresh[0]["largest"] > 5_000, fresh[0]
     assert resumed[0]["calls"] == 2, resumed[0]  # DCP's plan step ran for both saves...
     assert resumed[0]["largest"] < 400, resumed[0]  # ...carrying a tag a rank, no plan
+    assert all(r["part_reads"] == 0 for r in resumed), resumed  # each rank's own part: the one the load read
     # the .metadata of the loaded step, copied in the store: the same bytes (the same MD5 ETag)
     assert _metadata_etag(s3_bucket, "run/step2/model_and_optim/.metadata") == \
         _metadata_etag(s3_bucket, "run/step1/model_and_optim/.metadata")
