@@ -9,11 +9,10 @@ phases ``first`` and ``resumed``.
 2. ``OwnersSavePlanner.create_local_plan``: DCP's local plan, then ``owners.plan_by_owners``
    (the records to their owners: one all-to-all; the owner's checks and decisions, the
    library's ``_decide``; the decisions back: one all-to-all);
-3. DCP's plan step (every rank's empty plan gathered on rank 0, ``create_global_plan``,
-   the writer's ``prepare_global_plan``, one plan scattered to each rank);
+3. DCP's steps with no collective (``use_collectives=False``): the rank's own empty
+   plan through ``create_global_plan`` and the writer's ``prepare_global_plan``;
 4. the write (no tensor byte is written: each item's place is the writer's split of the
-   rank's items into files), then DCP's gather of write results (an empty list a rank)
-   and the writer's ``finish`` on rank 0;
+   rank's items into files), then the writer's ``finish`` and DCP's closing barrier;
 5. ``RankWriter._assemble``: the ``.metadata`` fragment, ``assemble_store.assemble_in_store``
    (S3's rules: runs of consecutive ranks of at least 5 MiB, at most 10,000 pieces, on a
    local folder whose pieces of the peers' runs are counted, not written) and
@@ -29,8 +28,10 @@ committed (its marker, the index header and the rank's index part, as the load l
 them) and runs the same save planned from it; it also asks the last rank's verdict
 (its chunks of tensors with fewer rows than ranks are empty).
 
-The peers' payloads are what they would send, built with the library's functions
-(their plan records from this rank's with their rows; the owners' decisions from
+Each save runs with the garbage collector paused, as ``Checkpointer.save`` runs a
+blocking save (``collector.collector_paused``). The peers' payloads are what they
+would send, built with the library's functions (their plan records from this rank's
+with their rows; the owners' decisions from
 ``_decide`` run on one key of each tensor size; their header entries and layouts from
 ``layout_key``), pickled as the real collectives pickle them; building them is not the
 rank's cost (``synth_cpu``). Bytes out / in per collective step are counted as
@@ -433,9 +434,9 @@ def dcp_local_steps(sim: OwnersSim, planner, writer, rank: int, local):
 
 def dcp_local_finish(sim: OwnersSim, writer, md) -> None:
     """The end of DCP's save with ``use_collectives=False``: the writer's ``finish`` on
-    this rank's own (empty) results, then one barrier (no payload of ours)."""
+    this rank's own (empty) results, then one barrier (no payload: nothing counted, as
+    ``bench/real_ranks.py`` counts none)."""
     writer.finish(md, [[]])
-    sim.count(WRITE_STEP, 0, 0)
 
 
 def dcp_write_step(sim: OwnersSim, writer, mine, md, rank: int) -> None:
@@ -556,6 +557,7 @@ def phase_first(args) -> dict:
     from cloudckpt._torch_compat import MIN_PIECE_BYTES, SMALL_SHARED_BYTES
     from cloudckpt.checkpoint import layout
     from cloudckpt.checkpoint.structure import SavedStructure
+    from cloudckpt.collector import collector_paused
     from cloudckpt.dcp.owners import OwnersSavePlanner, index_header, plan_by_owners
 
     rank = args.rank
@@ -566,7 +568,7 @@ def phase_first(args) -> dict:
     Path(step.url, layout.MODEL_DIR).mkdir(parents=True, exist_ok=True)
     steps = Steps(sim)
     uploads: list = []
-    with Meter() as m:
+    with Meter() as m, collector_paused():  # as Checkpointer.save runs a blocking save
         with steps("any_rank: plan by owners or from the kept step"):
             sim.any_rank([True], "plan by owners or from the loaded step")
         planner = OwnersSavePlanner(sim, shared_limit=MIN_PIECE_BYTES, small=SMALL_SHARED_BYTES)
@@ -609,7 +611,7 @@ def phase_first(args) -> dict:
     steps2 = Steps(sim)
     places = {wr.index: (wr.storage_data.relative_path, wr.storage_data.offset, wr.storage_data.length)
               for wr in results}
-    with Meter() as m2:
+    with Meter() as m2, collector_paused():
         got = _resumed_save(sim, steps2, sd, kept, rank, Path(args.work) / f"w{rank}" / "again" / layout.MODEL_DIR,
                             lambda p: places)
     repeated = {"steps": steps2.cpu, **m2.report(minus_cpu=sim.synth_cpu - synth0, minus_gc=sim.synth_gc - gc0), **got,
@@ -683,6 +685,7 @@ def phase_resumed(args) -> dict:
     from cloudckpt.checkpoint import layout
     from cloudckpt.checkpoint.committed import CommittedStep
     from cloudckpt.checkpoint.structure import LoadedStructure
+    from cloudckpt.collector import collector_paused
 
     rank = args.rank
     shape, sd, peers, sim, ck, rw, StepRef = _setup(args, rank)
@@ -695,7 +698,7 @@ def phase_resumed(args) -> dict:
     for name in ("first", "next"):  # the job's first save after the load, then its next save (the same structure)
         steps, synth0, gc0 = Steps(sim), sim.synth_cpu, sim.synth_gc
         sim.sent, sim.received = {}, {}
-        with Meter() as m:
+        with Meter() as m, collector_paused():
             if kept is None:
                 with steps("LoadedStructure of the loaded step"):
                     kept = LoadedStructure.of(committed, rank, args.ranks)
