@@ -390,13 +390,16 @@ class Coordinator:
         the rank that would receive it, before anything is allocated for it: every rank
         raises CollectiveError naming the ranks (the exchange of lengths is itself the
         agreement). Bounded in time by the group's timeout (PeerLost), as every step.
-        :attr:`exchanged` is then ``(bytes sent, bytes received)``, this rank's own included."""
+        :attr:`exchanged` is then ``(bytes sent, bytes received)``, this rank's own included.
+        An empty list travels as no bytes at all (neither pickled nor unpickled): at
+        large R most pairs of ranks have nothing for each other."""
         if len(objs) != self.world_size:
             raise ValueError(f"{step}: {len(objs)} payloads for {self.world_size} ranks")
-        blobs = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
+        blobs = [b"" if type(o) is list and not o else pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)
+                 for o in objs]
         if self.group is None:
             self.exchanged = (len(blobs[0]), len(blobs[0]))
-            return [pickle.loads(blobs[0])]
+            return [pickle.loads(blobs[0]) if blobs[0] else []]
         too_big = [r for r, b in enumerate(blobs) if len(b) > limit]
         # a rank with a payload over the limit announces -1 to every rank: all refuse together
         lengths = torch.tensor([-1 if too_big else len(b) for b in blobs], dtype=torch.int64)
@@ -420,7 +423,7 @@ class Coordinator:
         self.exchanged = (len(send), len(recv))
         data, out, at = recv.numpy().tobytes(), [], 0
         for n in counts:
-            out.append(pickle.loads(data[at:at + n]))
+            out.append(pickle.loads(data[at:at + n]) if n else [])
             at += n
         return out
 

@@ -51,6 +51,10 @@ def _plans(rank: int, world: int, layouts: tuple) -> dict:
             owned = plan_by_owners(coord, local, writer=how)
             out[layout, how] = ([_key(i) for i in owned.plan.items], owned.state_dict_metadata, owned.planner_data,
                                 owned.received)
+    # Coordinator.all_to_all_objects: an empty list travels as no bytes; anything else as it is
+    sent = [[] if r % 2 else [rank, r] for r in range(world)]
+    sent[rank] = () if rank % 2 else sent[rank]  # an empty tuple is not an empty list: it travels
+    out["a2a"] = (coord.all_to_all_objects(sent, "test", limit=1 << 20), coord.exchanged)
     return out
 
 
@@ -107,6 +111,18 @@ def test_spread_writers_write_each_item_once_from_a_rank_that_holds_it(four, lay
             assert sorted(map(str, sdm[fqn].chunks)) == sorted(map(str, entry.chunks))
     if layout == "ddp":  # replicated tensors: written by more than one rank
         assert sum(1 for r in four if r[layout, "spread"][0]) > 1
+
+
+def test_all_to_all_objects_sends_no_bytes_for_an_empty_list(four):
+    import pickle
+
+    for me, r in enumerate(four):
+        got, (out, inn) = r["a2a"]
+        want = [() if p == me and p % 2 else ([] if me % 2 else [p, me]) for p in range(4)]
+        assert got == want and [type(x) for x in got] == [type(x) for x in want], (me, got)
+        mine = [() if me % 2 and p == me else ([] if p % 2 else [me, p]) for p in range(4)]
+        assert out == sum(len(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)) for x in mine if x != []), (me, out)
+        assert inn == sum(len(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)) for x in want if x != []), (me, inn)
 
 
 def test_no_rank_receives_much_more_than_its_share_of_the_records(four):
