@@ -401,30 +401,6 @@ class Steps:
         return _Step()
 
 
-def dcp_plan_step(sim: OwnersSim, planner, writer, rank: int, local):
-    """DCP's ``reduce_scatter("plan")`` from this rank's ``local`` plan (the planner's):
-    the writer's prepare, gathered on rank 0 (the peers' are this rank's: every rank
-    sends the same empty plan or tag), ``create_global_plan`` and the writer's
-    ``prepare_global_plan`` there, each rank's plan scattered; then ``finish_plan``."""
-    local = writer.prepare_local_plan(local)
-    blob = pickle.dumps(local)
-    R = sim.world_size
-    if rank == 0:
-        plans = [local] + [pickle.loads(blob) for _ in range(R - 1)]
-        plans, md = planner.create_global_plan(plans)
-        plans = writer.prepare_global_plan(plans)
-        out = [pickle.dumps(p) for p in plans]
-        sim.count(PLAN_STEP, sum(len(b) for b in out[1:]), len(blob) * (R - 1))
-        central = pickle.loads(out[0])
-        del out
-    else:  # rank 0's: the plan it scatters here, and the Metadata it broadcasts at the end of the write
-        md = sim._synth(lambda: planner.create_global_plan([local])[1])
-        central = sim._synth(
-            lambda: writer.prepare_global_plan(planner.create_global_plan([local] * (rank + 1))[0])[rank])
-        sim.count(PLAN_STEP, len(blob), len(pickle.dumps(central)))
-    return planner.finish_plan(central), md
-
-
 def dcp_local_steps(sim: OwnersSim, planner, writer, rank: int, local):
     """DCP's save with ``use_collectives=False`` (a save planned by owners): this rank's
     ``local`` plan through the writer's prepare, ``create_global_plan`` and
@@ -440,21 +416,6 @@ def dcp_local_finish(sim: OwnersSim, writer, md) -> None:
     this rank's own (empty) results, then one barrier (no payload: nothing counted, as
     ``bench/real_ranks.py`` counts none)."""
     writer.finish(md, [[]])
-
-
-def dcp_write_step(sim: OwnersSim, writer, mine, md, rank: int) -> None:
-    """DCP's ``all_reduce("write")``: each rank's write results (as the writer returns
-    them) gathered on rank 0, the writer's ``finish`` there, and the Metadata DCP's plan
-    made (empty: the planners keep the job's on rank 0) broadcast to every rank."""
-    blob = pickle.dumps(mine)
-    R = sim.world_size
-    final = len(pickle.dumps([md]))
-    if rank == 0:
-        got = [mine] + [pickle.loads(blob) for _ in range(R - 1)]
-        sim.count(WRITE_STEP, final * (R - 1), len(blob) * (R - 1))
-        writer.finish(md, got)
-    else:
-        sim.count(WRITE_STEP, len(blob), final)
 
 
 def write_results(items: list, rank: int, places: dict | None = None) -> list:
@@ -526,29 +487,29 @@ def _resumed_save(sim: OwnersSim, steps: Steps, sd: dict, kept, rank: int, folde
     """A save planned from a kept structure (``kept``: SavedStructure or LoadedStructure):
     what ``RankWriter.write`` runs for it, the data write left out."""
     from cloudckpt._torch_compat import ResumedSavePlanner
-    from cloudckpt.dcp.writer import RankResults, results_digest
 
     with steps("any_rank: plan by owners or from the kept step"):
         sim.any_rank([False], "plan by owners or from the loaded step")
-    planner = ResumedSavePlanner(kept.final_plan)
+    planner = ResumedSavePlanner(kept.final_plan, sim)
     writer = _writer(folder, loaded=kept if rank == 0 else None)
     with steps("DCP's local plan, from the kept structure"):
         planner.set_up_planner(sd, None, rank == 0)
-        writer.set_up_storage_writer(rank == 0)
-        local = planner.create_local_plan()
-    if planner.expected is None:
-        return {"error": f"not planned from the kept step: {local.planner_data}"}
+        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=False)
+        try:
+            local = planner.create_local_plan()  # with the agreement that every rank's state has the structure
+        except Exception as e:  # noqa: BLE001 - reported
+            return {"error": f"not planned from the kept step: {e}"}
     with steps(PLAN_STEP):
-        final, md = dcp_plan_step(sim, planner, writer, rank, local)
+        final, md = dcp_local_steps(sim, planner, writer, rank, local)
     results = sim._synth(lambda: write_results(final.items, rank, places_of(planner)))
-    with steps("write results: digest, same places"):
-        digest = results_digest(results)
+    with steps("write results: same places"):
         same = len(results) == len(planner.expected) and all(
             planner.expected.get(wr.index) == (wr.storage_data.relative_path, wr.storage_data.offset,
                                                wr.storage_data.length) for wr in results)
-        writer._resumed = True
+        writer._resumed, writer._moved, writer.results = True, not same, [] if same else results
     with steps(WRITE_STEP):
-        dcp_write_step(sim, writer, RankResults(digest, None if same else results), md, rank)
+        dcp_local_finish(sim, writer, md)
+        writer.finish_kept(sim)  # what RankWriter.write runs after DCP's save
     return {"items": len(final.items), "same_places": same}
 
 

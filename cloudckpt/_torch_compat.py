@@ -12,6 +12,8 @@ touches it.)
 
 from __future__ import annotations
 
+from typing import Any
+
 # ---------------------------------------------------------------------- plain torch
 # checked: 2.13. ``_element_size(dtype)``: bytes per element of a dtype (RuntimeError
 # for a non-dtype). Used by the DCP writer to size a chunk without a tensor.
@@ -307,21 +309,24 @@ class ResumeMismatch(Exception):
 
 
 class ResumedSavePlanner(_BalancedSavePlanner):
-    """A save planned from the step this job loaded (checkpoint/structure.py): no rank
-    sends its plan. ``final_plan(items)``: this rank's final write items and where each
-    lay in the loaded step, or why its state differs.
+    """A save planned from the step this job loaded or saved last (checkpoint/structure.py):
+    no rank sends its plan, and DCP runs with no collective (``use_collectives=False``).
+    ``final_plan(items)``: this rank's final write items and where each lay in the kept
+    step, or why its state differs; ``coord``: the job's Coordinator.
 
-    checked: 2.13. ``create_local_plan`` returns an empty, unusable ``SavePlan`` whose
-    ``planner_data`` is a small tag (ok, or the reason it is not), so DCP's plan gather
-    carries a few bytes a rank; the coordinator's ``create_global_plan`` raises
-    ResumeMismatch unless every tag is ok, else hands every rank an empty plan (the
-    storage writer's ``prepare_global_plan`` gives each its file prefix) and an empty
-    CoordinatorMetadata (the writer's ``finish`` places the loaded step's ``.metadata``);
-    ``finish_plan`` returns the rank's own final plan with that prefix."""
+    checked: 2.13. ``create_local_plan`` asks every rank whether its state differs (one
+    all_reduce of a byte, ``coord.any_rank``) and raises ResumeMismatch on every rank if
+    one does (each differing rank names its reason); else it returns an empty, unusable
+    ``SavePlan`` tagged ok, which ``create_global_plan`` (every rank, on its own plan)
+    checks and hands back empty (the storage writer's ``prepare_local_plan`` gave it the
+    rank's file prefix) with an empty CoordinatorMetadata (the writer's ``finish_kept``
+    places the kept step's ``.metadata`` after the save); ``finish_plan`` returns the
+    rank's own final plan with that prefix."""
 
-    def __init__(self, final_plan):
+    def __init__(self, final_plan, coord: Any):
         super().__init__(enable_plan_caching=False)
         self._final_plan = final_plan
+        self._coord = coord
         self.expected: dict | None = None  # {MetadataIndex: (file, offset, length)} in the loaded step
         self._items: list = []
 
@@ -333,8 +338,9 @@ class ResumedSavePlanner(_BalancedSavePlanner):
             got = self._final_plan(plan.items)
         except Exception as e:  # noqa: BLE001 - never a save that fails at every try: a full save, said why
             got = f"planning from the loaded step failed: {type(e).__name__}: {e}"
-        if isinstance(got, str):
-            return SavePlan([], planner_data=(_RESUMED, got[:300]), usable=False)
+        if self._coord.any_rank([isinstance(got, str)], "plan from the kept step")[0]:
+            why = f"here: {got[:300]}" if isinstance(got, str) else "on another rank"
+            raise ResumeMismatch(f"the state differs from the kept step ({why})")
         self._items, self.expected = got
         return SavePlan([], planner_data=(_RESUMED, None), usable=False)
 
@@ -348,7 +354,8 @@ class ResumedSavePlanner(_BalancedSavePlanner):
             shown = "; ".join(f"rank {r}: {why}" for r, why in sorted(bad.items())[:4])
             raise ResumeMismatch(f"the state differs from the loaded step on {len(bad)} rank(s) ({shown})")
         self.metadata = CoordinatorMetadata(state_dict_metadata={})
-        return [SavePlan([], usable=False) for _ in all_plans], self.metadata
+        # each plan keeps the file prefix the writer's prepare_local_plan gave it (``__{rank}_``)
+        return [SavePlan([], storage_data=p.storage_data, usable=False) for p in all_plans], self.metadata
 
     def finish_plan(self, new_plan):
         self.plan = dataclasses.replace(new_plan, items=list(self._items), planner_data=None, usable=True)

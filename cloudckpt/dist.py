@@ -190,7 +190,8 @@ class Coordinator:
     def lost_in_dcp(self, e: BaseException, *, where: str | None = None) -> PeerLost | None:
         """The PeerLost for ``e``, raised out of ``dcp.save`` on this group, when it is
         gloo's error for a peer that is gone (named by DCP's collective: ``DCP's save
-        plan`` or ``DCP's save finish``); else None. The group is spent from now on."""
+        plan``, ``DCP's save finish``, or ``DCP's barrier`` where DCP runs with no
+        collective but its closing barrier); else None. The group is spent from now on."""
         if self.group is None or peer_gone(e) is None:
             return None
         names = [f.f_code.co_name for f, _ in traceback.walk_tb(e.__traceback__)

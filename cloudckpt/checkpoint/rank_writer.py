@@ -173,7 +173,7 @@ class RankWriter:
             writer = self._writer(work, on_file, loaded, owned is not None)
             with quiet_dcp():
                 chosen = owned or (planner if loaded is None else
-                                   _flavoured(ResumedSavePlanner(loaded.final_plan), flavour))
+                                   _flavoured(ResumedSavePlanner(loaded.final_plan, self.coord), flavour))
                 while True:
                     try:
                         self._dcp_save(writer, state_dict, chosen, flavour)
@@ -194,6 +194,8 @@ class RankWriter:
                                  "by owners" if owned is not None else "from every rank's plan")
                         chosen = owned or planner
                         writer = self._writer(work, on_file, None, owned is not None)
+            if isinstance(chosen, ResumedSavePlanner):  # every rank: .metadata and the header placed by rank 0
+                writer.finish_kept(self.coord)
             if owned is not None:
                 header_bytes = self._assemble(step, writer, owned, uploads)
                 on_commit = lambda ref, marker: self._keep_saved(ref, marker, owned, writer.results,  # noqa: E731
@@ -291,10 +293,12 @@ class RankWriter:
             key = f"{self.coord.world_size}:{self.coord.rank}" + (f":{flavour.__qualname__}" if flavour else "")
             planner = _flavoured(caching_save_planner(key), flavour)
         try:
-            # planned by owners: DCP's gathers of plans and of results would carry nothing (its
-            # coordinator makes no Metadata), so DCP runs with none (one barrier at its end)
+            # planned by owners or from a kept structure: DCP's gathers of plans and of write results
+            # would carry nothing the ranks cannot agree on by an all_reduce (its coordinator makes no
+            # Metadata), so DCP runs with none (one barrier at its end)
             dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=self.coord.group,
-                     no_dist=self.coord.local, use_collectives=not isinstance(planner, OwnersSavePlanner))
+                     no_dist=self.coord.local,
+                     use_collectives=not isinstance(planner, (OwnersSavePlanner, ResumedSavePlanner)))
         except BaseException:
             writer.abandoned()
             raise

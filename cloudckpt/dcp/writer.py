@@ -235,18 +235,34 @@ class UploadingWriter(FileSystemWriter):
         self._resumed = False  # this save was planned from the loaded step (ResumedSavePlanner)
         self._owners = owners
         self.results: list = []  # a save planned by owners: this rank's WriteResults
-        self.error: BaseException | None = None  # a save planned by owners: what writing raised here
+        self.error: BaseException | None = None  # planned by owners or from a kept step: what writing raised
+        self._moved = False  # planned from a kept step: this rank's results are not where they were
         self._lock = threading.Lock()
 
-    def write_data(self, plan, planner):
-        if not self._owners:
-            return self._write_plan(plan, planner)
-        # planned by owners, DCP runs with no collective: a rank that raised here would leave
-        # its peers waiting; its error is kept (``error``) and raised by every rank after the save
+    # DCP with no collective (a save planned by owners or from a kept structure): a rank that
+    # raised in DCP's steps would leave its peers waiting in DCP's closing barrier; its error is
+    # kept (``error``) and raised by every rank in the agreement that follows the save
+
+    def prepare_local_plan(self, plan):
+        if self.use_collectives:
+            return super().prepare_local_plan(plan)
         try:
+            return super().prepare_local_plan(plan)
+        except BaseException as e:  # noqa: BLE001 - raised on every rank by the caller's agreement
+            self.error = self.error or e
+            return plan
+
+    def write_data(self, plan, planner):
+        if isinstance(planner, ResumedSavePlanner):
+            self._resumed = True
+        if self.use_collectives:
             return self._write_plan(plan, planner)
-        except BaseException as e:  # noqa: BLE001 - raised on every rank by the caller's agree
-            self.error = e
+        try:
+            if self.error is not None:  # this rank's preparation failed: nothing to write
+                raise self.error
+            return self._write_plan(plan, planner)
+        except BaseException as e:  # noqa: BLE001 - raised on every rank by the caller's agreement
+            self.error = self.error or e
             out: Future = Future()
             out.set_result([])
             return out
@@ -275,13 +291,15 @@ class UploadingWriter(FileSystemWriter):
             out.set_result([])
             return out
         self._digest = results_digest(results)
-        if isinstance(planner, ResumedSavePlanner):  # None: every result where the loaded step had it
+        if isinstance(planner, ResumedSavePlanner):  # every result where the kept step had it: nothing moved
             self._resumed = True
             same = planner.expected is not None and len(results) == len(planner.expected) and all(
                 planner.expected.get(wr.index) == (wr.storage_data.relative_path, wr.storage_data.offset,
                                                    wr.storage_data.length) for wr in results)
+            self.results = [] if same else results
+            self._moved = not same
             out = Future()
-            out.set_result(RankResults(self._digest, None if same else results))
+            out.set_result([])
             return out
         same = self._cache_dir is not None and self.index_cache.get(_SENT) == self._digest
         out: Future = Future()
@@ -315,11 +333,8 @@ class UploadingWriter(FileSystemWriter):
         costs the coordinator O(R) here instead of O(R x T). ``Metadata.storage_meta``
         is not written (stock readers supply one), so the bytes are the same from save
         to save."""
-        if self._owners:  # the ranks assemble .metadata and the index header after the save
+        if self._owners or self._resumed or not self.use_collectives:  # placed by the ranks after the save
             self.index_cache.pop(_MERGED, None)
-            return
-        if self._resumed:
-            self._finish_resumed(results)
             return
         prev = self.index_cache.pop(_MERGED, None)
         for r, got in enumerate(results):
@@ -375,15 +390,36 @@ class UploadingWriter(FileSystemWriter):
             f.write(data)
         self._on_file(path, None)
 
-    def _finish_resumed(self, results) -> None:
-        """``finish`` of a save planned from the loaded step. Every rank's results where
-        the loaded step had them: its ``.metadata`` is copied inside the store
-        (``on_file(path, None, copy_of=loaded)``) and its index header's bytes written
-        again. Else the loaded ``.metadata`` (read once) with the moved ranks' results
-        put in is written, and its header built, as a first save does."""
+    def finish_kept(self, coord: Any) -> None:
+        """Every rank, after DCP's save of a plan from a kept structure (it ran with no
+        collective): every rank's write succeeded (else every rank raises what the
+        lowest failing rank met: one all_reduce), then whether any rank's write results
+        moved from where the kept step had them (one all_reduce of a byte); only then
+        are the moved ranks' results gathered on the coordinator, which places the
+        step's ``.metadata`` and index header (:meth:`_finish_resumed`). Nothing here
+        grows with the world size unless results moved."""
+        def outcome() -> bool:
+            if self.error is not None:
+                raise self.error
+            return self._moved
+
+        moved = coord.agree("the writes of a save planned from the kept step", outcome)
+        lists: list = []
+        if coord.any_rank([moved], "did any rank's write results move")[0]:
+            got = coord.to_coordinator("the write results that moved", lambda: self.results if moved else None)
+            lists = [r for r in got or () if r is not None]
+        if coord.is_coordinator:
+            self._finish_resumed(lists)
+
+    def _finish_resumed(self, moved: list) -> None:
+        """The coordinator, for a save planned from the loaded step (``moved``: the
+        write results of each rank whose results moved). None moved: the loaded step's
+        ``.metadata`` is copied inside the store (``on_file(path, None,
+        copy_of=loaded)``) and its index header's bytes written again. Else the loaded
+        ``.metadata`` (read once) with the moved ranks' results put in is written, and
+        its header built, as a first save does."""
         self.index_cache.pop(_MERGED, None)
         meta_path = os.path.join(str(self.path), ".metadata")
-        moved = [got.results for got in results if got.results is not None]
         if not moved:
             self._on_file(meta_path, None, copy_of=self._loaded)
             self.put_index_header(self._loaded.header_bytes)

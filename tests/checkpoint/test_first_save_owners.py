@@ -122,6 +122,11 @@ def save_two(rank, world, url, work, stock_dir):
         with _PlanGather() as later:
             ck.save(f"{url}/step3", _state(world))
             ck.save(f"{url}/step5", _state(world, names=GROWN))  # results moved: .metadata rebuilt on rank 0
+        with _failing(rank, "write"):  # planned from step 5's structure, DCP uncollective: rank 1's write fails
+            try:
+                ck.save(f"{url}/step6", _state(world, names=GROWN))
+            except SaveFailed as e:
+                failed["kept write"] = str(e)
     return {"first": first.largest, "later": later.largest, "failed": failed, "kept": kept}
 
 
@@ -192,6 +197,7 @@ def test_a_first_save_is_planned_by_owners_assembled_in_the_store_and_loads_ever
     # raises rank 1's error too, in the agreement that follows DCP's save
     for how in ("put_piece", "complete", "fragment", "write"):
         assert f"injected: {how} fails on rank" in two[0]["failed"].get(how, ""), (how, two[0]["failed"])
+    assert "injected: write fails on rank 1" in two[0]["failed"].get("kept write", ""), two[0]["failed"]
     store = open_store(url)
     left = [e.url for e in store.list(f"{url}/step2/", delimiter=None) if not e.is_prefix]
     assert not left, f"a failed assembly left objects behind: {left}"

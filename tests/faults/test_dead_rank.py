@@ -6,8 +6,8 @@ resumes from the previous step, bit-exact.
 
 Where the victim stops, and the step every survivor names:
 
-- in DCP's write of step 2 (its data not written): ``DCP's save finish`` (DCP's gather
-  of every rank's write results on rank 0);
+- in DCP's write of step 2 (its data not written): ``DCP's barrier`` (step 2 is planned
+  from step 1's structure: DCP runs with no collective but its closing barrier);
 - in AGREE of step 2 (its part not reported): ``agree``;
 - in the load's read of step 1 (after the read-once exchange's census): ``load read``.
 
@@ -32,7 +32,7 @@ from cloudckpt.checkpoint import layout
 from . import checks, dead_rank_workers, workers
 
 TIMEOUT = 10.0  # collective_timeout of the ranks: the bound a survivor waits for a silent peer
-STEP = {"write": "DCP's save finish", "agree": "agree", "read": "load read"}
+STEP = {"write": "DCP's barrier", "agree": "agree", "read": "load read"}
 
 
 def _run(tmp_path, world_size: int, phase: str, victim: int, sig: str = "SIGKILL", timeout: float = TIMEOUT):

@@ -571,6 +571,7 @@ def _warm() -> None:
     if target:
         mod, fn = target.split(":")
         getattr(importlib.import_module(mod), fn)()
+    _settle(10.0)  # a transfer engine's idle threads exit by themselves: on a loaded machine, not at once
     if threading.active_count() != 1:
         raise RuntimeError(f"the sandbox zygote started threads while warming up: {threading.enumerate()}")
 
