@@ -207,57 +207,34 @@ class Probe:
         for op in self.CALLS:
             self._patch(tdist, op, lambda orig, op=op: call(orig, op))
 
-        def step(orig, name):
-            def wrapped(coord, *a, **kw):
-                # the step's name: its first string argument (all_to_all_objects, any_rank: the second)
-                named = kw.get("step") or next((x for x in a[:2] if isinstance(x, str)), None)
-                t = self._enter(named or name)
+        def named(orig, name_of):
+            """``orig`` run as the step ``name_of(args, kwargs)`` names (None: as it is)."""
+            def wrapped(*a, **kw):
+                name = name_of(a, kw)
+                if name is None:
+                    return orig(*a, **kw)
+                t = self._enter(name)
                 try:
-                    return orig(coord, *a, **kw)
+                    return orig(*a, **kw)
                 finally:
                     self._leave(t)
             return wrapped
+
+        def coord_step(default):  # its first string argument (all_to_all_objects, any_rank: the second)
+            return lambda a, kw: kw.get("step") or next((x for x in a[1:3] if isinstance(x, str)), None) or default
+
+        def outside(a, kw):  # a transfer outside any named step (the index header's layouts to rank 0)
+            return None if self._stack() else "point to point (outside a named step)"
 
         for name in self.COORD:
-            self._patch(dist.Coordinator, name, lambda orig, name=name: step(orig, name))
-
-        def p2p(orig):  # a transfer outside any named step (the index header's layouts to rank 0) gets a name
-            def wrapped(coord, *a, **kw):
-                if self._stack():
-                    return orig(coord, *a, **kw)
-                t = self._enter("point to point (outside a named step)")
-                try:
-                    return orig(coord, *a, **kw)
-                finally:
-                    self._leave(t)
-            return wrapped
-
+            self._patch(dist.Coordinator, name, lambda orig, name=name: named(orig, coord_step(name)))
         for name in ("send_bytes", "recv_bytes"):
-            self._patch(dist.Coordinator, name, p2p)
+            self._patch(dist.Coordinator, name, lambda orig: named(orig, outside))
         wrapper = saver._DistWrapper  # DCP's named collective steps ("plan", "write")
-
-        def dcp_step(orig):
-            def wrapped(self_, name, *a, **kw):
-                t = self._enter(f"dcp {name}")
-                try:
-                    return orig(self_, name, *a, **kw)
-                finally:
-                    self._leave(t)
-            return wrapped
-
         for name in ("reduce_scatter", "all_reduce", "all_gather"):
-            self._patch(wrapper, name, dcp_step)
-
-        def dcp_barrier(orig):  # DCP's closing barrier when it runs with no collective (planned by owners)
-            def wrapped(self_, *a, **kw):
-                t = self._enter("dcp write")
-                try:
-                    return orig(self_, *a, **kw)
-                finally:
-                    self._leave(t)
-            return wrapped
-
-        self._patch(wrapper, "barrier", dcp_barrier)
+            self._patch(wrapper, name, lambda orig: named(orig, lambda a, kw: f"dcp {a[1]}"))
+        # DCP's closing barrier when it runs with no collective (planned by owners or from a kept step)
+        self._patch(wrapper, "barrier", lambda orig: named(orig, lambda a, kw: "dcp write"))
         return self
 
     def uninstall(self) -> None:
