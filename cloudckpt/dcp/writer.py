@@ -150,6 +150,13 @@ class _NotifyingFileSystem(FileSystem):
         self._on_closed(str(new_path), sums)
 
 
+def _done(value: Any) -> Future:
+    """A Future already holding ``value`` (what DCP's ``write_data`` returns)."""
+    out: Future = Future()
+    out.set_result(value)
+    return out
+
+
 @dataclass(frozen=True)
 class RankResults:
     """What a rank hands DCP's gather of write results (``write_data``'s value, which
@@ -258,14 +265,17 @@ class UploadingWriter(FileSystemWriter):
         if self.use_collectives:
             return self._write_plan(plan, planner)
         try:
-            if self.error is not None:  # this rank's preparation failed: nothing to write
-                raise self.error
+            self.raise_error()  # this rank's preparation failed: nothing to write
             return self._write_plan(plan, planner)
         except BaseException as e:  # noqa: BLE001 - raised on every rank by the caller's agreement
             self.error = self.error or e
-            out: Future = Future()
-            out.set_result([])
-            return out
+            return _done([])
+
+    def raise_error(self) -> None:
+        """Raise what this rank's preparation or writes met while DCP ran with no
+        collective (kept in :attr:`error`), if anything."""
+        if self.error is not None:
+            raise self.error
 
     def _write_plan(self, plan, planner):
         # More, smaller files than stock DCP (one per thread) so uploads start while
@@ -287,24 +297,16 @@ class UploadingWriter(FileSystemWriter):
         self.index_items = index.part_items(items, results)
         if self._owners:  # the rank's own .metadata fragment and index entries come from these, after the save
             self.results = results
-            out = Future()
-            out.set_result([])
-            return out
-        self._digest = results_digest(results)
-        if isinstance(planner, ResumedSavePlanner):  # every result where the kept step had it: nothing moved
-            self._resumed = True
+            return _done([])
+        if isinstance(planner, ResumedSavePlanner):  # kept here: finish_kept tells whether any rank's moved
             same = planner.expected is not None and len(results) == len(planner.expected) and all(
                 planner.expected.get(wr.index) == (wr.storage_data.relative_path, wr.storage_data.offset,
                                                    wr.storage_data.length) for wr in results)
-            self.results = [] if same else results
-            self._moved = not same
-            out = Future()
-            out.set_result([])
-            return out
+            self.results, self._moved = ([] if same else results), not same
+            return _done([])
+        self._digest = results_digest(results)
         same = self._cache_dir is not None and self.index_cache.get(_SENT) == self._digest
-        out: Future = Future()
-        out.set_result(RankResults(self._digest, None if same else results))
-        return out
+        return _done(RankResults(self._digest, None if same else results))
 
     def completed(self) -> None:
         """DCP's save returned on this rank (the coordinator's finish merged what this
@@ -399,8 +401,7 @@ class UploadingWriter(FileSystemWriter):
         step's ``.metadata`` and index header (:meth:`_finish_resumed`). Nothing here
         grows with the world size unless results moved."""
         def outcome() -> bool:
-            if self.error is not None:
-                raise self.error
+            self.raise_error()
             return self._moved
 
         moved = coord.agree("the writes of a save planned from the kept step", outcome)
