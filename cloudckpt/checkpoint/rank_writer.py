@@ -168,6 +168,7 @@ class RankWriter:
         writer: UploadingWriter | None = None
         error: BaseException | None = None
         try:
+            self._agree_on_kept(step, planner)
             owned = _flavoured(self._owners_planner(step, planner), flavour)
             loaded = self._loaded if owned is None and planner is None and step is not None else None
             writer = self._writer(work, on_file, loaded, owned is not None)
@@ -245,19 +246,25 @@ class RankWriter:
                                index_cache=self._index_cache, cache_dir=self._metadata_cache_dir, loaded=loaded,
                                owners=owners)
 
+    def _agree_on_kept(self, step: StepRef | None, planner: Any) -> None:
+        """Every rank plans this save from its kept structure (loaded, or saved by owners)
+        or none does: a save planned from one runs DCP with no collective, any other with
+        DCP's, so ranks that disagree (one could not keep it) all drop it. One all_reduce
+        of a byte, on every rank of a save with our planner to a step, on more than one
+        rank (the same condition everywhere)."""
+        if planner is None and step is not None and self.coord.world_size > 1:
+            if self.coord.any_rank([self._loaded is None], "plan by owners or from the loaded step")[0]:
+                self._loaded = None
+
     def _owners_planner(self, step: StepRef | None, planner: Any) -> OwnersSavePlanner | None:
         """The planner of a save planned by owners (the module docstring), or None where
         this save plans otherwise: a later save, a caller's planner, a local step, one
-        process, a store that cannot assemble ``.metadata``, or every rank keeps the
-        loaded step's structure (then planned from it). Ranks that disagree on the last
-        (one all_reduce of a byte) all plan by owners and drop it. The same answer on
-        every rank; collective where a save may be planned by owners."""
+        process, a store that cannot assemble ``.metadata``, or the ranks keep a
+        structure (:meth:`_agree_on_kept`: then planned from it). The same answer on
+        every rank."""
         if (not self.owners_first_save or self._planned or planner is not None or step is None
-                or self.coord.world_size < 2 or not step.store.assembles_objects):
+                or self.coord.world_size < 2 or not step.store.assembles_objects or self._loaded is not None):
             return None
-        if not self.coord.any_rank([self._loaded is None], "plan by owners or from the loaded step")[0]:
-            return None
-        self._loaded = None
         return OwnersSavePlanner(self.coord, shared_limit=MIN_PIECE_BYTES, small=SMALL_SHARED_BYTES)
 
     def _assemble(self, step: StepRef, writer: UploadingWriter, owned: OwnersSavePlanner,
@@ -268,8 +275,7 @@ class RankWriter:
         bytes on rank 0, None elsewhere. Collective; raises on every rank what any rank met."""
         coord, url = self.coord, step.url_of(layout.DCP_METADATA)
         def fragment() -> bytes:
-            if writer.error is not None:  # DCP ran with no collective: this rank's write failed
-                raise writer.error
+            writer.raise_error()  # DCP ran with no collective: this rank's writes may have failed
             return fragment_of(owned.owned, writer.results)
 
         mine = coord.agree("the .metadata fragments of " + step.url, fragment)

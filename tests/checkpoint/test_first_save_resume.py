@@ -245,14 +245,16 @@ def test_a_changed_structure_falls_back_to_a_first_save(s3_bucket, tmp_path):
     assert all(run_ranks(2, load_wider, url, env=env))
 
 
-def _resume_one_rank_whole(rank, world_size, url, work, whole_rank):
+def _resume_one_rank_whole(rank, world_size, url, work, whole_rank, planned=False):
     """A new job loads step 1; rank ``whole_rank`` keeps no structure of it (as when it
-    could not read it), the other ranks do; then both save steps 2 and 3."""
+    could not read it), the other ranks do; then both save steps 2 and 3. ``planned``:
+    the job had saved with DCP's plan cache before (no save of it is planned by owners)."""
     from cloudckpt import Checkpointer
 
     with Checkpointer(work_dir=work) as ck:
         sd = _state(world_size, zero=True)
         ck.load(f"{url}/step1", sd)
+        ck._writer._planned = planned
         if rank == whole_rank:
             ck._writer._loaded = None
         new = _state(world_size, zero=False, bump=1.0)
@@ -262,17 +264,19 @@ def _resume_one_rank_whole(rank, world_size, url, work, whole_rank):
     return {"largest": g.largest, "calls": g.calls}
 
 
-@pytest.mark.parametrize("whole_rank", [0, 1])
-def test_ranks_that_disagree_on_the_loaded_structure_all_save_as_a_first_save(s3_bucket, tmp_path, whole_rank):
+@pytest.mark.parametrize("whole_rank, planned", [(0, False), (1, False), (1, True)])
+def test_ranks_that_disagree_on_the_loaded_structure_all_save_as_a_first_save(s3_bucket, tmp_path, whole_rank,
+                                                                               planned):
     from cloudckpt.ops import download
 
     env = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
     env["TMPDIR_LOAD"] = str(tmp_path / "load")
     url = f"{s3_bucket}/run"
     run_ranks(2, fresh_save, url, str(tmp_path / "w1"), env=env)
-    got = run_ranks(2, _resume_one_rank_whole, url, str(tmp_path / "w2"), whole_rank, env=env)
+    got = run_ranks(2, _resume_one_rank_whole, url, str(tmp_path / "w2"), whole_rank, planned, env=env)
     # one byte all_reduced says they disagree: step 2 planned by owners, who decline (the replicated
-    # tensor; DCP gathers nothing there), then from every plan; step 3 from DCP's plan cache
+    # tensor; DCP gathers nothing there), then from every plan (with ``planned``: from every plan at
+    # once, DCP's collectives on every rank); step 3 from DCP's plan cache
     assert got[0]["calls"] == 2 and got[0]["largest"] > 5_000, got[0]
     assert all(run_ranks(2, load_back, url, 1.0, "seven", env=env))
     download(f"{url}/step3", str(tmp_path / "dl" / "step3"))
