@@ -59,7 +59,7 @@ class Collectives:
     OBJ = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
     TENSOR = ("all_reduce", "broadcast", "scatter", "gather", "all_gather", "all_to_all_single", "send", "recv",
               "isend", "irecv", "all_gather_into_tensor", "reduce_scatter_tensor")
-    STEPS = ("on_coordinator", "all_ranks", "to_coordinator", "agree", "ask_coordinator", "any_rank",
+    STEPS = ("on_coordinator", "all_ranks", "to_coordinator", "gather_some", "agree", "ask_coordinator", "any_rank",
              "all_gather", "all_to_all_int64")
 
     def __init__(self):

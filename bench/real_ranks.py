@@ -102,8 +102,8 @@ class Probe:
 
     CALLS = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "all_reduce",
              "broadcast", "gather", "scatter", "all_gather", "all_to_all_single", "send", "recv")
-    COORD = ("on_coordinator", "all_ranks", "to_coordinator", "agree", "ask_coordinator", "all_to_all_objects",
-             "all_gather_ints", "any_rank")
+    COORD = ("on_coordinator", "all_ranks", "to_coordinator", "gather_some", "agree", "ask_coordinator",
+             "all_to_all_objects", "all_gather_ints", "any_rank")
 
     def __init__(self):
         self.tls = threading.local()

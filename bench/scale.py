@@ -295,6 +295,66 @@ class SimCoordinator:
             raise (error(step, bad) if error else RuntimeError(f"{step}: {bad}"))
         return [x.value for x in outs]
 
+    def gather_some(self, step: str, fn, *, error=None):
+        """``dist.Coordinator.gather_some``: a rank sends one int64 length and, if its
+        value is not None, the value; rank 0 receives ``R`` lengths (the gather's outputs
+        made as the real one makes them) and the values sent (``_peer_blob``), and runs
+        the library's ``gathered_some`` on them."""
+        import torch
+
+        from cloudckpt import dist
+
+        mine = dist._run(fn)
+        self.kinds[step] = "gather"
+        o = dist._Outcome(mine.ok, mine.value, None, mine.error_text)
+        blob = b"" if mine.ok and mine.value is None else pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)
+        none = len(pickle.dumps(None))  # the failures' broadcast, empty
+        if self.rank != 0:
+            self.sent[step] = self.sent.get(step, 0) + 8 + len(blob)
+            self.received[step] = self.received.get(step, 0) + none
+            if not mine.ok:
+                raise (error(step, {self.rank: mine.error_text}) if error else RuntimeError(mine.error_text))
+            return None
+        blobs, filled = self._synth(lambda: self._peer_blobs(step, mine, len(blob)))
+        sizes = torch.empty(self.world_size, dtype=torch.int64)  # what dist.gather_some makes for the lengths
+        outputs = list(sizes.view(-1, 1).unbind(0))
+        sizes.copy_(filled)  # gloo's gather (its copy into each output, in C++, is not counted)
+        del outputs
+        outs = dist.gathered_some(o, sizes.tolist(), lambda r, n: blobs.pop(r))
+        self.sent[step] = self.sent.get(step, 0) + none * (self.world_size - 1)
+        self.received[step] = self.received.get(step, 0) + 8 * (self.world_size - 1) + int(sizes[1:].sum())
+        bad = {r: x.error_text for r, x in enumerate(outs) if x is not None and not x.ok}
+        if bad:
+            raise (error(step, bad) if error else RuntimeError(f"{step}: {bad}"))
+        return [None if x is None else x.value for x in outs]
+
+    def _synth(self, fn):
+        """``fn()``, its CPU counted as the peers' (``synth_cpu``), not this rank's."""
+        t = time.process_time()
+        try:
+            return fn()
+        finally:
+            self.synth_cpu += time.process_time() - t
+
+    def _peer_blobs(self, step: str, mine, own: int) -> tuple:
+        """The peers' payloads of :meth:`gather_some` (``{rank: bytes}``, the ranks that
+        send one) and every rank's length as gloo's gather fills them."""
+        import torch
+
+        blobs = {r: b for r in range(1, self.world_size) if (b := self._peer_blob(step, mine, r))}
+        lengths = [own] + [len(blobs.get(r, b"")) for r in range(1, self.world_size)]
+        return blobs, torch.tensor(lengths, dtype=torch.int64)
+
+    def _peer_blob(self, step: str, mine, r: int) -> bytes:
+        """What rank ``r`` sends in :meth:`gather_some`: nothing where this rank's value is
+        None, else this rank's value as rank ``r`` would send it (``peer_value``)."""
+        from cloudckpt import dist
+
+        if not mine.ok or mine.value is None:
+            return b""
+        return pickle.dumps(dist._Outcome(True, peer_value(mine.value, self.rank, r, self.peer_objects)),
+                            protocol=pickle.HIGHEST_PROTOCOL)
+
 
     def agree(self, step: str, fn):
         """``dist.Coordinator.agree``: this rank's value; one all_reduce of an int64."""

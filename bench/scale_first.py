@@ -314,31 +314,26 @@ class OwnersSim(SimCoordinator):
             value = super().on_coordinator(step, fn)
         if step.startswith("begin the assembly"):
             self.peers.assembly = value
+        if step == ASK_LAYOUTS:  # the asked owners send their layouts next, point to point
+            self.peers.asks, self.current = value["asks"], LAYOUTS
         return value
 
-    def to_coordinator(self, step: str, fn, *, error=None):
+    def gather_some(self, step: str, fn, *, error=None):
+        self.current = step  # the uploads of the pieces send their bytes point to point inside it
+        return super().gather_some(step, fn, error=error)
+
+    def _peer_blob(self, step: str, mine, r: int) -> bytes:
         from cloudckpt import dist
 
-        hooked = step.startswith("upload the pieces of") or step == ENTRIES
-        self.current = step
-        if self.rank != 0 or not hooked:
-            return super().to_coordinator(step, fn, error=error)
-        mine = dist._run(fn)
-        if not mine.ok:
-            raise mine.error
-        blobs = self._synth(lambda: [pickle.dumps(dist._Outcome(True, self._peer_value(step, r), None, None))
-                                     for r in range(1, self.world_size)])
-        # torch's gather_object pads every rank's payload to the largest: R of them arrive, in one buffer
-        widest = max([len(pickle.dumps(dist._Outcome(True, mine.value, None, None)))] + [len(b) for b in blobs])
-        padded = bytearray(widest * self.world_size)
-        self.count(step, len(pickle.dumps(None)) * (self.world_size - 1), widest * (self.world_size - 1))
-        values = [mine.value] + [pickle.loads(b).value for b in blobs]
-        del blobs, padded
-        return values
+        if not (step.startswith("upload the pieces of") or step == ENTRIES):
+            return super()._peer_blob(step, mine, r)
+        value = self._peer_value(step, r)
+        return b"" if value is None else pickle.dumps(dist._Outcome(True, value), protocol=pickle.HIGHEST_PROTOCOL)
 
     def _peer_value(self, step: str, r: int):
-        if step == ENTRIES:
-            return self.peers.header_entries(r)
+        if step == ENTRIES:  # a rank that owns no key sends nothing (owners.index_header)
+            entries = self.peers.header_entries(r)
+            return entries if any(entries) else None
         return self._pieces().get(r)
 
     def _pieces(self) -> dict:
@@ -356,25 +351,6 @@ class OwnersSim(SimCoordinator):
             tmp = os.path.join(os.path.dirname(a.url), f".tmp-assembly-{a.token}")
             os.truncate(tmp, sum(sizes))
         return self._piece_values
-
-    def ask_coordinator(self, step: str, request, answer):
-        if step != ASK_LAYOUTS:
-            return super().ask_coordinator(step, request, answer)
-        R, path = self.world_size, self._path(step)
-        if self.rank == 0:
-            replies = answer([list(request)] + [[] for _ in range(R - 1)])
-            self._synth(lambda: Path(path).write_bytes(pickle.dumps(replies)))
-            n = max(len(v) for v in replies)
-            self.peers.asks = replies
-            self.count(step, 8 + 8 * (R - 1) + 8 * (n + 1) * (R - 1), 8 + 8 * (len(request) + 1) * (R - 1))
-            self.current = LAYOUTS
-            return replies[0]
-        replies = self._synth(lambda: pickle.loads(Path(path).read_bytes()))
-        n = max(len(v) for v in replies)
-        self.count(step, 8 + 8 * (len(request) + 1), 8 + 8 + 8 * (n + 1))
-        self.current = LAYOUTS
-        return replies[self.rank]
-
 
 S3_MIN_PIECE, S3_MAX_PIECES = 5 * MiB, 10_000
 HEADER = b""  # set at import of the library (the header's size counts in rank 0's run)

@@ -69,6 +69,19 @@ def _portable(o: _Outcome) -> _Outcome:
     return o
 
 
+def gathered_some(mine: _Outcome, lengths: list[int], recv: Callable[[int, int], bytes]) -> list:
+    """The coordinator's side of :meth:`Coordinator.gather_some`, after the gather of
+    ``lengths`` (one a rank, 0: nothing to send): every rank's outcome in rank order,
+    None where the rank sent nothing; ``recv(rank, n)`` returns the ``n`` bytes that
+    rank sends. (bench/scale.py runs this too, with its simulated ranks' lengths.)"""
+    outs: list = [None] * len(lengths)
+    if not (mine.ok and mine.value is None):
+        outs[0] = mine
+    for r in [r for r, n in enumerate(lengths) if n and r]:
+        outs[r] = pickle.loads(recv(r, lengths[r]))
+    return outs
+
+
 # gloo's texts for a peer that is gone: the time ran out (checked first: "Application
 # timeout caused pair closure"), or its connection closed (the process died)
 _TIMED_OUT = ("timed out", "timeout")
@@ -347,6 +360,46 @@ class Coordinator:
             exc = (error or CollectiveError)(step, failures)
             raise exc from mine.error
         return [x.value for x in outs] if outs is not None else None
+
+    def gather_some(self, step: str, fn: Callable[[], T], *,
+                    error: Callable[[str, dict], BaseException] | None = None) -> list[T | None] | None:
+        """:meth:`to_coordinator` for a step where most ranks have nothing to send (``fn``
+        returns None there): the coordinator receives one int64 length a rank (one
+        gather) and the pickled values of the ranks that have one, point to point; it
+        returns every rank's value in rank order (None for the ranks that sent none),
+        other ranks return None. A rank sends and receives its own value and a few
+        integers; the coordinator, ``world_size`` integers and the values sent. Not
+        ``gather_object``, which all-gathers every rank's size on every rank and pads
+        every rank's value to the largest. Failures as :meth:`to_coordinator`."""
+        mine = _run(fn)
+        if self.group is None:
+            if not mine.ok:
+                raise (error or CollectiveError)(step, {0: mine.error_text}) from mine.error
+            return [mine.value]
+        o = _Outcome(mine.ok, mine.value, None, mine.error_text)
+        blob = b"" if mine.ok and mine.value is None else pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)
+        sizes = torch.empty(self.world_size, dtype=torch.int64) if self.is_coordinator else None
+        outs: list | None = None
+        with self._step(step, own=mine.error):
+            root = dist.get_global_rank(self.group, 0)
+            dist.gather(torch.tensor([len(blob)], dtype=torch.int64),
+                        list(sizes.view(-1, 1).unbind(0)) if sizes is not None else None, dst=root, group=self.group)
+            if sizes is not None:
+                outs = gathered_some(o, sizes.tolist(), lambda r, n: self._recv_exact(r, n))
+            elif blob:
+                dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=root, group=self.group)
+        failures = {r: x.error_text for r, x in enumerate(outs) if x is not None and not x.ok} \
+            if outs is not None else None
+        failures = self._broadcast(failures, step, mine.error)
+        if failures:
+            exc = (error or CollectiveError)(step, failures)
+            raise exc from mine.error
+        return [None if x is None else x.value for x in outs] if outs is not None else None
+
+    def _recv_exact(self, src: int, size: int) -> bytes:
+        buf = torch.empty(size, dtype=torch.uint8)
+        dist.recv(buf, src=dist.get_global_rank(self.group, src), group=self.group)
+        return buf.numpy().tobytes()
 
     # ------------------------------------------------------------ read-once exchange
     # (dcp/exchange.py: a census of the ranges each rank needs, then the bytes between

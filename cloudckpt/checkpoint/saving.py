@@ -117,7 +117,7 @@ def save(coord: Any, engine: TransferEngine, options: CheckpointerOptions, step:
             step.connect_in_background()
         attempt.adopt(coord.on_coordinator("prepare", attempt.prepare))  # the save id; where the objects go
         if needs_work:  # 0700, never through a link; a gather: no rank receives the others' outcomes
-            coord.to_coordinator("work dir", lambda: work.append(private_dir(
+            coord.gather_some("work dir", lambda: work.append(private_dir(
                 options.work_dir, f"step{step.number}-rank{coord.rank}-")), error=SaveFailed.from_failures)
         outcome = produce(attempt.ref, work[0] if work else None)
         reports = coord.to_coordinator("agree", lambda: _report(coord, engine, attempt, attempt.ref, outcome),
@@ -150,7 +150,7 @@ def write_local(coord: Any, produce: Callable[[], RankResult]) -> list:
     agree. Collective. Returns this rank's entries; raises SaveFailed on every rank if
     any rank failed (the caller removes the folders)."""
     outcome = produce()
-    coord.to_coordinator("agree", lambda: outcome.result() and None, error=SaveFailed.from_failures)
+    coord.gather_some("agree", lambda: outcome.result() and None, error=SaveFailed.from_failures)
     return list(outcome.result().objects)
 
 

@@ -157,7 +157,7 @@ def assemble_in_store(coord: Coordinator, store: ObjectStore, url: str, fragment
                                    "its ranks announced")
             return store.put_piece(assembly, run.index, data, offset=run.offset), google_crc32c.value(data)
 
-        uploaded = coord.to_coordinator("upload the pieces of " + url, upload)
+        uploaded = coord.gather_some("upload the pieces of " + url, upload)
 
         def complete() -> ObjectInfo:
             done = sorted((x for x in uploaded if x is not None), key=lambda x: x[0].index)

@@ -271,11 +271,12 @@ def index_header(coord: Coordinator, owned: OwnedPlan, write_results: list, *, d
        offset, length) to the owner of its key: one all-to-all of small records;
     2. (owners -> coordinator) each owner's header entries of its keys: a tensor stored
        whole and a value with its item, a sharded tensor with the id of its layout among
-       the owner's distinct layouts, and each such layout's digest (a gather of O(keys)
-       records in all);
-    3. (coordinator -> owners) for each distinct layout of the job, the first owner that
-       has it sends it, with its chunks' items where only one tensor uses it
-       (``Coordinator.ask_coordinator``: a few integers a rank);
+       the owner's distinct layouts, and each such layout's digest
+       (``Coordinator.gather_some``: O(keys) records in all, from the owners only; a
+       rank that owns no key sends its length, 0);
+    3. (coordinator -> all ranks) for each distinct layout of the job, the first owner
+       that has it sends it, with its chunks' items where only one tensor uses it (a
+       broadcast of the asks: two integers a distinct layout, nothing a rank);
     4. (owners -> coordinator) those layouts, point to point from the owners asked; the
        coordinator writes the header (``index.header_from_layouts``).
 
@@ -291,57 +292,57 @@ def index_header(coord: Coordinator, owned: OwnedPlan, write_results: list, *, d
     where = {(fqn, off): [rel, o, n] for recs in got for fqn, off, rel, o, n in recs}
     del got, places
     kept: list[list] = []  # this owner's distinct layouts: [key, items in chunk order]
-    records = coord.to_coordinator("the owners' entries of the DCP index header",
-                                   lambda: _header_records(owned, where, kept))
-    chosen: dict = {}
 
-    def answer(_requests: list) -> list[list[int]]:
-        chosen.update(_choose_layouts(records))
-        return chosen["asks"]
+    def mine() -> tuple | None:
+        got = _header_records(owned, where, kept)
+        return got if any(got) else None  # a rank that owns no key sends nothing but its length
 
-    asked = coord.ask_coordinator("which owner sends each layout of the DCP index header", [], answer)
-    sent = _layouts_to_coordinator(coord, asked, kept, chosen.get("asks"), limit)
+    records = coord.gather_some("the owners' entries of the DCP index header", mine)
+    # the asked owners' asks only (one a distinct layout of the job): every rank learns its own
+    asks = coord.on_coordinator("which owner sends each layout of the DCP index header",
+                                lambda: _choose_layouts(records))
+    sent = _layouts_to_coordinator(coord, asks["asks"], kept, limit)
     if sent is None:
         return None
-    gid = chosen["gid"]
+    gid = asks["gid"]
     layouts: list = [None] * len(gid)
-    for r, per_owner in enumerate(sent):
+    for r, per_owner in sent.items():
         for k, key, items in per_owner:
             layouts[gid[records[r][2][k]]] = (key, items)
     tensors, values = [], []
-    for tens, vals, digests in records:
+    for tens, vals, digests in (x for x in records if x is not None):
         tensors += [t if t[3] < 0 else [*t[:3], gid[digests[t[3]]], None] for t in tens]
         values += vals
     return header_from_layouts(dcp_version, tensors, values, layouts)
 
 
-def _layouts_to_coordinator(coord: Coordinator, asked: list[int], kept: list, asks: list | None,
-                            limit: int) -> list | None:
+def _layouts_to_coordinator(coord: Coordinator, asks: dict[int, list[int]], kept: list,
+                            limit: int) -> dict | None:
     """Step 4 of :func:`index_header`: each owner asked for layouts sends them to the
-    coordinator point to point; the coordinator returns every rank's list (None
-    elsewhere). Not a gather of objects: torch's pads every rank's payload to the
-    largest, and a layout holds R chunks (R x R on the coordinator and the wire). An
-    owner that cannot build its payload sends its error, which the coordinator raises."""
+    coordinator point to point; the coordinator returns ``{rank: its list}`` of the
+    asked ranks (None elsewhere). Not a gather of objects: torch's pads every rank's
+    payload to the largest, and a layout holds R chunks (R x R on the coordinator and
+    the wire). An owner that cannot build its payload sends its error, which the
+    coordinator raises."""
     if not coord.is_coordinator:
-        if not asked:
+        if coord.rank not in asks:
             return None
         try:
-            mine: tuple = (True, _asked_layouts(asked, kept))
+            mine: tuple = (True, _asked_layouts(asks[coord.rank], kept))
         except Exception as e:
             coord.send_bytes(pickle.dumps((False, f"{type(e).__name__}: {e}")), 0)
             raise
         coord.send_bytes(pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL), 0)
         return None
-    out: list = [_asked_layouts(asked, kept)]
-    for r in range(1, coord.world_size):
-        if not asks or not asks[r]:
-            out.append([])
+    out: dict = {0: _asked_layouts(asks[0], kept)} if 0 in asks else {}
+    for r in sorted(asks):
+        if r == 0:
             continue
         ok, got = pickle.loads(coord.recv_bytes(r, limit=limit))
         if not ok:
             raise RuntimeError(f"save: rank {r} could not send the layouts of the DCP index header it was asked "
                                f"for ({got}); a cloudckpt bug")
-        out.append(got)
+        out[r] = got
     return out
 
 
@@ -396,12 +397,16 @@ def _header_records(owned: OwnedPlan, where: dict, kept: list) -> tuple[list, li
 
 def _choose_layouts(records: list) -> dict:
     """The coordinator (step 3 of :func:`index_header`): each distinct layout's id (by
-    digest, in the order the owners list them) and, for each owner, ``[its layout id,
+    digest, in the order the owners list them) and ``asks``: for each owner asked for
+    layouts (only those: one at most a distinct layout of the job), ``[its layout id,
     1 if only one tensor uses it else 0, ...]`` of the layouts it is to send."""
     gid: dict[bytes, int] = {}
     provider: list[tuple[int, int]] = []
     uses: list[int] = []
-    for r, (tensors, _, digests) in enumerate(records):
+    for r, rec in enumerate(records):
+        if rec is None:
+            continue
+        tensors, _, digests = rec
         mine = Counter(t[3] for t in tensors if t[3] >= 0)
         for k, d in enumerate(digests):
             g = gid.setdefault(d, len(provider))
@@ -409,9 +414,9 @@ def _choose_layouts(records: list) -> dict:
                 provider.append((r, k))
                 uses.append(0)
             uses[g] += mine[k]
-    asks: list[list[int]] = [[] for _ in records]
+    asks: dict[int, list[int]] = {}
     for g, (r, k) in enumerate(provider):
-        asks[r] += [k, int(uses[g] == 1)]
+        asks.setdefault(r, []).extend([k, int(uses[g] == 1)])
     return {"gid": gid, "asks": asks}
 
 

@@ -407,7 +407,7 @@ class UploadingWriter(FileSystemWriter):
         moved = coord.agree("the writes of a save planned from the kept step", outcome)
         lists: list = []
         if coord.any_rank([moved], "did any rank's write results move")[0]:
-            got = coord.to_coordinator("the write results that moved", lambda: self.results if moved else None)
+            got = coord.gather_some("the write results that moved", lambda: self.results if moved else None)
             lists = [r for r in got or () if r is not None]
         if coord.is_coordinator:
             self._finish_resumed(lists)

@@ -325,6 +325,47 @@ def test_to_coordinator_gives_values_to_rank_0_only_and_a_failure_to_every_rank(
     assert all(o["failed"] and "rank 2" in o["failed"] and "ZeroDivisionError" in o["failed"] for o in outs)
 
 
+def gather_some_values(rank, world_size, fail_rank):
+    """gather_some with values on some ranks only (None elsewhere), then a failure on
+    ``fail_rank``, which has no value to send, and one on a rank that has."""
+    from cloudckpt import dist
+    from cloudckpt.errors import SaveFailed
+
+    coord = dist.Coordinator(timeout=60)
+    got = coord.gather_some("values", lambda: {"rank": rank, "big": b"x" * (rank * 100_000)} if rank % 2 else None)
+    first = coord.gather_some("rank 0 only", lambda: "zero" if rank == 0 else None)
+    nothing = coord.gather_some("nothing", lambda: None)
+    failed = []
+    for bad in (fail_rank, 1):
+        try:
+            coord.gather_some("failing", lambda bad=bad: (1 // (rank != bad)) and None, error=SaveFailed.from_failures)
+            failed.append(None)
+        except SaveFailed as e:
+            failed.append(str(e))
+    return {"got": got, "first": first, "nothing": nothing, "failed": failed}
+
+
+def test_gather_some_gives_the_values_sent_to_rank_0_and_none_for_the_others():
+    outs = run_ranks(4, gather_some_values, 2)
+    assert outs[0]["got"] == [None, {"rank": 1, "big": b"x" * 100_000}, None, {"rank": 3, "big": b"x" * 300_000}]
+    assert outs[0]["first"] == ["zero", None, None, None] and outs[0]["nothing"] == [None] * 4
+    for o in outs[1:]:
+        assert o["got"] is None and o["first"] is None and o["nothing"] is None, "no other rank receives the values"
+    for o in outs:
+        for text, bad in zip(o["failed"], (2, 1), strict=True):
+            assert text and f"rank {bad}" in text and "ZeroDivisionError" in text, o["failed"]
+
+
+def test_gather_some_alone_returns_its_value_or_raises():
+    from cloudckpt import dist
+    from cloudckpt.errors import SaveFailed
+
+    coord = dist.Coordinator(local=True)
+    assert coord.gather_some("one", lambda: 5) == [5] and coord.gather_some("none", lambda: None) == [None]
+    with pytest.raises(SaveFailed, match="ZeroDivisionError"):
+        coord.gather_some("failing", lambda: 1 // 0, error=SaveFailed.from_failures)
+
+
 def save_recording_agree(rank, world_size, dir, work_dir, tensors):
     """Save ``tensors`` tensors per rank, recording the pickled size of what this rank sends
     to the coordinator at AGREE and of what it receives back from COMMIT."""
