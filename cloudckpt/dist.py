@@ -430,10 +430,10 @@ class Coordinator:
         mine = torch.tensor(list(values), dtype=torch.int64)
         if self.group is None:
             return [mine.tolist()]
-        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        out = torch.empty(self.world_size * len(mine), dtype=torch.int64)  # one tensor, not one a rank
         with self._step(step or f"all_gather in {_caller()}"):
-            dist.all_gather(out, mine, group=self.group)
-        return [t.tolist() for t in out]
+            dist.all_gather_into_tensor(out, mine, group=self.group)
+        return out.view(self.world_size, len(mine)).tolist()
 
     def all_to_all_objects(self, objs: list, step: str, *, limit: int) -> list:
         """``objs[r]`` (picklable) goes to rank ``r``; returns what each rank sent here, in
