@@ -45,6 +45,7 @@ import hashlib
 import math
 import os
 import pickle
+import re
 import time
 import zlib
 from pathlib import Path
@@ -315,7 +316,7 @@ class OwnersSim(SimCoordinator):
         if step.startswith("begin the assembly"):
             self.peers.assembly = value
         if step == ASK_LAYOUTS:  # the asked owners send their layouts next, point to point
-            self.peers.asks, self.current = value["asks"], LAYOUTS
+            self.peers.asks, self.current = value, LAYOUTS
         return value
 
     def gather_some(self, step: str, fn, *, error=None):
@@ -358,21 +359,33 @@ HEADER = b""  # set at import of the library (the header's size counts in rank 0
 
 # ---------------------------------------------------------------------- DCP's own steps, emulated
 class Steps:
-    """CPU seconds (process, the peers' synthesis left out) of each named step."""
+    """CPU seconds (process, the peers' synthesis left out) of each named step. With
+    ``$SCALE_PROFILE`` naming a folder, each step of rank 0 also runs under cProfile
+    (``{folder}/R{R}-{step}.prof``, the peers' synthesis included: read it with pstats)."""
 
     def __init__(self, sim: OwnersSim):
         self.sim, self.cpu = sim, {}
+        self.profile = os.environ.get("SCALE_PROFILE") if sim.rank == 0 else None
 
     def __call__(self, name: str):
         steps = self
 
         class _Step:
             def __enter__(self):
+                if steps.profile:
+                    import cProfile
+
+                    self.prof = cProfile.Profile()
+                    self.prof.enable()
                 self.t, self.s = time.process_time(), steps.sim.synth_cpu
 
             def __exit__(self, *exc):
                 spent = time.process_time() - self.t - (steps.sim.synth_cpu - self.s)
                 steps.cpu[name] = round(steps.cpu.get(name, 0.0) + spent, 3)
+                if steps.profile:
+                    self.prof.disable()
+                    safe = re.sub(r"\W+", "_", name)[:40]
+                    self.prof.dump_stats(os.path.join(steps.profile, f"R{steps.sim.world_size}-{safe}.prof"))
 
         return _Step()
 

@@ -112,9 +112,22 @@ def crc32c_combine(crc1: int, crc2: int, len2: int, *, poly: int = _CASTAGNOLI) 
     (zlib's ``crc32_combine``; ``poly``: another reflected polynomial, zlib's CRC-32 is
     0xEDB88320): ``crc1`` advanced over ``len2`` zero bytes, one cached operator per set
     bit of ``len2`` (each a power of two of zero bytes), then xor ``crc2``. A few dozen
-    microseconds a call: the coordinator combines one CRC per piece of an assembly."""
+    microseconds a call: the coordinator combines one CRC per piece of an assembly. A
+    length seen twice gets its own operator (the set bits' composed, kept for the
+    next calls): an assembly's pieces are mostly of one size, so most calls then cost
+    one operator's application."""
     if len2 <= 0:
         return crc1
+    key = (poly, len2)
+    op = _BY_LENGTH.get(key, _UNSEEN)
+    if op is _UNSEEN:  # the first time: bit by bit; the length is remembered
+        if len(_BY_LENGTH) >= 256:
+            _BY_LENGTH.clear()
+        _BY_LENGTH[key] = op = None
+    elif op is None:  # the second time: compose its operator once
+        op = _BY_LENGTH[key] = _length_operator(poly, len2)
+    if op:
+        return _gf2_times(op, crc1) ^ crc2
     k = 0
     while len2:
         if len2 & 1:
@@ -122,6 +135,24 @@ def crc32c_combine(crc1: int, crc2: int, len2: int, *, poly: int = _CASTAGNOLI) 
         len2 >>= 1
         k += 1
     return crc1 ^ crc2
+
+
+_UNSEEN = object()
+_BY_LENGTH: dict[tuple[int, int], list[int] | None] = {}  # (poly, length) -> its operator (None: seen once)
+
+
+def _length_operator(poly: int, len2: int) -> list[int]:
+    """The operator that advances a CRC over ``len2`` zero bytes: the set bits' operators
+    composed (they commute: each is a power of the one-byte operator)."""
+    op = [1 << n for n in range(32)]  # the identity
+    k = 0
+    while len2:
+        if len2 & 1:
+            z = _zeros(poly, k)
+            op = [_gf2_times(z, col) for col in op]
+        len2 >>= 1
+        k += 1
+    return op
 
 
 def assemble_in_store(coord: Coordinator, store: ObjectStore, url: str, fragment: bytes, *, header: bytes,

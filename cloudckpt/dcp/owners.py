@@ -298,13 +298,17 @@ def index_header(coord: Coordinator, owned: OwnedPlan, write_results: list, *, d
         return got if any(got) else None  # a rank that owns no key sends nothing but its length
 
     records = coord.gather_some("the owners' entries of the DCP index header", mine)
-    # the asked owners' asks only (one a distinct layout of the job): every rank learns its own
-    asks = coord.on_coordinator("which owner sends each layout of the DCP index header",
-                                lambda: _choose_layouts(records))
-    sent = _layouts_to_coordinator(coord, asks["asks"], kept, limit)
+    chosen: dict = {}
+
+    def choose() -> dict[int, list[int]]:  # the asked owners' asks only (one a distinct layout of the job)
+        chosen.update(_choose_layouts(records))
+        return chosen["asks"]
+
+    asks = coord.on_coordinator("which owner sends each layout of the DCP index header", choose)
+    sent = _layouts_to_coordinator(coord, asks, kept, limit)
     if sent is None:
         return None
-    gid = asks["gid"]
+    gid = chosen["gid"]
     layouts: list = [None] * len(gid)
     for r, per_owner in sent.items():
         for k, key, items in per_owner:

@@ -163,6 +163,19 @@ def test_crc32c_combined_from_two_parts_is_the_crc32c_of_the_whole(n1, n2):
     assert crc32c_combine(zlib.crc32(a), zlib.crc32(b), n2, poly=0xEDB88320) == zlib.crc32(a + b)  # zlib's CRC-32
 
 
+def test_crc32c_combined_over_pieces_of_one_size_uses_that_lengths_operator_and_stays_exact():
+    """An assembly's pieces are mostly of one size: from the second piece of a length on,
+    its own operator (composed once) advances the CRC; the CRC32C and zlib's CRC-32 of
+    the whole are exact at every piece, for several sizes interleaved."""
+    whole_c, whole_z, c, z = b"", b"", 0, 0
+    for i in range(12):
+        piece = os.urandom((1000, 4099, 1000, 65_536)[i % 4])
+        c = crc32c_combine(c, google_crc32c.value(piece), len(piece))
+        z = crc32c_combine(z, zlib.crc32(piece), len(piece), poly=0xEDB88320)
+        whole_c, whole_z = whole_c + piece, whole_z + piece
+        assert c == google_crc32c.value(whole_c) and z == zlib.crc32(whole_z), i
+
+
 def test_crc32c_combined_over_thousands_of_pieces_is_the_crc32c_of_the_whole():
     """What the coordinator does once per piece of a job's ``.metadata`` (one piece a rank
     in a store without a least piece: 16,384 at 16,384 ranks), with the operators cached
