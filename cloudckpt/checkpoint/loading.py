@@ -63,6 +63,7 @@ class LoadRequest:
     exclude_from_loading: Sequence[str] = ()
     allow_partial: bool = False
     only: str | None = None  # model_only: the one top-level key loaded
+    cast_dtypes: bool = False  # a tensor saved with another dtype is cast into the target (Megatron's load)
     before_read: Callable[[dict[str, list[tuple[int, int]]]], None] | None = None
 
     def target(self, state_dict: dict) -> tuple[dict, set[str], tuple[str, ...]]:
@@ -94,6 +95,8 @@ class LoadInfo:
         verified: the step has a manifest (sizes and CRC32Cs); False for a step another
             tool wrote, whose sizes come from a listing.
         parts_read: manifest parts (``manifest/rank{R}.json``) this rank read to plan.
+        cast: this rank's target keys saved with another dtype, read as saved and cast
+            (``"key (saved -> target)"``; only where the load casts: Megatron's).
     """
 
     dir: str
@@ -105,6 +108,7 @@ class LoadInfo:
     writer: str
     verified: bool
     parts_read: int
+    cast: tuple = ()
 
 
 def read_marker(coord: Any, step: StepRef, *, verify: bool) -> Shared:
@@ -140,7 +144,8 @@ def load(coord: Any, engine: TransferEngine, options: CheckpointerOptions, commi
     step, marker = committed.step, committed.marker
     target, skipped, optional = req.target(state_dict)
     planner = KeyCheckingPlanner(strict=req.strict, optional_prefixes=optional, url=step.model.url, step_url=step.url,
-                                 allow_partial=req.allow_partial, skipped=skipped, only=req.only)
+                                 allow_partial=req.allow_partial, skipped=skipped, only=req.only,
+                                 cast_dtypes=req.cast_dtypes)
     pre = options.pre_download if req.pre_download is None else req.pre_download
     local = private_dir(options.work_dir, f"load-rank{coord.rank}-") if pre else None  # 0700, never through a link
     try:
@@ -173,7 +178,7 @@ def load(coord: Any, engine: TransferEngine, options: CheckpointerOptions, commi
             shutil.rmtree(local, ignore_errors=True)
     info = LoadInfo(dir=step.url, step=marker.step, saved_world_size=marker.world_size, bytes_read=reader.bytes_read,
                     direct_items=reader.direct_items, not_loaded=planner.not_loaded, writer=marker.writer,
-                    verified=marker.verified, parts_read=committed.manifest.parts_read)
+                    verified=marker.verified, parts_read=committed.manifest.parts_read, cast=tuple(planner.cast))
     if req.load_trainer_state is False:
         return None, info
     return committed.train_state(coord.rank, world_size=coord.world_size,

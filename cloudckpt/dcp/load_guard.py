@@ -20,6 +20,10 @@ from ..untrusted import load_plain
 
 log = logging.getLogger(__name__)
 
+def _dtype(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
 def _shown(keys: Sequence[str], n: int = 20) -> str:
     keys = sorted(keys)
     return ", ".join(keys[:n]) + (f" ... ({len(keys)} in all)" if len(keys) > n else "")
@@ -30,7 +34,10 @@ class KeyCheckingPlanner(DefaultLoadPlanner):
 
     - MissingKeys: keys asked for that the checkpoint lacks (``strict``; keys under
       ``optional_prefixes`` are skipped silently);
-    - ShapeMismatch: a tensor asked for with another shape or dtype than saved;
+    - ShapeMismatch: a tensor asked for with another shape than saved, or another dtype
+      (unless ``cast_dtypes``: then it is read as saved and cast into the target, as
+      Megatron's own load and stock DCP's do, each such key logged and listed in
+      ``self.cast``);
     - KeysNotLoaded: checkpoint keys that no rank asks for, under a top-level key a
       rank asks for or under ``model``/``optim`` (unless ``allow_partial`` or the key
       was skipped on purpose: ``skipped`` top-level keys, or all but ``only``); other
@@ -46,8 +53,11 @@ class KeyCheckingPlanner(DefaultLoadPlanner):
     """
 
     def __init__(self, *, strict: bool, optional_prefixes: tuple[str, ...] = (), url: str = "", step_url: str = "",
-                 allow_partial: bool = False, skipped: Sequence[str] = (), only: str | None = None):
+                 allow_partial: bool = False, skipped: Sequence[str] = (), only: str | None = None,
+                 cast_dtypes: bool = False):
         super().__init__(allow_partial_load=True)
+        self.cast_dtypes = cast_dtypes
+        self.cast: list[str] = []  # keys of this rank's target read as saved and cast to the target's dtype
         self.url = url
         self.step_url = step_url
         self.strict = strict
@@ -114,9 +124,13 @@ class KeyCheckingPlanner(DefaultLoadPlanner):
         return super().finish_plan(new_plan)
 
     def _check_shapes(self, have) -> None:
+        cast = []
         for k, v in self.state_dict.items():
             md = have.get(k)
             if not isinstance(v, torch.Tensor) or not isinstance(md, TensorStorageMetadata):
+                continue
+            if tuple(v.size()) == tuple(md.size) and v.dtype != md.properties.dtype and self.cast_dtypes:
+                cast.append(f"{k} ({_dtype(md.properties.dtype)} -> {_dtype(v.dtype)})")
                 continue
             if tuple(v.size()) != tuple(md.size) or v.dtype != md.properties.dtype:
                 raise ShapeMismatch(
@@ -125,6 +139,10 @@ class KeyCheckingPlanner(DefaultLoadPlanner):
                     "model with the configuration the checkpoint was saved with, or leave its top-level key out "
                     "(exclude_from_loading=[...])"
                 )
+        self.cast = cast
+        if cast:
+            log.warning("%s: %d tensor(s) saved with another dtype are cast into the target's: %s", self.step_url,
+                        len(cast), _shown(cast))
 
     def _check_leftovers(self, have, asked: set[str], top: set[str], *, warn: bool = True) -> list[str]:
         not_loaded = sorted(k for k in have if k not in asked and k.split(".", 1)[0] not in self.skipped

@@ -424,7 +424,8 @@ def _load_strategy_class():
             _every_rank(ckpt, "megatron shapes", shapes_match)
             # keys the target does not ask for stay behind (Megatron's strict handling ran before)
             try:
-                ckpt._load(committed, pyt, LoadRequest(load_trainer_state=False, allow_partial=True))
+                # a tensor saved with another dtype is cast, as Megatron's own load does (logged, LoadInfo.cast)
+                ckpt._load(committed, pyt, LoadRequest(load_trainer_state=False, allow_partial=True, cast_dtypes=True))
             except MissingKeys as e:  # as Megatron's load raises it (DCP's CheckpointException)
                 raise _errors()["MegatronMissingKeys"](str(e)) from e
             found = None

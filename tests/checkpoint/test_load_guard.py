@@ -112,3 +112,30 @@ def test_appstate_refuses_optimizers_for_models_not_given():
     a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="not given"):
         AppState({"g": a}, {"d": torch.optim.SGD(b.parameters(), lr=0.1)})
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_load_that_casts_reads_as_saved_casts_into_the_target_and_says_which_keys(step, dtype, caplog):
+    """Megatron's load casts a tensor saved with another dtype (as Megatron's own and
+    stock DCP's do): ``LoadRequest(cast_dtypes=True)``. Each key cast is logged and
+    listed in ``last_load_info.cast``; a shape mismatch is still refused."""
+    from cloudckpt.checkpoint import loading
+    from cloudckpt.checkpoint.loading import LoadRequest
+
+    path, (saved, _, _) = step
+    target = torch.nn.Linear(8, 4).to(dtype)
+    with Checkpointer() as ck, caplog.at_level(logging.WARNING, logger="cloudckpt"):
+        ck._load(loading.open_step(ck.coord, ck.engine, ck.options, ck._step(path)), {"model": target.state_dict()},
+                 LoadRequest(only="model", cast_dtypes=True))
+        info = ck.last_load_info
+    assert torch.equal(target.weight, saved.weight.to(dtype)) and torch.equal(target.bias, saved.bias.to(dtype))
+    name = str(dtype).replace("torch.", "")
+    assert info.cast == (f"model.weight (float32 -> {name})", f"model.bias (float32 -> {name})")  # target order
+    assert "2 tensor(s) saved with another dtype are cast" in caplog.text and path in caplog.text
+    with Checkpointer() as ck, pytest.raises(ShapeMismatch, match="model.weight"):
+        ck._load(loading.open_step(ck.coord, ck.engine, ck.options, ck._step(path)),
+                 {"model": torch.nn.Linear(9, 4).to(dtype).state_dict()}, LoadRequest(only="model", cast_dtypes=True))
+    with Checkpointer() as ck:  # the plain load still refuses a dtype change
+        with pytest.raises(ShapeMismatch, match="float32"):
+            ck.load(path, {"model": torch.nn.Linear(8, 4).to(dtype).state_dict()}, model_only=True)
+        assert ck.last_load_info is None or ck.last_load_info.cast == ()
