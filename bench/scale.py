@@ -1231,6 +1231,23 @@ def estimate_gb(shape: Shape, R: int) -> float:
     return estimate_items(shape, R) * 3.6e3 / GB
 
 
+def _first_runs(shape, ranks: list[int], reps: int, tmp: str) -> dict[int, list]:
+    """A fresh job's first save by owners, then a repeated save, on rank 0 and on the
+    busiest owner: ``reps`` runs per R, the R interleaved (every R once, then again), so
+    that a drift of the machine's speed during the run falls on every R alike (the
+    ratios between R are the targets). ``{R: [(rank 0's run, the owner's run), ...]}``."""
+    from bench.scale_first import busiest_owner
+
+    out: dict[int, list] = {R: [] for R in ranks}
+    for _ in range(reps):
+        for R in ranks:
+            print(f"first save, R={R}", file=sys.stderr, flush=True)
+            d = tempfile.mkdtemp(dir=tmp, prefix=f"first-R{R}-")  # an owner's run reads what rank 0's left
+            out[R].append([run_phase("first", shape.name, R, d, rank=r) for r in (0, busiest_owner(shape, R))])
+            shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -1302,18 +1319,14 @@ def main() -> None:
         wanted |= {"save", "resume"}  # the other phases read the step these leave
     tmp = args.tmp or tempfile.mkdtemp(prefix="cloudckpt-scale-")
     rows = []
+    first_runs = _first_runs(shape, ranks, args.first_reps, tmp) if "first" in wanted else {}
     for R in ranks:
         est = estimate_gb(shape, R)
         row = {"ranks": R, "items": estimate_items(shape, R), "estimate_gb": round(est, 1)}
         print(f"R={R}: {row['items']:,} DCP items", file=sys.stderr, flush=True)
         work = tempfile.mkdtemp(dir=tmp, prefix=f"R{R}-")
-        if "first" in wanted:  # a fresh job's first save by owners, then a repeated save: rank 0, an owner
-            from bench.scale_first import busiest_owner
-
-            pairs = []  # an owner's run reads what rank 0's left (its broadcasts): one folder a pair
-            for _ in range(args.first_reps):
-                d = tempfile.mkdtemp(dir=work)
-                pairs.append([run_phase("first", shape.name, R, d, rank=r) for r in (0, busiest_owner(shape, R))])
+        if "first" in wanted:
+            pairs = first_runs[R]
             row["first"] = {"rank0": _median_run([a for a, _ in pairs], "first"),
                             "owner": _median_run([b for _, b in pairs], "first")}
         row["inputs"] = run_phase("inputs", shape.name, R, work, mem_gib=args.mem_gib) if "save" in wanted else {}
