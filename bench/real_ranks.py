@@ -101,7 +101,7 @@ class Probe:
     ``dcp plan`` / ``dcp write`` (the frames of its ``reduce_scatter`` / ``all_reduce``)."""
 
     CALLS = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "all_reduce",
-             "broadcast", "gather", "scatter", "all_gather", "all_gather_into_tensor", "all_to_all_single", "send",
+             "broadcast", "gather", "scatter", "all_gather", "all_gather_single", "all_to_all_single", "send",
              "recv")
     COORD = ("on_coordinator", "all_ranks", "to_coordinator", "gather_some", "agree", "ask_coordinator",
              "all_to_all_objects", "all_gather_ints", "any_rank")
@@ -187,7 +187,7 @@ class Probe:
                     self._count(op, size(second), size(first) - size(second))
                 elif op == "all_to_all_single":  # (output, input)
                     self._count(op, size(second), size(first))
-                elif op in ("all_gather", "all_gather_into_tensor"):  # (tensor_list or output, tensor)
+                elif op in ("all_gather", "all_gather_single"):  # (tensor_list or output, tensor)
                     self._count(op, size(second), size(first) - size(second))
                 elif op in ("gather", "scatter"):  # (tensor, list on the root): the root's list, others' own
                     mine, many = size(first), size(second) if me == root else 0

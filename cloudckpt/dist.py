@@ -432,7 +432,7 @@ class Coordinator:
             return [mine.tolist()]
         out = torch.empty(self.world_size * len(mine), dtype=torch.int64)  # one tensor, not one a rank
         with self._step(step or f"all_gather in {_caller()}"):
-            dist.all_gather_into_tensor(out, mine, group=self.group)
+            dist.all_gather_single(out, mine, group=self.group)
         return out.view(self.world_size, len(mine)).tolist()
 
     def all_to_all_objects(self, objs: list, step: str, *, limit: int) -> list:
