@@ -366,6 +366,40 @@ def test_gather_some_alone_returns_its_value_or_raises():
         coord.gather_some("failing", lambda: 1 // 0, error=SaveFailed.from_failures)
 
 
+def gather_some_with_a_dead_rank(rank, world_size, out):
+    """Rank 2 dies inside gather_some (before it sends anything); the others write down
+    what they raised and when."""
+    import json
+    import time
+
+    from cloudckpt import dist
+    from cloudckpt.errors import PeerLost
+
+    coord = dist.Coordinator(timeout=60)
+    t = time.monotonic()
+    try:
+        coord.gather_some("values", lambda: os._exit(3) if rank == 2 else ({"rank": rank} if rank == 1 else None))
+        got = {"raised": None}
+    except PeerLost as e:
+        got = {"raised": "PeerLost", "step": e.step, "seconds": time.monotonic() - t}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(got, f)
+
+
+def test_a_rank_that_dies_in_gather_some_gives_every_survivor_peer_lost_at_once(tmp_path):
+    """Nothing hangs: rank 0 waits in the gather of the lengths, rank 1 (which sent its
+    value) in the broadcast of the failures; both raise PeerLost naming the step, long
+    before the group's timeout (60 s)."""
+    from cloudckpt.testing.multiprocess import RankFailed
+
+    with pytest.raises(RankFailed) as ei:
+        run_ranks(3, gather_some_with_a_dead_rank, str(tmp_path), timeout=120)
+    assert sorted(ei.value.failures) == [2] and "exit code 3" in str(ei.value.failures[2]), ei.value.failures
+    for r in (0, 1):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["raised"] == "PeerLost" and got["step"] == "values" and got["seconds"] < 30, (r, got)
+
+
 def save_recording_agree(rank, world_size, dir, work_dir, tensors):
     """Save ``tensors`` tensors per rank, recording the pickled size of what this rank sends
     to the coordinator at AGREE and of what it receives back from COMMIT."""
