@@ -217,6 +217,7 @@ class SimCoordinator:
         self.peer_objects: dict = {}
         self.before_gather = None
         self.kinds: dict[str, str] = {}  # step -> "all_gather" (every rank receives all) or "gather" (rank 0 only)
+        self._gather_out = None  # gather_some's outputs on rank 0 (dist.Coordinator._lengths)
 
     @property
     def is_coordinator(self) -> bool:
@@ -300,7 +301,6 @@ class SimCoordinator:
         value is not None, the value; rank 0 receives ``R`` lengths (the gather's outputs
         made as the real one makes them) and the values sent (``_peer_blob``), and runs
         the library's ``gathered_some`` on them."""
-        import torch
 
         from cloudckpt import dist
 
@@ -316,10 +316,8 @@ class SimCoordinator:
                 raise (error(step, {self.rank: mine.error_text}) if error else RuntimeError(mine.error_text))
             return None
         blobs, filled = self._synth(lambda: self._peer_blobs(step, mine, len(blob)))
-        sizes = torch.empty(self.world_size, dtype=torch.int64)  # what dist.gather_some makes for the lengths
-        outputs = list(sizes.view(-1, 1).unbind(0))
+        sizes, _ = dist.Coordinator._lengths(self)  # the gather's outputs, made once as dist.Coordinator makes them
         sizes.copy_(filled)  # gloo's gather (its copy into each output, in C++, is not counted)
-        del outputs
         outs = dist.gathered_some(o, sizes.tolist(), lambda r, n: blobs.pop(r))
         self.sent[step] = self.sent.get(step, 0) + none * (self.world_size - 1)
         self.received[step] = self.received.get(step, 0) + 8 * (self.world_size - 1) + int(sizes[1:].sum())

@@ -378,12 +378,11 @@ class Coordinator:
             return [mine.value]
         o = _Outcome(mine.ok, mine.value, None, mine.error_text)
         blob = b"" if mine.ok and mine.value is None else pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)
-        sizes = torch.empty(self.world_size, dtype=torch.int64) if self.is_coordinator else None
+        sizes, views = self._lengths() if self.is_coordinator else (None, None)
         outs: list | None = None
         with self._step(step, own=mine.error):
             root = dist.get_global_rank(self.group, 0)
-            dist.gather(torch.tensor([len(blob)], dtype=torch.int64),
-                        list(sizes.view(-1, 1).unbind(0)) if sizes is not None else None, dst=root, group=self.group)
+            dist.gather(torch.tensor([len(blob)], dtype=torch.int64), views, dst=root, group=self.group)
             if sizes is not None:
                 outs = gathered_some(o, sizes.tolist(), lambda r, n: self._recv_exact(r, n))
             elif blob:
@@ -395,6 +394,16 @@ class Coordinator:
             exc = (error or CollectiveError)(step, failures)
             raise exc from mine.error
         return [None if x is None else x.value for x in outs] if outs is not None else None
+
+    _gather_out: tuple | None = None
+
+    def _lengths(self) -> tuple:
+        """The coordinator's outputs of gather_some's gather: one int64 tensor of
+        ``world_size`` and a view of it a rank (made once: R views cost ~8 ms at 16,384)."""
+        if self._gather_out is None:
+            sizes = torch.empty(self.world_size, dtype=torch.int64)
+            self._gather_out = (sizes, list(sizes.view(-1, 1).unbind(0)))
+        return self._gather_out
 
     def _recv_exact(self, src: int, size: int) -> bytes:
         buf = torch.empty(size, dtype=torch.uint8)
