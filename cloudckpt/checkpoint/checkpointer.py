@@ -232,8 +232,9 @@ class Checkpointer:
             if load_trainer_state:
                 raise ValueError("model_only=True loads no train state: do not pass load_trainer_state=True")
             exclude_from_loading, load_trainer_state = [k for k in state_dict if k != "model"], False
-        req = LoadRequest(load_optim_state, load_trainer_state, strict, pre_download, tuple(exclude_from_loading),
-                          allow_partial, "model" if model_only else None, before_read)
+        req = LoadRequest(load_optim_state=load_optim_state, load_trainer_state=load_trainer_state, strict=strict,
+                          pre_download=pre_download, exclude_from_loading=tuple(exclude_from_loading),
+                          allow_partial=allow_partial, only="model" if model_only else None, before_read=before_read)
         self._async.wait()
         with collector_paused():
             return self._load(loading.open_step(self.coord, self.engine, self.options, self._step(dir)), state_dict,

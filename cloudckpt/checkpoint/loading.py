@@ -52,7 +52,7 @@ from .rank_writer import quiet_dcp
 from .step import StepRef
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoadRequest:
     """What to load (``Checkpointer.load``'s arguments, checked there)."""
 
@@ -63,8 +63,8 @@ class LoadRequest:
     exclude_from_loading: Sequence[str] = ()
     allow_partial: bool = False
     only: str | None = None  # model_only: the one top-level key loaded
-    cast_dtypes: bool = False  # a tensor saved with another dtype is cast into the target (Megatron's load)
     before_read: Callable[[dict[str, list[tuple[int, int]]]], None] | None = None
+    cast_dtypes: bool = False  # a tensor saved with another dtype is cast into the target (Megatron's load)
 
     def target(self, state_dict: dict) -> tuple[dict, set[str], tuple[str, ...]]:
         """``(the top-level entries loaded, the keys skipped, the optional key prefixes)``."""

@@ -139,3 +139,30 @@ def test_a_load_that_casts_reads_as_saved_casts_into_the_target_and_says_which_k
         with pytest.raises(ShapeMismatch, match="float32"):
             ck.load(path, {"model": torch.nn.Linear(8, 4).to(dtype).state_dict()}, model_only=True)
         assert ck.last_load_info is None or ck.last_load_info.cast == ()
+
+
+def test_before_read_is_called_with_the_ranges_before_any_byte_is_read_and_casts_nothing(step):
+    """``Checkpointer.load(before_read=...)`` (the node-local tier's hook) is handed this
+    rank's ranges once the load is planned, before the read; the load request keeps it
+    apart from the cast of dtypes (a keyword-only request)."""
+    path, (saved, _, _) = step
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def before_read(ranges):
+        seen.append(ranges)
+        raise Stop
+
+    target = torch.nn.Linear(8, 4)
+    with torch.no_grad():
+        target.weight.zero_()
+    with Checkpointer() as ck, pytest.raises(Stop):
+        ck.load(path, {"model": target.state_dict()}, model_only=True, before_read=before_read)
+    assert len(seen) == 1 and seen[0] and all(isinstance(r, list) for r in seen[0].values()), seen
+    assert not target.weight.any(), "a byte was read before before_read"
+    with pytest.raises(ShapeMismatch):  # before_read is not taken for cast_dtypes
+        Checkpointer().load(path, {"model": torch.nn.Linear(8, 4).to(torch.float64).state_dict()}, model_only=True,
+                            before_read=lambda ranges: None)
