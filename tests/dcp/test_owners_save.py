@@ -127,9 +127,10 @@ def test_inside_stock_dcp_save_the_owners_planner_gathers_a_few_bytes_a_rank_and
         assert ours == from_metadata, layout  # the owners' index header is the global Metadata's
         assert ours["tensors"] and (layout != "fsdp" or ours["layouts"]), layout
         assert all(r[layout][3] is None for r in ranks[1:])
-        # the owners' entries are gathered; the layouts (R chunks each) come point to point from the owners
-        # asked: a gather of objects pads every rank's payload to the largest, R x R bytes at R ranks
-        assert all(r[layout][4] == 1 for r in ranks), (layout, [r[layout][4] for r in ranks])
+        # no gather of objects: the owners' entries come by gather_some (a length a rank, then the owners'
+        # values), the layouts (R chunks each) point to point from the owners asked; gather_object would
+        # pad every rank's payload to the largest, R x R bytes at R ranks
+        assert all(r[layout][4] == 0 for r in ranks), (layout, [r[layout][4] for r in ranks])
 
 
 def _save_and_load(rank: int, world: int, root: str) -> dict:
