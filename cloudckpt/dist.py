@@ -259,11 +259,10 @@ class Coordinator:
         size = int(n.item())
         if not 0 <= size <= limit:
             raise CollectiveError("receive", {src: f"announced {size} bytes, more than the {limit} allowed"})
-        buf = torch.empty(size, dtype=torch.uint8)
-        if size:
-            with self._step(f"receive from rank {src}", peer=src):
-                dist.recv(buf, src=peer, group=self.group)
-        return buf.numpy().tobytes()
+        if not size:
+            return b""
+        with self._step(f"receive from rank {src}", peer=src):
+            return self._recv_exact(src, size)
 
     def send_file(self, path: str, size: int, dst: int, *, offset: int = 0) -> None:
         """Send ``size`` bytes of the file ``path`` from ``offset`` to rank ``dst`` of this group.
@@ -406,6 +405,8 @@ class Coordinator:
         return self._gather_out
 
     def _recv_exact(self, src: int, size: int) -> bytes:
+        """The ``size`` bytes rank ``src`` of this group sends (its length known here);
+        the caller names the step."""
         buf = torch.empty(size, dtype=torch.uint8)
         dist.recv(buf, src=dist.get_global_rank(self.group, src), group=self.group)
         return buf.numpy().tobytes()

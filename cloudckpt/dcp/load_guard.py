@@ -20,6 +20,7 @@ from ..untrusted import load_plain
 
 log = logging.getLogger(__name__)
 
+
 def _dtype(d: torch.dtype) -> str:
     return str(d).replace("torch.", "")
 
@@ -129,16 +130,17 @@ class KeyCheckingPlanner(DefaultLoadPlanner):
             md = have.get(k)
             if not isinstance(v, torch.Tensor) or not isinstance(md, TensorStorageMetadata):
                 continue
-            if tuple(v.size()) == tuple(md.size) and v.dtype != md.properties.dtype and self.cast_dtypes:
+            same_shape = tuple(v.size()) == tuple(md.size)
+            if same_shape and v.dtype == md.properties.dtype:
+                continue
+            if same_shape and self.cast_dtypes:
                 cast.append(f"{k} ({_dtype(md.properties.dtype)} -> {_dtype(v.dtype)})")
                 continue
-            if tuple(v.size()) != tuple(md.size) or v.dtype != md.properties.dtype:
-                raise ShapeMismatch(
-                    f"{self.step_url}: {k!r} was saved as {str(md.properties.dtype).replace('torch.', '')} "
-                    f"{list(md.size)}, the target is {str(v.dtype).replace('torch.', '')} {list(v.size())}; build the "
-                    "model with the configuration the checkpoint was saved with, or leave its top-level key out "
-                    "(exclude_from_loading=[...])"
-                )
+            raise ShapeMismatch(
+                f"{self.step_url}: {k!r} was saved as {_dtype(md.properties.dtype)} {list(md.size)}, the target is "
+                f"{_dtype(v.dtype)} {list(v.size())}; build the model with the configuration the checkpoint was "
+                "saved with, or leave its top-level key out (exclude_from_loading=[...])"
+            )
         self.cast = cast
         if cast:
             log.warning("%s: %d tensor(s) saved with another dtype are cast into the target's: %s", self.step_url,
